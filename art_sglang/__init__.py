@@ -1,0 +1,1 @@
+"""art_sglang: ART-style RL training backend with inference on SGLang."""

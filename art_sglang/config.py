@@ -1,0 +1,205 @@
+"""Configuration models. Every server flag the backend relies on lives in `SGLangConfig`, with its
+help text and validation, and `SGLangConfig.server_args` renders the command line in one place."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+WeightSyncMethod = Literal["lora", "disk", "restart"]
+SharedStrategy = Literal["sleep", "restart"]
+
+SERVER_PYTHON_ENV = "ART_SGLANG_SERVER_PYTHON"
+SERVER_TIMEOUT_ENV = "ART_SERVER_TIMEOUT"
+SERVER_VENV_DIR = ".venv-sglang-server"
+# SGLang checks that TP ranks see balanced free memory; a trainer sharing the host makes that check fail
+# spuriously, so the backend always disables it (the user's description of the product names it).
+SGLANG_ENV_DEFAULTS = {"SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK": "True"}
+
+# The linear layers SGLang can serve LoRA on for Llama/Qwen-style models.
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _default_server_timeout() -> float:
+    raw = os.environ.get(SERVER_TIMEOUT_ENV)
+    if raw is None:
+        # A cold SGLang start measured 181-197 s on an H100 (CUDA-graph capture); 600 s leaves room.
+        return 600.0
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{SERVER_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+
+
+def find_server_python(start: Path | None = None) -> str | None:
+    """The isolated server venv's python: `$ART_SGLANG_SERVER_PYTHON`, else `.venv-sglang-server/bin/python`
+    in the working directory or one of its parents, else None."""
+    explicit = os.environ.get(SERVER_PYTHON_ENV)
+    if explicit:
+        return explicit
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        candidate = folder / SERVER_VENV_DIR / "bin" / "python"
+        if candidate.exists():
+            return str(candidate)
+    return None
+
+
+class SGLangConfig(BaseModel):
+    """How the inference server is launched and how new weights reach it."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    # --- names from the product description -------------------------------------------------------
+    mem_fraction_static: float = Field(
+        0.9, gt=0.0, lt=1.0, description="Fraction of the inference GPU's memory for weights and KV cache."
+    )
+    disable_radix_cache: bool = Field(False, description="Turn off RadixAttention prefix caching (not advised).")
+    max_loras_per_batch: int = Field(4, ge=1, description="Adapters servable in one batch (LoRA pool slots).")
+    context_length: int | None = Field(None, ge=16, description="Maximum context; None = the model's own.")
+    weight_sync_method: WeightSyncMethod = Field(
+        "lora",
+        description="How a new step reaches the server: 'lora' hot-loads the adapter, 'disk' merges it and "
+        "calls update_weights_from_disk, 'restart' restarts the server with the adapter preloaded.",
+    )
+    flush_cache_on_sync: bool = Field(False, description="Flush the prefix cache after each weight sync.")
+    server_timeout: float = Field(
+        default_factory=_default_server_timeout,
+        gt=0,
+        validation_alias=AliasChoices("server_timeout", "startup_timeout"),
+        description=f"Seconds to wait for the server to become healthy (env {SERVER_TIMEOUT_ENV}).",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel size of the server.")
+
+    # --- launch flags the backend relies on ----------------------------------------------------------
+    host: str = Field("127.0.0.1", description="Address the server binds to.")
+    port: int | None = Field(None, ge=1, le=65535, description="Server port; None picks a free one.")
+    max_lora_rank: int = Field(64, ge=1, description="Largest adapter rank the server accepts.")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["all"], min_length=1, description="Modules adapters may target ('all')."
+    )
+    attention_backend: str | None = Field(None, description="SGLang --attention-backend; None = its default.")
+    sampling_backend: str | None = Field(None, description="SGLang --sampling-backend; None = its default.")
+    enable_cache_report: bool = Field(True, description="Report cached prompt tokens in usage.")
+    enable_metrics: bool = Field(False, description="Expose Prometheus metrics on /metrics.")
+    enable_memory_saver: bool = Field(
+        False, description="Let the server release/resume GPU memory (shared mode 'sleep' turns it on)."
+    )
+    enable_weights_cpu_backup: bool = Field(
+        False, description="Keep a CPU copy of weights so releasing memory frees them too (with memory saver)."
+    )
+    disable_cuda_graph: bool = Field(False, description="Skip CUDA-graph capture: faster start, slower decode.")
+    api_key: str | None = Field(None, description="API key the server requires; None = no key.")
+    server_python: str | None = Field(
+        None,
+        description=f"Python of the isolated server venv; None finds {SERVER_VENV_DIR}/bin/python "
+        f"or ${SERVER_PYTHON_ENV}.",
+    )
+    server_env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the server.")
+    extra_args: list[str] = Field(default_factory=list, description="Further CLI flags passed through verbatim.")
+
+    # --- weight sync ---------------------------------------------------------------------------------
+    adapters_to_keep: int = Field(
+        2, ge=1, description="Adapters kept loaded (newest first) so requests in flight on older steps finish."
+    )
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _no_blank_targets(cls, value: list[str]) -> list[str]:
+        if any(not m.strip() for m in value):
+            raise ValueError("lora_target_modules must not contain empty names")
+        return value
+
+    @model_validator(mode="after")
+    def _weights_backup_needs_saver(self) -> SGLangConfig:
+        if self.enable_weights_cpu_backup and not self.enable_memory_saver:
+            raise ValueError("enable_weights_cpu_backup=True needs enable_memory_saver=True")
+        if self.max_loras_per_batch < 2 and self.weight_sync_method == "lora" and self.adapters_to_keep > 1:
+            # Keeping an older adapter loaded next to the new one needs two pool slots.
+            raise ValueError(
+                "max_loras_per_batch must be >= 2 to keep older adapters loaded; "
+                "raise it or set adapters_to_keep=1"
+            )
+        return self
+
+    def resolved_server_python(self) -> str:
+        """The interpreter that launches SGLang: the configured one, the isolated venv, or this Python."""
+        return self.server_python or find_server_python() or sys.executable
+
+    def server_args(self, model_path: str, port: int) -> list[str]:
+        """Arguments after `python -m sglang.launch_server` (the reference engine takes the same)."""
+        args = [
+            "--model-path", model_path,
+            "--host", self.host,
+            "--port", str(port),
+            "--mem-fraction-static", str(self.mem_fraction_static),
+            "--tp-size", str(self.tensor_parallel_size),
+            "--enable-lora",
+            "--max-lora-rank", str(self.max_lora_rank),
+            "--lora-target-modules", *self.lora_target_modules,
+            "--max-loras-per-batch", str(self.max_loras_per_batch),
+        ]  # fmt: skip
+        optional: list[tuple[bool, list[str]]] = [
+            (self.context_length is not None, ["--context-length", str(self.context_length)]),
+            (self.attention_backend is not None, ["--attention-backend", str(self.attention_backend)]),
+            (self.sampling_backend is not None, ["--sampling-backend", str(self.sampling_backend)]),
+            (self.disable_radix_cache, ["--disable-radix-cache"]),
+            (self.enable_cache_report, ["--enable-cache-report"]),
+            (self.enable_metrics, ["--enable-metrics"]),
+            (self.enable_memory_saver, ["--enable-memory-saver"]),
+            (self.enable_weights_cpu_backup, ["--enable-weights-cpu-backup"]),
+            (self.disable_cuda_graph, ["--disable-cuda-graph"]),
+            (self.api_key is not None, ["--api-key", str(self.api_key)]),
+        ]
+        for wanted, flag in optional:
+            if wanted:
+                args.extend(flag)
+        return [*args, *self.extra_args]
+
+
+class DeviceConfig(BaseModel):
+    """Which GPUs serve inference and which train. With auto_detect, unset fields follow the GPUs found."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inference_device: int = Field(0, ge=0, description="GPU index of the SGLang server.")
+    training_devices: list[int] = Field(default_factory=lambda: [1], description="GPU indices for training.")
+    auto_detect: bool = Field(True, description="Detect GPUs and choose the mode from their number.")
+
+    @field_validator("training_devices")
+    @classmethod
+    def _distinct(cls, value: list[int]) -> list[int]:
+        if any(d < 0 for d in value):
+            raise ValueError(f"training_devices must be GPU indices >= 0, got {value}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"training_devices lists a GPU twice: {value}")
+        return value
+
+
+class TrainerConfig(BaseModel):
+    """The trainer worker: LoRA shape, precision and memory knobs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_rank: int = Field(8, ge=1, description="LoRA rank (must not exceed SGLangConfig.max_lora_rank).")
+    lora_alpha: int = Field(16, ge=1, description="LoRA alpha.")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1, description="Modules to adapt."
+    )
+    use_unsloth: bool | Literal["auto"] = Field(
+        "auto", description="Unsloth FastLanguageModel when it imports and CUDA is present ('auto')."
+    )
+    gradient_checkpointing: bool | None = Field(None, description="None = on with a GPU, off on CPU.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="'auto' = bfloat16 on GPU, float32 on CPU."
+    )
+    max_seq_length: int = Field(4096, ge=16, description="Longest sequence trained; longer ones are an error.")
+    micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one forward/backward pass.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; None = off.")
+    seed: int = Field(0, description="Seed for LoRA init and any sampling in the trainer.")
+    trainer_python: str | None = Field(None, description="Python that runs the trainer; None = this one.")

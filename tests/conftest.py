@@ -1,0 +1,52 @@
+"""Shared fixtures: the offline tiny model, and a guard that no test leaves a child process running."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+from art_sglang.tiny_model import build_tiny_model
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--engine",
+        default="reference",
+        choices=["reference", "sglang"],
+        help="Inference engine the contract tests start (sglang needs a GPU and the server venv).",
+    )
+    parser.addoption("--model-path", default=None, help="Model for the contract tests (default: tiny model).")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cache = os.environ.get("ART_SGLANG_TINY_MODEL")
+    if cache:
+        return build_tiny_model(cache)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes():
+    """Fail a test that leaves a child process of ours alive, after killing the whole tree."""
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    leftovers = [p for p in me.children(recursive=True) if p.pid not in before]
+    for proc in leftovers:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(leftovers, timeout=10)
+    alive = [p for p in leftovers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    names = []
+    for p in leftovers:
+        try:
+            names.append(" ".join(p.cmdline())[:120])
+        except psutil.Error:
+            names.append(str(p.pid))
+    assert not leftovers, f"test left processes running (killed now, alive={len(alive)}): {names}"
