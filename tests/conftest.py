@@ -29,9 +29,12 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _no_leftover_processes():
-    """Fail a test that leaves a child process of ours alive, after killing the whole tree."""
+    """Fail a test module that leaves a child process alive, after killing the whole tree.
+
+    Module scope: a server fixture may live for a module, never longer (no session-scoped processes).
+    """
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     yield
