@@ -58,7 +58,9 @@ class SGLangConfig(BaseModel):
     mem_fraction_static: float = Field(
         0.9, gt=0.0, lt=1.0, description="Fraction of the inference GPU's memory for weights and KV cache."
     )
-    disable_radix_cache: bool = Field(False, description="Turn off RadixAttention prefix caching (not advised).")
+    disable_radix_cache: bool = Field(
+        False, description="Turn off RadixAttention prefix caching (not advised)."
+    )
     max_loras_per_batch: int = Field(4, ge=1, description="Adapters servable in one batch (LoRA pool slots).")
     context_length: int | None = Field(None, ge=16, description="Maximum context; None = the model's own.")
     weight_sync_method: WeightSyncMethod = Field(
@@ -90,9 +92,12 @@ class SGLangConfig(BaseModel):
         False, description="Let the server release/resume GPU memory (shared mode 'sleep' turns it on)."
     )
     enable_weights_cpu_backup: bool = Field(
-        False, description="Keep a CPU copy of weights so releasing memory frees them too (with memory saver)."
+        False,
+        description="Keep a CPU copy of weights so releasing memory frees them too (with memory saver).",
     )
-    disable_cuda_graph: bool = Field(False, description="Skip CUDA-graph capture: faster start, slower decode.")
+    disable_cuda_graph: bool = Field(
+        False, description="Skip CUDA-graph capture: faster start, slower decode."
+    )
     api_key: str | None = Field(None, description="API key the server requires; None = no key.")
     server_python: str | None = Field(
         None,
@@ -100,11 +105,15 @@ class SGLangConfig(BaseModel):
         f"or ${SERVER_PYTHON_ENV}.",
     )
     server_env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the server.")
-    extra_args: list[str] = Field(default_factory=list, description="Further CLI flags passed through verbatim.")
+    extra_args: list[str] = Field(
+        default_factory=list, description="Further CLI flags passed through verbatim."
+    )
 
     # --- weight sync ---------------------------------------------------------------------------------
     adapters_to_keep: int = Field(
-        2, ge=1, description="Adapters kept loaded (newest first) so requests in flight on older steps finish."
+        2,
+        ge=1,
+        description="Adapters kept loaded (newest first) so requests in flight on older steps finish.",
     )
 
     @field_validator("lora_target_modules")
@@ -198,7 +207,9 @@ class TrainerConfig(BaseModel):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="'auto' = bfloat16 on GPU, float32 on CPU."
     )
-    max_seq_length: int = Field(4096, ge=16, description="Longest sequence trained; longer ones are an error.")
+    max_seq_length: int = Field(
+        4096, ge=16, description="Longest sequence trained; longer ones are an error."
+    )
     micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one forward/backward pass.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; None = off.")
     seed: int = Field(0, description="Seed for LoRA init and any sampling in the trainer.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -40,10 +41,8 @@ def _no_leftover_processes():
     yield
     leftovers = [p for p in me.children(recursive=True) if p.pid not in before]
     for proc in leftovers:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(leftovers, timeout=10)
     alive = [p for p in leftovers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     names = []

@@ -1,0 +1,106 @@
+"""SGLangConfig / DeviceConfig / TrainerConfig: defaults, validation messages and the rendered command line."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from art_sglang.config import DeviceConfig, SGLangConfig, TrainerConfig, find_server_python
+
+
+def test_defaults_render_the_flags_the_backend_relies_on() -> None:
+    args = SGLangConfig().server_args("/models/m", 30001)
+    joined = " ".join(args)
+    assert args[:6] == ["--model-path", "/models/m", "--host", "127.0.0.1", "--port", "30001"]
+    assert "--enable-lora" in args
+    assert "--max-lora-rank 64" in joined
+    assert "--lora-target-modules all" in joined
+    assert "--max-loras-per-batch 4" in joined
+    assert "--enable-cache-report" in args
+    for absent in ("--disable-radix-cache", "--enable-memory-saver", "--api-key", "--context-length"):
+        assert absent not in args
+
+
+def test_optional_flags_and_extra_args_are_rendered() -> None:
+    config = SGLangConfig(
+        context_length=2048,
+        attention_backend="triton",
+        sampling_backend="pytorch",
+        disable_radix_cache=True,
+        enable_memory_saver=True,
+        enable_weights_cpu_backup=True,
+        disable_cuda_graph=True,
+        api_key="k",
+        lora_target_modules=["q_proj", "v_proj"],
+        extra_args=["--log-level", "debug"],
+    )
+    args = config.server_args("m", 1)
+    joined = " ".join(args)
+    for expected in (
+        "--context-length 2048",
+        "--attention-backend triton",
+        "--sampling-backend pytorch",
+        "--disable-radix-cache",
+        "--enable-memory-saver",
+        "--enable-weights-cpu-backup",
+        "--disable-cuda-graph",
+        "--api-key k",
+        "--lora-target-modules q_proj v_proj",
+    ):
+        assert expected in joined
+    assert args[-2:] == ["--log-level", "debug"]
+
+
+def test_server_timeout_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ART_SERVER_TIMEOUT", "180")
+    assert SGLangConfig().server_timeout == 180.0
+    assert SGLangConfig(startup_timeout=5).server_timeout == 5.0
+    monkeypatch.setenv("ART_SERVER_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match=r"ART_SERVER_TIMEOUT='soon' is not a number"):
+        SGLangConfig()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mem_fraction_static": 1.5}, "less than 1"),
+        ({"weight_sync_method": "tensor"}, r"'lora', 'disk' or 'restart'"),
+        ({"enable_weights_cpu_backup": True}, "needs enable_memory_saver=True"),
+        ({"max_loras_per_batch": 1}, "max_loras_per_batch must be >= 2"),
+        ({"lora_target_modules": [" "]}, "must not contain empty names"),
+        ({"unknown_flag": 1}, "Extra inputs are not permitted"),
+    ],
+)
+def test_bad_sglang_config_is_refused_with_a_clear_message(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        SGLangConfig(**kwargs)
+
+
+def test_single_adapter_pool_works_when_only_one_adapter_is_kept() -> None:
+    assert SGLangConfig(max_loras_per_batch=1, adapters_to_keep=1).max_loras_per_batch == 1
+
+
+def test_device_config_validation() -> None:
+    assert DeviceConfig().training_devices == [1]
+    with pytest.raises(ValidationError, match="lists a GPU twice"):
+        DeviceConfig(training_devices=[1, 1])
+    with pytest.raises(ValidationError, match="GPU indices >= 0"):
+        DeviceConfig(training_devices=[-1])
+
+
+def test_trainer_config_defaults() -> None:
+    config = TrainerConfig()
+    assert config.lora_rank <= SGLangConfig().max_lora_rank
+    assert "down_proj" in config.target_modules
+
+
+def test_server_python_found_in_a_parent_venv(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ART_SGLANG_SERVER_PYTHON", raising=False)
+    python = tmp_path / ".venv-sglang-server" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    nested = tmp_path / "a" / "b"
+    nested.mkdir(parents=True)
+    assert find_server_python(nested) == str(python)
+    monkeypatch.setenv("ART_SGLANG_SERVER_PYTHON", "/opt/py")
+    assert find_server_python(nested) == "/opt/py"
