@@ -45,3 +45,10 @@ class TrainingInputError(ArtSGLangError, ValueError):
 
 class TrainerError(ArtSGLangError):
     """The trainer worker failed or died. The message holds its error or log tail."""
+
+
+class ModelNotRegisteredError(ArtSGLangError, ValueError):
+    """A model method that needs a backend was called before ``await model.register(backend)``.
+
+    A ``ValueError`` as well, because ART raises ``ValueError`` in this case.
+    """
