@@ -1,0 +1,288 @@
+"""`Model` and `TrainableModel`, with the fields and methods of OpenPipe ART 0.5.x.
+
+The model is the user's handle; the backend does the work. What a model needs from its backend is the
+`Backend` protocol below, the same methods ART's own models call, so `SGLangBackend` serves both
+`art_sglang.TrainableModel` and `art.TrainableModel`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
+from pydantic_core import PydanticSerializationError
+
+from .errors import ConfigError, ModelNotRegisteredError
+from .trajectories import Trajectory, TrajectoryGroup
+from .types import TrainConfig, TrainResult
+
+logger = logging.getLogger(__name__)
+
+HISTORY_FILE = "history.jsonl"
+
+
+class Backend(Protocol):
+    """What models call on their backend (ART 0.5.x's `art.Backend`, minus SFT).
+
+    Optional: `async def _log(model, trajectory_groups, split) -> None`; when a backend defines it,
+    `Model.log` hands it the logged groups after writing the history row.
+    """
+
+    async def register(self, model: Model) -> None: ...
+
+    async def _prepare_backend_for_training(
+        self, model: TrainableModel, config: Any | None
+    ) -> tuple[str, str]: ...  # (OpenAI base_url ending in /v1, api_key)
+
+    def _model_inference_name(self, model: Model, step: int | None = None) -> str: ...
+
+    async def _get_step(self, model: TrainableModel) -> int: ...
+
+    async def _delete_checkpoint_files(self, model: TrainableModel, steps_to_keep: list[int]) -> None: ...
+
+    async def train(
+        self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], **options: Any
+    ) -> TrainResult: ...
+
+    async def close(self) -> None: ...
+
+
+class Model(BaseModel):
+    """A model rollouts can call: a prompted one (set the `inference_*` fields yourself) or, as the
+    `TrainableModel` subclass, one a backend trains and serves."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    name: str
+    project: str
+    entity: str | None = None
+    id: str | None = None
+    run_id: str | None = None
+    config: Any = None
+    trainable: bool = False
+    inference_api_key: str | None = None
+    inference_base_url: str | None = None
+    inference_model_name: str | None = None  # sent instead of `name` when set
+    base_path: str = ".art"
+
+    _backend: Backend | None = PrivateAttr(None)
+    _openai_client: AsyncOpenAI | None = PrivateAttr(None)
+    _openai_client_key: tuple[str, str] | None = PrivateAttr(None)
+
+    @field_validator("name", "project")
+    @classmethod
+    def _usable_in_paths(cls, value: str) -> str:
+        # Both become directory names, and `name@step` is the served adapter name.
+        if not value.strip() or value in {".", ".."} or any(c in value for c in "/\\@"):
+            raise ValueError(f"{value!r} cannot be used: give a non-empty name without '/', '\\' or '@'")
+        return value
+
+    def backend(self) -> Backend:
+        if self._backend is None:
+            raise ModelNotRegisteredError(
+                f"model {self.name!r} has no backend yet: call `await model.register(backend)` first"
+            )
+        return self._backend
+
+    async def register(self, backend: Backend) -> None:
+        """Attach the model to a backend (ART: `await model.register(backend)`)."""
+        try:
+            self.model_dump_json()
+        except PydanticSerializationError as exc:
+            raise ConfigError(
+                f"model {self.name!r}: `config` must be JSON-serializable (it is saved to model.json): {exc}"
+            ) from exc
+        self._backend = backend
+        await backend.register(self)
+
+    def openai_client(self) -> AsyncOpenAI:
+        """An `AsyncOpenAI` client for the model's inference server (created once per server address)."""
+        if self.inference_base_url is None or self.inference_api_key is None:
+            if self.trainable:
+                raise ModelNotRegisteredError(
+                    f"model {self.name!r} has no inference server yet: "
+                    "call `await model.register(backend)` before `model.openai_client()`"
+                )
+            raise ConfigError(
+                f"model {self.name!r}: set `inference_base_url` and `inference_api_key` to get a client"
+            )
+        key = (self.inference_base_url, self.inference_api_key)
+        if self._openai_client is None or self._openai_client_key != key:
+            self._openai_client = AsyncOpenAI(
+                base_url=self.inference_base_url,
+                api_key=self.inference_api_key,
+                # Long generations and many concurrent rollouts: the defaults (10 min, 1000 connections)
+                # cut both short, so use ART's limits.
+                http_client=DefaultAsyncHttpxClient(
+                    timeout=httpx.Timeout(timeout=1200, connect=5.0),
+                    limits=httpx.Limits(max_connections=100_000, max_keepalive_connections=100_000),
+                ),
+            )
+            self._openai_client_key = key
+        return self._openai_client
+
+    def get_inference_name(self, step: int | None = None) -> str:
+        """The `model=` to send: the backend's name for the step (latest when None)."""
+        if self._backend is not None and hasattr(self._backend, "_model_inference_name"):
+            return self._backend._model_inference_name(self, step=step)
+        name = self.inference_model_name or self.name
+        return name if step is None else f"{name}@{step}"
+
+    async def get_step(self) -> int:
+        """The latest trained step (0 for models that are not trainable)."""
+        return 0
+
+    async def log(
+        self,
+        trajectories: Iterable[TrajectoryGroup] | Iterable[Trajectory | BaseException] | None = None,
+        split: str = "val",
+        *,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
+    ) -> None:
+        """Record trajectories (e.g. a validation run) and/or metrics under `split` at the current step.
+
+        As in ART 0.5.x the model writes the row itself: averages of the groups (`<split>/reward`,
+        `<split>/exception_rate`, `<split>/reward_std_dev`, each trajectory metric) plus `metrics`,
+        appended to `history.jsonl` in the model's output directory. A backend that defines
+        `_log(model, groups, split)` then also receives the groups (e.g. to store the trajectories).
+        """
+        groups = _as_groups(trajectories)
+        row = {f"{split}/{key}": value for key, value in _summarize(groups).items()}
+        # Keys of `metrics` that already name a section ("train/loss", "time/step_s") are kept as given.
+        row.update({key if "/" in key else f"{split}/{key}": value for key, value in (metrics or {}).items()})
+        if row:
+            step = await self.get_step() if step is None else step
+            await asyncio.to_thread(_append_history, Path(self._get_output_dir()), step, row)
+        backend_log = getattr(self._backend, "_log", None)
+        if backend_log is not None and groups:
+            await backend_log(self, groups, split)
+
+    def _get_output_dir(self) -> str:
+        """`<base_path>/<project>/models/<name>` (a str, as in ART)."""
+        return f"{self.base_path}/{self.project}/models/{self.name}"
+
+
+class TrainableModel(Model):
+    """A model trained by a backend on top of `base_model` (a Hugging Face id or local path)."""
+
+    base_model: str
+    trainable: bool = True
+
+    async def register(self, backend: Backend, _openai_client_config: Any | None = None) -> None:
+        """Attach to the backend, which starts serving the latest checkpoint, and point the model at it."""
+        await super().register(backend)
+        base_url, api_key = await backend._prepare_backend_for_training(self, _openai_client_config)
+        self.inference_base_url = base_url
+        self.inference_api_key = api_key
+        self.inference_model_name = backend._model_inference_name(self)
+
+    def get_inference_name(self, step: int | None = None) -> str:
+        # Before register there is no served adapter; falling back to the bare name would send rollouts
+        # to the base model without any error.
+        return self.backend()._model_inference_name(self, step=step)
+
+    async def get_step(self) -> int:
+        return await self.backend()._get_step(self)
+
+    async def train(
+        self,
+        trajectory_groups: Iterable[TrajectoryGroup],
+        config: TrainConfig | None = None,
+        _config: dict[str, Any] | None = None,
+    ) -> TrainResult:
+        """Older ART style: `await model.train(groups, config=TrainConfig(...))`.
+
+        Same as `await backend.train(model, groups, learning_rate=..., kl_penalty_coef=..., **_config)`.
+        """
+        config = config or TrainConfig()
+        return await self.backend().train(
+            self,
+            list(trajectory_groups),
+            learning_rate=config.learning_rate,
+            kl_penalty_coef=config.kl_penalty_coef,
+            **(_config or {}),
+        )
+
+    async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> None:
+        """Delete every checkpoint but the latest and the best by `best_checkpoint_metric` (highest mean
+        per step in history.jsonl)."""
+        backend = self.backend()
+        steps_to_keep = [await self.get_step()]
+        history = Path(self._get_output_dir()) / HISTORY_FILE
+        best = await asyncio.to_thread(best_step, history, best_checkpoint_metric)
+        if best is not None:
+            steps_to_keep.append(best)
+        await backend._delete_checkpoint_files(self, sorted(set(steps_to_keep)))
+
+
+def best_step(history: Path, metric: str) -> int | None:
+    """The step whose mean `metric` in a history.jsonl is highest (the later step on a tie); None, with a
+    warning, when the file or the metric is missing."""
+    if not history.exists():
+        logger.warning("%s not found: keeping only the latest checkpoint", history)
+        return None
+    values: dict[int, list[float]] = defaultdict(list)
+    for line in history.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        value = row.get(metric)
+        if isinstance(value, (int, float)) and "step" in row and not math.isnan(value):
+            values[int(row["step"])].append(float(value))
+    if not values:
+        logger.warning("no %r in %s: keeping only the latest checkpoint", metric, history)
+        return None
+    return max(values, key=lambda step: (statistics.fmean(values[step]), step))
+
+
+def _as_groups(
+    trajectories: Iterable[TrajectoryGroup] | Iterable[Trajectory | BaseException] | None,
+) -> list[TrajectoryGroup]:
+    items = list(trajectories or [])
+    if all(isinstance(item, TrajectoryGroup) for item in items):
+        return items  # type: ignore[return-value]
+    if all(isinstance(item, (Trajectory, BaseException)) for item in items):
+        return [TrajectoryGroup(items)]
+    raise TypeError("log() takes TrajectoryGroup objects, or Trajectory objects and exceptions")
+
+
+def _summarize(groups: list[TrajectoryGroup]) -> dict[str, float]:
+    """Averages over all trajectories of the groups, named as in ART's history rows (before the split)."""
+    if not groups:
+        return {}
+    trajectories = [t for g in groups for t in g.trajectories]
+    failures = sum(len(g.exceptions) for g in groups)
+    summary: dict[str, float] = {}
+    if trajectories:
+        summary["reward"] = statistics.fmean(t.reward for t in trajectories)
+    if trajectories or failures:
+        summary["exception_rate"] = failures / (len(trajectories) + failures)
+    stds = [statistics.pstdev(t.reward for t in g) for g in groups if len(g) > 1]
+    if stds:
+        summary["reward_std_dev"] = statistics.fmean(stds)
+    per_metric: dict[str, list[float]] = defaultdict(list)
+    for trajectory in trajectories:
+        for name, value in trajectory.metrics.items():
+            per_metric[name].append(float(value))
+    summary.update({name: statistics.fmean(values) for name, values in per_metric.items()})
+    return summary
+
+
+def _append_history(output_dir: Path, step: int, row: dict[str, float]) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    clean = {key: value for key, value in row.items() if not math.isnan(value)}
+    line = {**clean, "step": step, "recorded_at": datetime.now().isoformat()}
+    with (output_dir / HISTORY_FILE).open("a") as history:
+        history.write(json.dumps(line) + "\n")
