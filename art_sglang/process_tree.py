@@ -1,0 +1,98 @@
+"""Process-tree helpers shared by the server and trainer handles: kill a whole tree reliably, and ask
+Linux to kill a child when its parent dies."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+import psutil
+
+_PR_SET_PDEATHSIG = 1
+
+
+def collect_tree(pid: int) -> list[psutil.Process]:
+    """The process `pid` and all its descendants (empty if it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_process_tree(pid: int, timeout: float = 20.0) -> None:
+    """SIGTERM the tree rooted at `pid` (and its process group), wait up to `timeout` seconds, then
+    SIGKILL whatever is left and reap it. Safe if the process is already gone.
+
+    The tree is collected before any signal: once the root dies its children are reparented and can no
+    longer be found from it.
+    """
+    procs = collect_tree(pid)
+    _signal_all(pid, procs, signal.SIGTERM)
+    alive = _wait_gone(procs, timeout)
+    # Descendants spawned during the grace period are picked up too.
+    alive += [p for p in collect_tree(pid) if p not in alive]
+    if alive:
+        _signal_all(pid, alive, signal.SIGKILL)
+        _wait_gone(alive, 10.0)
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until every process has exited; returns those still running after `timeout` seconds.
+
+    Our own children are reaped; a zombie of someone else's counts as gone (init may reap it seconds later).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in procs if _running(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        proc.wait(timeout=0)  # reaps it if it is our child
+        return False
+    except psutil.TimeoutExpired:
+        try:
+            return proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+
+def _signal_all(pid: int, procs: list[psutil.Process], sig: signal.Signals) -> None:
+    # The process group reaches descendants that already left the tree (e.g. a daemonised worker).
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            proc.send_signal(sig)
+
+
+def parent_death_preexec() -> Callable[[], None] | None:
+    """A `preexec_fn` for `subprocess.Popen` that makes Linux SIGKILL the child when its parent dies, so a
+    SIGKILLed parent leaves no orphan; None off Linux.
+
+    The signal fires when the *thread* that forked the child exits, so call Popen from a long-lived thread
+    (the main thread or the event loop's), never from a short-lived worker thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    # Resolved before the fork: loading a library in the forked child can deadlock on a lock held by
+    # another thread of the parent.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
