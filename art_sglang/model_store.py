@@ -1,0 +1,157 @@
+"""The on-disk layout of one model's run: `<path>/<project>/models/<name>/`.
+
+    model.json                 the model as registered
+    checkpoints/<step:04d>/    adapter_config.json, adapter_model.safetensors, optimizer.pt, trainer_state.json
+    logs/server.log  logs/trainer.log
+    history.jsonl              one row per train() and log()
+    trajectories/<split>/<step:04d>.jsonl   trajectory groups handed to log()
+
+Checkpoints are written by the trainer (to a temporary dir, then renamed); this module only reads,
+validates and deletes them, and writes model.json atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import AdapterLoadError
+
+MODEL_JSON = "model.json"
+HISTORY_FILE = "history.jsonl"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+_STEP_DIR = re.compile(r"^\d{4,}$")
+
+
+class ModelStore:
+    """Paths and file operations of one model's output directory."""
+
+    def __init__(self, root: str | Path, project: str, name: str):
+        self.root = Path(root)
+        self.dir = self.root / project / "models" / name
+
+    @property
+    def model_json(self) -> Path:
+        return self.dir / MODEL_JSON
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.dir / "checkpoints"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.dir / "logs"
+
+    @property
+    def server_log(self) -> Path:
+        return self.logs_dir / "server.log"
+
+    @property
+    def trainer_log(self) -> Path:
+        return self.logs_dir / "trainer.log"
+
+    @property
+    def history(self) -> Path:
+        return self.dir / HISTORY_FILE
+
+    def merged_dir(self, step: int) -> Path:
+        """Where `weight_sync_method="disk"` writes the merged full model of `step`."""
+        return self.dir / "merged" / f"{step:04d}"
+
+    def trajectories_file(self, split: str, step: int) -> Path:
+        return self.dir / "trajectories" / split / f"{step:04d}.jsonl"
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoints_dir / f"{step:04d}"
+
+    def create(self) -> None:
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+
+    def write_model_json(self, data: dict[str, Any]) -> None:
+        """Write model.json atomically: a crash leaves the old file or the new one, never half of one."""
+        write_atomic(self.model_json, json.dumps(data, indent=2, default=str) + "\n")
+
+    def read_model_json(self) -> dict[str, Any] | None:
+        if not self.model_json.exists():
+            return None
+        return json.loads(self.model_json.read_text())
+
+    def checkpoint_steps(self) -> list[int]:
+        """Steps with a complete checkpoint (adapter config and weights present), ascending.
+
+        In-progress (`<step>.tmp-*`) and broken directories are ignored, as the trainer's resume does.
+        """
+        if not self.checkpoints_dir.is_dir():
+            return []
+        steps = []
+        for entry in self.checkpoints_dir.iterdir():
+            if entry.is_dir() and _STEP_DIR.match(entry.name) and adapter_problem(entry) is None:
+                steps.append(int(entry.name))
+        return sorted(steps)
+
+    def delete_checkpoints(self, steps: list[int]) -> list[int]:
+        """Delete the checkpoints of `steps` (and their merged models); returns the steps deleted."""
+        deleted = []
+        for step in steps:
+            for folder in (self.checkpoint_dir(step), self.merged_dir(step)):
+                if folder.exists():
+                    # Rename first so a crash mid-delete never leaves a half checkpoint under a step name.
+                    doomed = folder.with_name(f"{folder.name}.deleting")
+                    folder.rename(doomed)
+                    shutil.rmtree(doomed)
+            deleted.append(step)
+        return deleted
+
+
+def adapter_problem(path: Path) -> str | None:
+    """Why `path` is not a loadable PEFT LoRA adapter directory, or None if it is."""
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    if not (path / ADAPTER_CONFIG).is_file():
+        return f"{path} has no {ADAPTER_CONFIG}"
+    if not any((path / weights).is_file() for weights in ADAPTER_WEIGHTS):
+        return f"{path} has no {' or '.join(ADAPTER_WEIGHTS)}"
+    try:
+        json.loads((path / ADAPTER_CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return f"{path / ADAPTER_CONFIG} is unreadable: {exc}"
+    return None
+
+
+def check_adapter(path: Path, max_lora_rank: int) -> None:
+    """Raise `AdapterLoadError` unless `path` is a local adapter the server can load.
+
+    SGLang treats a path it cannot open as a model-hub repo id and answers "Repo id must be in the form
+    ...", which hides the real cause; checking here gives a message that names the directory.
+    """
+    problem = adapter_problem(path)
+    if problem is not None:
+        raise AdapterLoadError(f"cannot load adapter: {problem}")
+    rank = int(json.loads((path / ADAPTER_CONFIG).read_text()).get("r", 0))
+    if rank > max_lora_rank:
+        raise AdapterLoadError(
+            f"adapter {path} has LoRA rank {rank}, above the server's max_lora_rank={max_lora_rank}: "
+            f"raise SGLangConfig(max_lora_rank=...) to at least {rank}"
+        )
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same directory and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

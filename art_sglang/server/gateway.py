@@ -1,0 +1,375 @@
+"""`AdapterGateway`: a small HTTP reverse proxy in front of the inference server that refuses requests for
+model names the server does not have loaded.
+
+Why: SGLang (0.5.17, recorded in the golden file) answers a request naming an unknown or unloaded adapter
+with HTTP 200 *from the base model*, echoing the requested name, so a rollout on a stale or missing
+adapter looks like success. The gateway reads the `model` (and `lora_path`) field of
+`/v1/chat/completions`, `/v1/completions` and `/generate`, forwards only names the backend has loaded
+(plus the base model's ids), and answers any other name with HTTP 404 in OpenAI's error shape, listing
+the names that are served. Every other path is passed through unchanged; responses are streamed.
+
+It also lets the backend take the server away safely: `hold()` makes new requests wait (instead of
+failing) while the server is released or restarted, and `wait_idle()` waits for requests in flight on a
+name (or on any name) to finish before an adapter is unloaded or memory is released.
+
+The gateway runs its own event loop in a daemon thread, so a user's event loop that blocks (e.g. a
+synchronous OpenAI call inside async code) cannot stall it. HTTP/1.1 is parsed with h11 (a dependency of
+httpx) and the upstream side is an `httpx.AsyncClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+
+import h11
+import httpx
+
+logger = logging.getLogger(__name__)
+
+ROUTED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+# Hop-by-hop headers (RFC 9110 7.6.1) are not forwarded; h11 and httpx frame each side themselves.
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+    }
+)
+_READ_SIZE = 65536
+ANY = "*"  # wait_idle() on every name
+
+
+class GatewayError(RuntimeError):
+    """The gateway could not start (e.g. the port is taken)."""
+
+
+class AdapterGateway:
+    """Reverse proxy on `host:port` (port 0 picks a free one) in front of `upstream` ("http://host:port").
+
+    `set_served(adapters, base_ids)` sets which names may be requested; until it is called nothing is
+    served on the routed paths.
+    """
+
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        hold_timeout: float = 1800.0,
+    ):
+        self.upstream = upstream.rstrip("/")
+        self.host = host
+        self.port = port
+        self.api_key = api_key
+        self.hold_timeout = hold_timeout
+        self._adapters: frozenset[str] = frozenset()
+        self._base_ids: frozenset[str] = frozenset()
+        self._in_flight: Counter[str] = Counter()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop: asyncio.Event | None = None
+        self._open: asyncio.Event | None = None  # cleared while held
+        self._ready = threading.Event()
+        self._client: httpx.AsyncClient | None = None
+        self._start_error: BaseException | None = None
+
+    # --- lifecycle (called from any thread) -------------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        """The gateway's address, without /v1."""
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        """Bind and serve in a daemon thread; returns once the socket listens. Idempotent."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="art-sglang-gateway", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            self._thread = None
+            raise GatewayError(
+                f"adapter gateway could not listen on {self.host}:{self.port}: {self._start_error}"
+            ) from self._start_error
+        logger.info("adapter gateway on %s -> %s", self.base_url, self.upstream)
+
+    def close(self) -> None:
+        """Stop serving and join the thread. Idempotent."""
+        thread, loop, stop = self._thread, self._loop, self._stop
+        if thread is None or loop is None or stop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop already closed
+            loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=10)
+        self._thread = None
+
+    # --- what is served --------------------------------------------------------------------------------
+    def set_served(self, adapters: Iterable[str], base_ids: Iterable[str] | None = None) -> None:
+        """Replace the set of adapter names (and optionally base model ids) requests may name."""
+        self._adapters = frozenset(adapters)
+        if base_ids is not None:
+            self._base_ids = frozenset(base_ids)
+
+    @property
+    def served(self) -> frozenset[str]:
+        return self._adapters | self._base_ids
+
+    def set_upstream(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+
+    def in_flight(self, name: str = ANY) -> int:
+        """Requests being forwarded for `name` (adapter or base id), or for any name with `ANY`."""
+        return self._in_flight[name]
+
+    async def wait_idle(self, name: str = ANY, timeout: float = 600.0) -> bool:
+        """Wait until no request on `name` (or on any name) is in flight; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._in_flight[name] > 0:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def hold(self) -> None:
+        """From now on new requests wait (up to `hold_timeout`, then 503) until `release()`."""
+        await self._in_loop(self._set_open, False)
+
+    async def release(self) -> None:
+        """Let waiting and new requests through again."""
+        await self._in_loop(self._set_open, True)
+
+    async def _in_loop(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is None or self._thread is None:
+            return
+
+        async def call() -> None:
+            fn(*args)
+
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), loop))
+
+    def _set_open(self, value: bool) -> None:
+        assert self._open is not None
+        if value:
+            self._open.set()
+        else:
+            self._open.clear()
+
+    # --- the server (runs in the gateway thread) -------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # reported to start(); nothing else waits on this thread
+            self._start_error = self._start_error or exc
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._open = asyncio.Event()
+        self._open.set()
+        try:
+            server = await asyncio.start_server(self._connection, self.host, self.port)
+        except OSError as exc:
+            self._start_error = exc
+            self._ready.set()
+            return
+        self.port = server.sockets[0].getsockname()[1]
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+        async with server, httpx.AsyncClient(timeout=None, limits=limits) as client:
+            self._client = client
+            self._ready.set()
+            await self._stop.wait()
+            server.close()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = h11.Connection(h11.SERVER)
+        try:
+            while True:
+                received = await _read_request(conn, reader)
+                if received is None:
+                    break
+                request, body = received
+                await self._serve(conn, writer, request, body)
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    break
+                conn.start_next_cycle()
+        except h11.RemoteProtocolError as exc:
+            with contextlib.suppress(Exception):
+                await _send_json(conn, writer, 400, {"error": {"message": f"bad HTTP request: {exc}"}})
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _serve(
+        self, conn: h11.Connection, writer: asyncio.StreamWriter, request: h11.Request, body: bytes
+    ) -> None:
+        assert self._open is not None
+        if not self._open.is_set():
+            try:
+                await asyncio.wait_for(self._open.wait(), self.hold_timeout)
+            except asyncio.TimeoutError:
+                message = f"the inference server did not come back within {self.hold_timeout:.0f} s"
+                await _send_json(conn, writer, 503, _error(message, "service_unavailable", None))
+                return
+        target = request.target.decode("latin-1")
+        path = target.split("?", 1)[0]
+        names: list[str] = []
+        if request.method == b"POST" and path in ROUTED_PATHS:
+            names = _requested_names(body)
+            refusal = self._refusal(request, names)
+            if refusal is not None:
+                await _send_json(conn, writer, *refusal)
+                return
+        keys = names or [""]
+        for key in (*keys, ANY):
+            self._in_flight[key] += 1
+        try:
+            await self._forward(conn, writer, request, target, body)
+        finally:
+            for key in (*keys, ANY):
+                self._in_flight[key] -= 1
+
+    def _refusal(self, request: h11.Request, names: list[str]) -> tuple[int, dict] | None:
+        unknown = [name for name in names if not self._is_served(name)]
+        if not unknown:
+            return None
+        if self.api_key is not None and _bearer(request) != self.api_key:
+            # Do not list the served names to a caller without the key; the server would say 401 too.
+            return 401, _error("invalid API key", "invalid_api_key", None)
+        served = sorted(self._adapters) or ["(no adapter loaded)"]
+        message = (
+            f"The model `{unknown[0]}` is not loaded on the inference server, so it would have been "
+            f"answered by the base model. Loaded adapters: {', '.join(served)}. "
+            "Use model.get_inference_name() for the current step."
+        )
+        return 404, _error(message, "model_not_found", "model")
+
+    def _is_served(self, name: str) -> bool:
+        if name in self._adapters or name in self._base_ids:
+            return True
+        # SGLang also accepts "<base>:<adapter>".
+        base, sep, adapter = name.partition(":")
+        return bool(sep) and base in self._base_ids and adapter in self._adapters
+
+    async def _forward(
+        self,
+        conn: h11.Connection,
+        writer: asyncio.StreamWriter,
+        request: h11.Request,
+        target: str,
+        body: bytes,
+    ) -> None:
+        headers = [(k, v) for k, v in request.headers if k.lower() not in _HOP_BY_HOP]
+        upstream = self._client.build_request(
+            request.method.decode(), self.upstream + target, headers=headers, content=body
+        )
+        try:
+            response = await self._client.send(upstream, stream=True)
+        except httpx.HTTPError as exc:
+            message = f"the inference server at {self.upstream} is not reachable: {exc!r}"
+            await _send_json(conn, writer, 502, _error(message, "bad_gateway", None))
+            return
+        try:
+            out_headers = [
+                (k, v)
+                for k, v in response.headers.raw
+                if k.lower() not in _HOP_BY_HOP or k.lower() == b"content-length"
+            ]
+            writer.write(
+                conn.send(h11.Response(status_code=response.status_code, headers=out_headers)) or b""
+            )
+            async for chunk in response.aiter_raw():
+                writer.write(conn.send(h11.Data(data=chunk)) or b"")
+                await writer.drain()
+            writer.write(conn.send(h11.EndOfMessage()) or b"")
+            await writer.drain()
+        except httpx.HTTPError:
+            # The server died mid-response: the client sees a truncated response and an error.
+            conn.send_failed()
+            raise ConnectionError("upstream failed mid-response") from None
+        finally:
+            await response.aclose()
+
+
+async def _read_request(
+    conn: h11.Connection, reader: asyncio.StreamReader
+) -> tuple[h11.Request, bytes] | None:
+    request: h11.Request | None = None
+    body = bytearray()
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            data = await reader.read(_READ_SIZE)
+            if not data and request is None and conn.their_state is h11.IDLE:
+                return None
+            conn.receive_data(data)
+        elif isinstance(event, h11.Request):
+            request = event
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            assert request is not None
+            return request, bytes(body)
+        elif isinstance(event, h11.ConnectionClosed):
+            return None
+
+
+def _requested_names(body: bytes) -> list[str]:
+    """Model/adapter names a request body asks for: `model` and `lora_path` (a string or, for batched
+    /generate, a list). A body that is not a JSON object names nothing; the server rejects it itself."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return []
+    if not isinstance(payload, dict):
+        return []
+    names: list[str] = []
+    for key in ("model", "lora_path"):
+        value = payload.get(key)
+        if isinstance(value, str):
+            names.append(value)
+        elif isinstance(value, list):
+            names.extend(item for item in value if isinstance(item, str))
+    return names
+
+
+def _bearer(request: h11.Request) -> str | None:
+    for key, value in request.headers:
+        if key.lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+def _error(message: str, code: str, param: str | None) -> dict:
+    # OpenAI's error shape, so the openai client raises NotFoundError/APIStatusError with this message.
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+
+
+async def _send_json(conn: h11.Connection, writer: asyncio.StreamWriter, status: int, payload: dict) -> None:
+    data = json.dumps(payload).encode()
+    headers = [("content-type", "application/json"), ("content-length", str(len(data)))]
+    writer.write(conn.send(h11.Response(status_code=status, headers=headers)) or b"")
+    writer.write(conn.send(h11.Data(data=data)) or b"")
+    writer.write(conn.send(h11.EndOfMessage()) or b"")
+    await writer.drain()
