@@ -68,27 +68,38 @@ def detect_gpus(nvidia_smi: str = "nvidia-smi", environ: Mapping[str, str] | Non
         output = (done.stderr or done.stdout).strip().splitlines()
         detail = f"{nvidia_smi} failed (exit {done.returncode}): {output[-1] if output else ''}"
         return Discovery((), detail, setting)
-    physical = parse_nvidia_smi(done.stdout)
+    try:
+        physical = parse_nvidia_smi(done.stdout)
+    except ValueError as exc:
+        return Discovery((), f"{nvidia_smi} printed something unexpected: {exc}", setting)
     gpus = apply_cuda_visible_devices(physical, setting)
     where = "CUDA_VISIBLE_DEVICES unset" if setting is None else f"CUDA_VISIBLE_DEVICES={setting!r}"
     return Discovery(gpus, f"{len(physical)} GPU(s) in nvidia-smi, {len(gpus)} visible ({where})", setting)
 
 
 def parse_nvidia_smi(csv: str) -> tuple[Gpu, ...]:
-    """Parse `index, uuid, name, memory.total, memory.used` lines (no header, no units)."""
+    """Parse `index, uuid, name, memory.total, memory.used` lines (no header, no units); ValueError
+    names a line that does not fit."""
     gpus = []
     for line in csv.splitlines():
         if not line.strip():
             continue
-        # The name may itself contain commas; the fields around it do not.
-        index, uuid, *name_parts, total, used = (field.strip() for field in line.split(","))
+        try:
+            # The name may itself contain commas; the fields around it do not.
+            index, uuid, rest = (field.strip() for field in line.split(",", 2))
+            name, total, used = (field.strip() for field in rest.rsplit(",", 2))
+            int(index)
+        except ValueError:
+            raise ValueError(
+                f"not an 'index, uuid, name, memory.total, memory.used' line: {line!r}"
+            ) from None
         gpus.append(
             Gpu(
                 index=int(index),
                 cuda_id=index,
                 physical_index=int(index),
                 uuid=uuid,
-                name=",".join(name_parts).strip(),
+                name=name,
                 memory_total_mib=_mib(total),
                 memory_used_mib=_mib(used),
             )
