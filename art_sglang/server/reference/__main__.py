@@ -1,0 +1,53 @@
+"""`python -m art_sglang.server.reference <flags>`: load the model, then serve until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from .cli import log_ignored, parse_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+    )
+    log_ignored(args)
+    # Heavy imports after argument parsing, so `--help` and flag errors are instant.
+    import torch
+    import uvicorn
+
+    from .app import create_app
+    from .engine import ReferenceEngine
+
+    if args.random_seed is not None:
+        torch.manual_seed(args.random_seed)
+    engine = ReferenceEngine(args)
+    logging.getLogger("art_sglang.server.reference").info(
+        "loaded %s in %.1fs (context %d, adapters %s)",
+        args.model_path,
+        engine.load_seconds,
+        engine.context_length,
+        list(engine.adapters.loaded) or "none",
+    )
+    app = create_app(args, engine)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+    )
+    server = uvicorn.Server(config)
+    logging.getLogger("art_sglang.server.reference").info(
+        "The server is fired up and ready to roll! http://%s:%d", args.host, args.port
+    )
+    server.run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,488 @@
+"""The reference engine's model: a transformers causal LM on CPU (float32) with peft adapters, a prefix
+cache, and the weight operations SGLang exposes (release/resume memory, update weights from disk).
+
+All public methods block; the HTTP layer runs them in worker threads. One lock serialises every use of
+the model, so requests run one at a time while the event loop keeps answering (e.g. /health).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from .adapters import BASE_KEY, AdapterRegistry, LoadedAdapter, adapter_rank
+from .cli import ServerArgs
+from .prefix_cache import PrefixCache
+from .sampling import SamplingOptions, choose_token, logprobs_of
+
+logger = logging.getLogger(__name__)
+
+
+class EngineReleasedError(RuntimeError):
+    """Generation was asked for while the weights are released (POST /resume_memory_occupation first)."""
+
+
+class WeightsLoadError(ValueError):
+    """New base weights could not be read or do not fit the served model."""
+
+
+class PromptError(ValueError):
+    """The messages could not be rendered with the model's chat template."""
+
+
+class RequestTooLongError(ValueError):
+    """Prompt plus requested completion do not fit the context length (SGLang's message)."""
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class FinishReason:
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    length: int | None = None
+
+    def as_sglang(self) -> dict[str, Any]:
+        """`meta_info.finish_reason` of SGLang's /generate."""
+        if self.type == "length":
+            return {"type": "length", "length": self.length}
+        if self.type == "abort":
+            return {"type": "abort", "message": "aborted"}
+        return {"type": "stop", "matched": self.matched}
+
+
+DeltaCallback = Callable[[str, TokenLogprob | None], None]
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    sampling: SamplingOptions
+    adapter_name: str | None = None
+    top_logprobs: int = 0
+    input_logprob_start: int | None = None  # None: no prompt logprobs
+    on_delta: DeltaCallback | None = None  # streamed text pieces (and the token they came with)
+    abort: threading.Event | None = None
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish: FinishReason
+    output_logprobs: list[TokenLogprob]
+    input_logprobs: list[TokenLogprob | None]
+    cached_tokens: int
+    adapter: LoadedAdapter | None
+    started: float
+    finished: float
+
+
+@dataclass
+class EngineStats:
+    """Counters behind /metrics."""
+
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_tokens: int = 0
+    e2e_seconds: float = 0.0
+    running: int = 0
+
+
+class _TextTracker:
+    """Decodes output tokens incrementally, finds stop strings, and yields only text that can no longer
+    change: an unfinished UTF-8 character or a possible start of a stop string is held back."""
+
+    def __init__(self, tokenizer: Any, options: SamplingOptions) -> None:
+        self.tokenizer = tokenizer
+        self.options = options
+        self.ids: list[int] = []
+        self.emitted = 0
+        self.final: str | None = None
+
+    def decode(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=self.options.skip_special_tokens)
+
+    def push(self, token_id: int) -> tuple[str, str | None]:
+        """Add a token; return (new stable text, matched stop string or None)."""
+        self.ids.append(token_id)
+        text = self.decode()
+        hits = [(text.find(s), s) for s in self.options.stop if s and s in text]
+        if hits:
+            index, stop = min(hits)
+            self.final = text[: index + len(stop)] if self.options.no_stop_trim else text[:index]
+            delta = self.final[self.emitted :]
+            self.emitted = len(self.final)
+            return delta, stop
+        safe = len(text.rstrip("\ufffd"))
+        held = 0
+        for stop in self.options.stop:
+            for k in range(min(len(stop) - 1, safe), held, -1):
+                if text[safe - k : safe] == stop[:k]:
+                    held = k
+                    break
+        safe -= held
+        delta = text[self.emitted : safe] if safe > self.emitted else ""
+        self.emitted = max(self.emitted, safe)
+        return delta, None
+
+    def finish(self) -> tuple[str, str]:
+        """(the rest of the text not yet yielded, the whole text)."""
+        text = self.final if self.final is not None else self.decode()
+        rest = text[self.emitted :]
+        self.emitted = len(text)
+        return rest, text
+
+
+class ReferenceEngine:
+    """Model, tokenizer, adapters and caches behind the reference server."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        started = time.perf_counter()
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+        self.hf_config = AutoConfig.from_pretrained(args.model_path)
+        model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32).eval()
+        self.context_length = args.context_length or int(
+            getattr(self.hf_config, "max_position_embeddings", 0) or 4096
+        )
+        self.eos_ids = self._eos_ids(model)
+        generation = model.generation_config
+        self._sampling_defaults = {
+            key: getattr(generation, key)
+            for key in ("temperature", "top_p", "top_k", "min_p")
+            if getattr(generation, key, None) is not None and key in generation.to_diff_dict()
+        }
+        max_rank = args.max_lora_rank
+        if max_rank is None and args.lora_paths:
+            # SGLang infers the pool's rank from the adapters given at launch.
+            max_rank = max(adapter_rank(p) for p in args.lora_paths.values())
+        self.adapters = AdapterRegistry(
+            model,
+            enabled=args.enable_lora or bool(args.lora_paths),
+            max_rank=max_rank,
+            target_modules=args.lora_target_modules,
+            max_loaded=args.max_loaded_loras,
+        )
+        self.prefix_cache = PrefixCache(enabled=not args.disable_radix_cache)
+        self.stats = EngineStats()
+        self.weights_path = args.model_path
+        self.weight_version = "default"
+        self.load_seconds = time.perf_counter() - started
+        self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._released = False
+        self._backup: dict[str, torch.Tensor] | None = None
+        # Shapes the served model needs, checked against new weights (also while released).
+        self._shapes = {n: p.shape for n, p in self._weight_params().items()}
+        for name, path in args.lora_paths.items():
+            self.adapters.load(name, path)
+
+    def _eos_ids(self, model: torch.nn.Module) -> set[int]:
+        ids: set[int] = set()
+        for source in (model.generation_config.eos_token_id, self.hf_config.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # --- state -------------------------------------------------------------------------------------
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def busy(self) -> bool:
+        return self.stats.running > 0
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        with self._stats_lock:
+            self.stats.running += 1
+        try:
+            yield
+        finally:
+            with self._stats_lock:
+                self.stats.running -= 1
+
+    # --- prompts -----------------------------------------------------------------------------------
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any] | None,
+    ) -> list[int]:
+        """Token ids of the chat template applied to `messages`, ending with the assistant's turn."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise PromptError("The model has no chat template; use /v1/completions or /generate.")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False,
+                **(kwargs or {}),
+            )  # fmt: skip
+        except Exception as exc:  # jinja and tokenizer errors alike mean "these messages do not render"
+            raise PromptError(f"Failed to apply the chat template: {exc}") from exc
+        return list(ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text).input_ids)
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """Defaults from the model's generation_config.json (SGLang's `--sampling-defaults model`)."""
+        return dict(self._sampling_defaults)
+
+    # --- generation --------------------------------------------------------------------------------
+    def check_length(self, prompt_len: int, max_new_tokens: int | None) -> None:
+        """SGLang's context-length checks, raised before any work is done."""
+        if prompt_len >= self.context_length:
+            raise RequestTooLongError(
+                f"The input ({prompt_len} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)."
+            )
+        if max_new_tokens is not None and prompt_len + max_new_tokens >= self.context_length:
+            raise RequestTooLongError(
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{self.context_length} tokens. You requested a total of {prompt_len + max_new_tokens} "
+                f"tokens: {prompt_len} tokens from the input messages and {max_new_tokens} tokens for the "
+                "completion. Please reduce the number of tokens in the input messages or the completion "
+                "to fit within the limit."
+            )
+
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        if not request.prompt_ids:
+            raise ValueError("The input is empty: give at least one token or a non-empty text.")
+        request.sampling.verify()
+        self.check_length(len(request.prompt_ids), request.sampling.max_new_tokens)
+        with self._running(), self._lock:
+            if self._released:
+                raise EngineReleasedError(
+                    "The engine's memory is released; POST /resume_memory_occupation before generating."
+                )
+            started = time.time()
+            result = self._generate_locked(request, started)
+        with self._stats_lock:
+            self.stats.num_requests += 1
+            self.stats.prompt_tokens += len(result.prompt_ids)
+            self.stats.generation_tokens += len(result.output_ids)
+            self.stats.cached_tokens += result.cached_tokens
+            self.stats.e2e_seconds += result.finished - result.started
+        return result
+
+    def _logprob_entry(self, logprobs: torch.Tensor, token_id: int, top: int) -> TokenLogprob:
+        entry = TokenLogprob(token_id, float(logprobs[token_id]))
+        if top > 0:
+            values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
+            entry.top = [(int(i), float(v)) for v, i in zip(values, ids, strict=True)]
+        return entry
+
+    @torch.inference_mode()
+    def _generate_locked(self, request: GenerationRequest, started: float) -> GenerationResult:
+        prompt = request.prompt_ids
+        options = request.sampling
+        adapter = self.adapters.resolve(request.adapter_name)
+        cache_key = adapter.key if adapter else BASE_KEY
+        # At least the last prompt token is recomputed (its logits start generation); prompt logprobs
+        # from position s need the logits of position s-1.
+        limit = len(prompt) - 1
+        if request.input_logprob_start is not None:
+            limit = min(limit, max(request.input_logprob_start - 1, 0))
+        cached, kv = self.prefix_cache.lookup(cache_key, prompt, limit)
+        if kv is None:
+            kv = DynamicCache(config=self.hf_config)
+        max_new = options.max_new_tokens
+        if max_new is None:
+            max_new = self.context_length - len(prompt)
+        generator = None
+        if options.seed is not None and not options.greedy:
+            generator = torch.Generator().manual_seed(options.seed)
+        stop_ids = set(options.stop_token_ids) | (set() if options.ignore_eos else self.eos_ids)
+        tracker = _TextTracker(self.tokenizer, options)
+        output_ids: list[int] = []
+        output_logprobs: list[TokenLogprob] = []
+        input_logprobs: list[TokenLogprob | None] = []
+
+        with self.adapters.activate(adapter) as model:
+            logits = model(
+                input_ids=torch.tensor([prompt[cached:]]), past_key_values=kv, use_cache=True
+            ).logits[0]
+            if request.input_logprob_start is not None:
+                start = max(request.input_logprob_start, 0)
+                prompt_lp = logprobs_of(logits, options)
+                for pos in range(start, len(prompt)):
+                    row = pos - 1 - cached
+                    input_logprobs.append(
+                        None if pos == 0 else self._logprob_entry(prompt_lp[row], prompt[pos], 0)
+                    )
+            next_logits = logits[-1]
+            finish = FinishReason("length", length=0)
+            while len(output_ids) < max_new:
+                logprobs = logprobs_of(next_logits, options)
+                token = choose_token(logprobs, options, generator)
+                entry = self._logprob_entry(logprobs, token, request.top_logprobs)
+                output_ids.append(token)
+                output_logprobs.append(entry)
+                finish = FinishReason("length", length=len(output_ids))
+                if token in stop_ids:
+                    finish = FinishReason("stop", matched=token)
+                    self._emit(request, "", entry)
+                    break
+                delta, stop = tracker.push(token)
+                self._emit(request, delta, entry)
+                if stop is not None:
+                    finish = FinishReason("stop", matched=stop)
+                    break
+                if len(output_ids) >= max_new:
+                    break
+                if request.abort is not None and request.abort.is_set():
+                    finish = FinishReason("abort")
+                    break
+                next_logits = model(
+                    input_ids=torch.tensor([[token]]), past_key_values=kv, use_cache=True
+                ).logits[0, -1]
+
+        rest, text = tracker.finish()
+        if rest:
+            self._emit(request, rest, None)
+        sequence = prompt + output_ids
+        self.prefix_cache.insert(cache_key, sequence[: kv.get_seq_length()], kv)
+        return GenerationResult(
+            prompt_ids=list(prompt),
+            output_ids=output_ids,
+            text=text,
+            finish=finish,
+            output_logprobs=output_logprobs,
+            input_logprobs=input_logprobs,
+            cached_tokens=cached,
+            adapter=adapter,
+            started=started,
+            finished=time.time(),
+        )
+
+    @staticmethod
+    def _emit(request: GenerationRequest, delta: str, entry: TokenLogprob | None) -> None:
+        if request.on_delta is not None:
+            request.on_delta(delta, entry)
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text as SGLang shows it in logprobs (partial UTF-8 decodes to U+FFFD)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # --- adapters ----------------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str) -> LoadedAdapter:
+        with self._lock:
+            return self.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        with self._lock:
+            adapter = self.adapters.unload(name)
+            self.prefix_cache.drop_adapter(adapter.key)
+
+    # --- caches and weights ------------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        """Clear the prefix cache; like SGLang, refuse (False) while requests are running."""
+        if self.busy:
+            return False
+        self.prefix_cache.clear()
+        return True
+
+    def _weight_params(self) -> dict[str, torch.nn.Parameter]:
+        """The base model's parameters under their checkpoint names (peft's wrappers and LoRA removed)."""
+        params = {}
+        for name, param in self.adapters.base.named_parameters():
+            if ".lora_" in name:
+                continue
+            params[name.replace(".base_layer", "")] = param
+        return params
+
+    def _read_weights(self, path: str) -> dict[str, torch.Tensor]:
+        if not Path(path).is_dir():
+            raise WeightsLoadError(
+                f"Failed to get weights iterator: model path {path!r} does not exist or is not a directory "
+                "(the reference engine reads weights from local directories only)."
+            )
+        try:
+            fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        except Exception as exc:  # transformers raises many types for an unreadable checkpoint
+            raise WeightsLoadError(f"Failed to load weights from {path!r}: {exc}") from exc
+        weights = dict(fresh.state_dict())
+        missing = sorted(set(self._shapes) - set(weights))
+        mismatched = [n for n, s in self._shapes.items() if n in weights and weights[n].shape != s]
+        if missing or mismatched:
+            raise WeightsLoadError(
+                f"Weights at {path!r} do not fit the served model: missing {missing[:5]}, "
+                f"different shapes {mismatched[:5]}."
+            )
+        return weights
+
+    def _assign(self, weights: dict[str, torch.Tensor]) -> None:
+        for name, param in self._weight_params().items():
+            param.data = weights[name].to(torch.float32)
+
+    def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
+        """Replace the base weights with the checkpoint at `path`; adapters stay loaded."""
+        with self._lock:
+            weights = self._read_weights(path)
+            if self._released:
+                # Resume will restore these instead of the old ones.
+                self._backup = weights if self.args.enable_weights_cpu_backup else None
+            else:
+                self._assign(weights)
+            self.weights_path = path
+            if weight_version is not None:
+                self.weight_version = weight_version
+            self.prefix_cache.clear()
+            gc.collect()
+
+    def release_memory(self) -> None:
+        """Free the prefix cache and the base weights. Without --enable-memory-saver this does nothing
+        (as SGLang). With --enable-weights-cpu-backup the weights are kept in RAM for resume (on CPU the
+        backup is the weights themselves, so only the cache is freed); without it they are dropped and
+        re-read from disk on resume. Generation while released is refused (503)."""
+        with self._lock:
+            if not self.args.enable_memory_saver:
+                logger.info("release_memory_occupation: nothing to release without --enable-memory-saver")
+                return
+            if self._released:
+                return
+            self.prefix_cache.clear()
+            params = self._weight_params()
+            self._backup = (
+                {n: p.data for n, p in params.items()} if self.args.enable_weights_cpu_backup else None
+            )
+            for param in params.values():
+                param.data = torch.empty(0, dtype=param.dtype)
+            self._released = True
+            gc.collect()
+
+    def resume_memory(self) -> None:
+        """Restore the weights released by `release_memory` (from the backup, else from disk)."""
+        with self._lock:
+            if not self._released:
+                return
+            weights = self._backup if self._backup is not None else self._read_weights(self.weights_path)
+            self._assign(weights)
+            self._backup = None
+            self._released = False
+
+    def model_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self._weight_params().values())

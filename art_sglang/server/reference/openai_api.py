@@ -1,0 +1,379 @@
+"""OpenAI-compatible routes (/v1/chat/completions, /v1/completions, /v1/models) with SGLang's response
+shapes: `matched_stop`, `reasoning_content`, `usage.prompt_tokens_details` only with
+--enable-cache-report and a cache hit, `metadata.weight_version`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .engine import GenerationRequest, GenerationResult, ReferenceEngine, TokenLogprob
+from .http_common import (
+    Delta,
+    engine_error_body,
+    engine_error_response,
+    error_response,
+    note,
+    note_results,
+    run_generations,
+    sse,
+    stream_generations,
+)
+from .sampling import SamplingOptions
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+
+
+async def require_json(request: Request) -> None:
+    """SGLang accepts only application/json bodies on the OpenAI routes."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise RequestValidationError(
+            [
+                {
+                    "loc": ["header", "content-type"],
+                    "msg": "Unsupported Media Type: Only 'application/json' is allowed",
+                    "type": "value_error",
+                }
+            ]
+        )
+
+
+def _engine(request: Request) -> ReferenceEngine:
+    return request.app.state.engine
+
+
+def _sampling(engine: ReferenceEngine, body: Any, max_new_tokens: int | None) -> SamplingOptions:
+    defaults = engine.sampling_defaults()
+
+    def pick(name: str, fallback: Any) -> Any:
+        value = getattr(body, name)
+        return value if value is not None else defaults.get(name, fallback)
+
+    return SamplingOptions(
+        max_new_tokens=max_new_tokens,
+        temperature=pick("temperature", 1.0),
+        top_p=pick("top_p", 1.0),
+        top_k=pick("top_k", -1),
+        min_p=pick("min_p", 0.0),
+        stop=body.stop_list(),
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        skip_special_tokens=body.skip_special_tokens,
+        no_stop_trim=body.no_stop_trim,
+        seed=body.seed,
+    )
+
+
+def _choices(
+    prompt_ids: list[int], sampling: SamplingOptions, body: Any, top: int
+) -> list[GenerationRequest]:
+    """n requests for one prompt; a seeded request gives choice i the seed `seed + i`."""
+    requests = []
+    for i in range(body.n):
+        options = SamplingOptions(**{**vars(sampling), "stop": list(sampling.stop)})
+        if sampling.seed is not None:
+            options.seed = sampling.seed + i
+        requests.append(
+            GenerationRequest(
+                prompt_ids, options, adapter_name=body.lora_path or body.model, top_logprobs=top
+            )
+        )
+    return requests
+
+
+def _usage(results: list[GenerationResult], n: int, cache_report: bool) -> dict[str, Any]:
+    """SGLang's usage: prompt and cached tokens counted once per prompt, completions for every choice."""
+    firsts = results[::n]
+    prompt = sum(len(r.prompt_ids) for r in firsts)
+    completion = sum(len(r.output_ids) for r in results)
+    cached = sum(r.cached_tokens for r in firsts)
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": cached} if cache_report and cached > 0 else None,
+        "reasoning_tokens": 0,
+    }
+
+
+def _finish(result: GenerationResult) -> tuple[str, int | str | None]:
+    return result.finish.type, result.finish.matched if result.finish.type == "stop" else None
+
+
+def _token_fields(engine: ReferenceEngine, token_id: int, logprob: float) -> dict[str, Any]:
+    text = engine.token_text(token_id)
+    return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
+
+
+def _chat_logprob(engine: ReferenceEngine, entry: TokenLogprob) -> dict[str, Any]:
+    return {
+        **_token_fields(engine, entry.token_id, entry.logprob),
+        "top_logprobs": [_token_fields(engine, i, lp) for i, lp in entry.top],
+    }
+
+
+def _completion_logprobs(engine: ReferenceEngine, entries: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "text_offset": [-1] * len(entries),
+        "token_logprobs": [e.logprob for e in entries],
+        "tokens": [engine.token_text(e.token_id) for e in entries],
+        "top_logprobs": [{engine.token_text(i): lp for i, lp in e.top} for e in entries],
+    }
+
+
+def _prepare_errors(fn: Callable[[], Any]) -> Any:
+    """Run a request's preparation; a bad request becomes SGLang's 400 body."""
+    try:
+        return fn()
+    except ValueError as exc:
+        return error_response(str(exc))
+
+
+# --- chat -----------------------------------------------------------------------------------------------
+@router.post("/v1/chat/completions", dependencies=[Depends(require_json)])
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    engine = _engine(request)
+    note(request, model=body.model)
+
+    def prepare() -> list[GenerationRequest]:
+        prompt_ids = engine.encode_chat(body.messages, body.tools, body.chat_template_kwargs)
+        sampling = _sampling(engine, body, body.max_new_tokens)
+        sampling.verify()
+        engine.check_length(len(prompt_ids), sampling.max_new_tokens)
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        return _choices(prompt_ids, sampling, body, top)
+
+    prepared = _prepare_errors(prepare)
+    if isinstance(prepared, JSONResponse):
+        return prepared
+    if body.stream:
+        return StreamingResponse(
+            _chat_stream(engine, body, prepared, request), media_type="text/event-stream"
+        )
+    try:
+        results = await run_generations(engine, prepared)
+    except Exception as exc:
+        return engine_error_response(exc)
+    note_results(request, results)
+    choices = []
+    for index, result in enumerate(results):
+        finish, matched = _finish(result)
+        choice: dict[str, Any] = {
+            "index": index,
+            "message": {
+                "role": "assistant",
+                "content": result.text,
+                "reasoning_content": None,
+                "tool_calls": None,
+            },
+            "logprobs": {"content": [_chat_logprob(engine, e) for e in result.output_logprobs]}
+            if body.logprobs
+            else None,
+            "finish_reason": finish,
+            "matched_stop": matched,
+        }
+        if body.return_token_ids:
+            choice["prompt_token_ids"] = result.prompt_ids
+            choice["token_ids"] = result.output_ids
+        choices.append(choice)
+    return JSONResponse(
+        {
+            "id": uuid.uuid4().hex,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "choices": choices,
+            "usage": _usage(results, body.n, engine.args.enable_cache_report),
+            "metadata": {"weight_version": engine.weight_version},
+        }
+    )
+
+
+async def _chat_stream(
+    engine: ReferenceEngine, body: ChatCompletionRequest, requests: list[GenerationRequest], request: Request
+) -> AsyncIterator[str]:
+    rid, created = uuid.uuid4().hex, int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model}
+        return sse({**head, "choices": choices, **extra})
+
+    def choice(
+        index: int, delta: dict[str, Any], logprobs: Any = None, finish: Any = None, matched: Any = None
+    ):
+        return {
+            "index": index,
+            "delta": {"reasoning_content": None, **delta},
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "matched_stop": matched,
+        }
+
+    results: list[GenerationResult] = []
+    opened: set[int] = set()
+    try:
+        async for item in stream_generations(engine, requests):
+            if item.index not in opened:
+                opened.add(item.index)
+                yield chunk([choice(item.index, {"role": "assistant", "content": ""})])
+            if isinstance(item, Delta):
+                logprobs = None
+                if body.logprobs and item.logprob is not None:
+                    logprobs = {"content": [_chat_logprob(engine, item.logprob)]}
+                if item.text or logprobs is not None:
+                    yield chunk([choice(item.index, {"content": item.text}, logprobs)])
+                continue
+            results.append(item.result)
+            finish, matched = _finish(item.result)
+            yield chunk([choice(item.index, {}, finish=finish, matched=matched)])
+        if body.include_usage:
+            yield chunk([], usage=_usage(results, body.n, engine.args.enable_cache_report))
+    except Exception as exc:
+        yield sse({"error": engine_error_body(exc)})
+    note_results(request, results)
+    yield "data: [DONE]\n\n"
+
+
+# --- text completions -----------------------------------------------------------------------------------
+def _prompts(
+    engine: ReferenceEngine, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [engine.encode_text(prompt)]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return [engine.encode_text(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+
+
+@router.post("/v1/completions", dependencies=[Depends(require_json)])
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    engine = _engine(request)
+    note(request, model=body.model)
+
+    def prepare() -> list[GenerationRequest]:
+        sampling = _sampling(engine, body, body.max_tokens)
+        sampling.verify()
+        requests = []
+        for prompt_ids in _prompts(engine, body.prompt):
+            engine.check_length(len(prompt_ids), sampling.max_new_tokens)
+            requests.extend(_choices(prompt_ids, sampling, body, body.logprobs or 0))
+        return requests
+
+    prepared = _prepare_errors(prepare)
+    if isinstance(prepared, JSONResponse):
+        return prepared
+    if body.stream:
+        return StreamingResponse(
+            _completion_stream(engine, body, prepared, request), media_type="text/event-stream"
+        )
+    try:
+        results = await run_generations(engine, prepared)
+    except Exception as exc:
+        return engine_error_response(exc)
+    note_results(request, results)
+    choices = []
+    for index, result in enumerate(results):
+        finish, matched = _finish(result)
+        choices.append(
+            {
+                "index": index,
+                "text": result.text,
+                "logprobs": _completion_logprobs(engine, result.output_logprobs)
+                if body.logprobs is not None
+                else None,
+                "finish_reason": finish,
+                "matched_stop": matched,
+            }
+        )
+    return JSONResponse(
+        {
+            "id": uuid.uuid4().hex,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "choices": choices,
+            "usage": _usage(results, body.n, engine.args.enable_cache_report),
+            "metadata": {"weight_version": engine.weight_version},
+        }
+    )
+
+
+async def _completion_stream(
+    engine: ReferenceEngine, body: CompletionRequest, requests: list[GenerationRequest], request: Request
+) -> AsyncIterator[str]:
+    rid, created = uuid.uuid4().hex, int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
+        return sse({**head, "choices": choices, **extra})
+
+    results: list[GenerationResult] = []
+    try:
+        async for item in stream_generations(engine, requests):
+            if isinstance(item, Delta):
+                logprobs = None
+                if body.logprobs is not None and item.logprob is not None:
+                    logprobs = _completion_logprobs(engine, [item.logprob])
+                if item.text or logprobs is not None:
+                    piece = {"index": item.index, "text": item.text, "logprobs": logprobs}
+                    yield chunk([{**piece, "finish_reason": None, "matched_stop": None}])
+                continue
+            results.append(item.result)
+            finish, matched = _finish(item.result)
+            piece = {"index": item.index, "text": "", "logprobs": None}
+            yield chunk([{**piece, "finish_reason": finish, "matched_stop": matched}])
+        if body.include_usage:
+            yield chunk([], usage=_usage(results, body.n, engine.args.enable_cache_report))
+    except Exception as exc:
+        yield sse({"error": engine_error_body(exc)})
+    note_results(request, results)
+    yield "data: [DONE]\n\n"
+
+
+# --- models -------------------------------------------------------------------------------------------
+def _card(model_id: str, root: str, parent: str | None, max_model_len: int | None) -> dict[str, Any]:
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "sglang",
+        "root": root,
+        "parent": parent,
+        "max_model_len": max_model_len,
+    }
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    """The base model (id = served name) and every loaded adapter (`parent` = the base model)."""
+    engine = _engine(request)
+    base = engine.args.model_name
+    cards = [_card(base, base, None, engine.context_length)]
+    cards += [_card(a.name, a.path, base, None) for a in engine.adapters.adapters()]
+    return JSONResponse({"object": "list", "data": cards})
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> JSONResponse:
+    engine = _engine(request)
+    base = engine.args.model_name
+    if model == base:
+        return JSONResponse(_card(base, base, None, engine.context_length))
+    for adapter in engine.adapters.adapters():
+        if adapter.name == model:
+            return JSONResponse(_card(adapter.name, adapter.path, base, None))
+    error = {
+        "message": f"The model '{model}' does not exist",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    return JSONResponse({"error": error}, status_code=404)

@@ -1,0 +1,72 @@
+"""Sampling parameters (SGLang's names, checks and messages) and next-token choice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter out of range; the message is SGLang's."""
+
+
+@dataclass
+class SamplingOptions:
+    """How one sequence is sampled. `max_new_tokens=None` means up to the context length."""
+
+    max_new_tokens: int | None = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+
+    def verify(self) -> None:
+        """Reject values SGLang rejects, with SGLang's messages."""
+        if self.temperature < 0.0:
+            raise SamplingParamsError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.top_k < 1 and self.top_k != -1:
+            raise SamplingParamsError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            raise SamplingParamsError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def logprobs_of(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
+    """Log-probabilities reported for a step: log-softmax of the logits divided by the temperature (as
+    SGLang reports them; greedy requests get the plain log-softmax). Top-p/top-k do not renormalise them."""
+    if options.greedy:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return torch.log_softmax(logits.float() / options.temperature, dim=-1)
+
+
+def choose_token(logprobs: torch.Tensor, options: SamplingOptions, generator: torch.Generator | None) -> int:
+    """Greedy argmax, or a draw from the top-k/top-p/min-p filtered distribution."""
+    if options.greedy:
+        return int(torch.argmax(logprobs))
+    probs = logprobs.exp()
+    sorted_probs, order = probs.sort(descending=True)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if options.top_p < 1.0:
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        keep &= (sorted_probs.cumsum(0) - sorted_probs) < options.top_p
+    if options.top_k > 0:
+        keep[options.top_k :] = False
+    if options.min_p > 0.0:
+        keep &= sorted_probs >= sorted_probs[0] * options.min_p
+    filtered = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    index = torch.multinomial(filtered / filtered.sum(), 1, generator=generator)
+    return int(order[index])
