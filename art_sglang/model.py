@@ -8,13 +8,11 @@ The model is the user's handle; the backend does the work. What a model needs fr
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,12 +22,12 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
 from pydantic_core import PydanticSerializationError
 
 from .errors import ConfigError, ModelNotRegisteredError
+from .history import append_row, read_rows
+from .model_store import HISTORY_FILE
 from .trajectories import Trajectory, TrajectoryGroup
 from .types import TrainConfig, TrainResult
 
 logger = logging.getLogger(__name__)
-
-HISTORY_FILE = "history.jsonl"
 
 
 class Backend(Protocol):
@@ -164,7 +162,7 @@ class Model(BaseModel):
         row.update({key if "/" in key else f"{split}/{key}": value for key, value in (metrics or {}).items()})
         if row:
             step = await self.get_step() if step is None else step
-            await asyncio.to_thread(_append_history, Path(self._get_output_dir()), step, row)
+            await asyncio.to_thread(append_row, Path(self._get_output_dir()) / HISTORY_FILE, step, row)
         backend_log = getattr(self._backend, "_log", None)
         if backend_log is not None and groups:
             await backend_log(self, groups, split)
@@ -234,10 +232,7 @@ def best_step(history: Path, metric: str) -> int | None:
         logger.warning("%s not found: keeping only the latest checkpoint", history)
         return None
     values: dict[int, list[float]] = defaultdict(list)
-    for line in history.read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for row in read_rows(history):
         value = row.get(metric)
         if isinstance(value, (int, float)) and "step" in row and not math.isnan(value):
             values[int(row["step"])].append(float(value))
@@ -278,11 +273,3 @@ def _summarize(groups: list[TrajectoryGroup]) -> dict[str, float]:
             per_metric[name].append(float(value))
     summary.update({name: statistics.fmean(values) for name, values in per_metric.items()})
     return summary
-
-
-def _append_history(output_dir: Path, step: int, row: dict[str, float]) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    clean = {key: value for key, value in row.items() if not math.isnan(value)}
-    line = {**clean, "step": step, "recorded_at": datetime.now().isoformat()}
-    with (output_dir / HISTORY_FILE).open("a") as history:
-        history.write(json.dumps(line) + "\n")
