@@ -58,6 +58,33 @@ def test_names_and_fields_match_openpipe_art(monkeypatch):
         assert callable(getattr(art.TrainableModel, method)) and hasattr(ART.TrainableModel, method)
 
 
+def test_art_groups_convert_to_ours_with_choices_kept(monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    ART = pytest.importorskip("art")
+    choice = {
+        "index": 0,
+        "finish_reason": "stop",
+        "message": {"role": "assistant", "content": "hi"},
+        "logprobs": {"content": [{"token": "hi", "logprob": -0.5, "bytes": [104, 105], "top_logprobs": []}]},
+    }
+    theirs = ART.TrajectoryGroup(
+        [
+            ART.Trajectory(
+                messages_and_choices=[
+                    {"role": "user", "content": "x"},
+                    art.types.Choice.model_validate(choice),
+                ],
+                reward=1.0,
+            ),
+            ValueError("lost"),
+        ]
+    )
+    ours = art.TrajectoryGroup.model_validate(theirs.model_dump())
+    assert isinstance(ours.trajectories[0].messages_and_choices[1], art.types.Choice)
+    assert ours.trajectories[0].messages_and_choices[1].logprobs.content[0].logprob == -0.5
+    assert ours.exceptions[0].message == "lost"
+
+
 def test_train_config_accepts_the_old_beta_name_and_rejects_unknown_options():
     assert art.TrainConfig(beta=0.1).kl_penalty_coef == 0.1
     with pytest.raises(ValueError, match="extra"):
