@@ -17,12 +17,24 @@ _PR_SET_PDEATHSIG = 1
 
 
 def collect_tree(pid: int) -> list[psutil.Process]:
-    """The process `pid` and all its descendants (empty if it is gone)."""
+    """The process `pid`, its descendants, and the members of the process group it leads or led.
+
+    The group finds descendants even after `pid` died and they were reparented: a process-group id is
+    the leader's pid, and Linux does not reuse a pid while a group of that id has members.
+    """
     try:
         root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
+        procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return []
+        procs = []
+    return procs + [p for p in psutil.process_iter() if p not in procs and _pgid(p.pid) == pid]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
 
 
 def kill_process_tree(pid: int, timeout: float = 20.0) -> None:
@@ -69,8 +81,7 @@ def _running(proc: psutil.Process) -> bool:
 def _signal_all(pid: int, procs: list[psutil.Process], sig: signal.Signals) -> None:
     # The process group reaches descendants that already left the tree (e.g. a daemonised worker).
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, sig)
+        os.killpg(pid, sig)
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
             proc.send_signal(sig)

@@ -1,0 +1,5 @@
+"""Launching and talking to an inference server (SGLang, or the CPU reference engine)."""
+
+from art_sglang.server.process import ServerProcess
+
+__all__ = ["ServerProcess"]

@@ -1,0 +1,273 @@
+"""`ServerProcess`: one inference server (SGLang or the reference engine) as a subprocess — launch, wait
+until healthy, stop its whole process tree, restart, and notice when it died."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import socket
+import sys
+import threading
+import time
+import weakref
+from datetime import datetime, timezone
+from pathlib import Path
+from subprocess import DEVNULL, STDOUT, Popen
+from typing import Literal
+
+import httpx
+from tqdm import tqdm
+
+from art_sglang.config import SGLANG_ENV_DEFAULTS, SGLangConfig
+from art_sglang.errors import ServerCrashedError, ServerStartError
+from art_sglang.process_tree import kill_process_tree, parent_death_preexec
+
+Engine = Literal["sglang", "reference"]
+
+ENGINE_MODULES: dict[Engine, str] = {
+    "sglang": "sglang.launch_server",
+    "reference": "art_sglang.server.reference",
+}
+LOG_TAIL_LINES = 40
+_POLL_SECONDS = 0.25
+# At interpreter exit (or when a forgotten handle is collected) nobody waits on the server any more, so a
+# short grace period is enough before SIGKILL.
+_EXIT_GRACE_SECONDS = 5.0
+
+# Ports handed to servers of this interpreter and not released yet, so that servers started at the same
+# time never get the same "free" port before either has bound it.
+_reserved_ports: set[int] = set()
+_ports_lock = threading.Lock()
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        # Same option as the servers use, so a port in TIME_WAIT from a previous run counts as free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _claim_port(host: str, wanted: int | None) -> int:
+    """Reserve `wanted` if it is free and unreserved, else a fresh port the OS says is free."""
+    with _ports_lock:
+        if wanted is not None and wanted not in _reserved_ports and _port_is_free(host, wanted):
+            _reserved_ports.add(wanted)
+            return wanted
+        for _ in range(100):
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+            if port not in _reserved_ports:
+                _reserved_ports.add(port)
+                return port
+    raise ServerStartError(f"found no free port on {host}")
+
+
+def _release_port(port: int) -> None:
+    with _ports_lock:
+        _reserved_ports.discard(port)
+
+
+def _connect_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to `host`."""
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def display_command(command: list[str]) -> str:
+    """The command as a shell line, with the API key hidden (it goes to logs and error messages)."""
+    shown = list(command)
+    for i, arg in enumerate(shown[:-1]):
+        if arg == "--api-key":
+            shown[i + 1] = "REDACTED"
+    return shlex.join(shown)
+
+
+def read_log_tail(path: Path, start: int = 0, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of the log written after byte offset `start` ('' if there is no log)."""
+    try:
+        with path.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            # 64 KiB comfortably holds 40 lines, even of tracebacks.
+            f.seek(max(start, size - 65536))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
+class ServerProcess:
+    """An inference server subprocess in its own session, logging to `log_path`.
+
+    The server is killed with its whole tree by `stop()`, at interpreter exit, when this handle is garbage
+    collected, and (on Linux) by the kernel when the thread that started it dies — so start it from a
+    long-lived thread such as the main thread or the event loop's.
+    """
+
+    def __init__(
+        self,
+        config: SGLangConfig,
+        model_path: str,
+        *,
+        engine: Engine,
+        log_path: Path,
+        gpu_ids: list[int] | None = None,
+    ) -> None:
+        self.config = config
+        self.model_path = model_path
+        self.engine: Engine = engine
+        self.log_path = Path(log_path)
+        self.gpu_ids = gpu_ids
+        self._port: int | None = config.port
+        self._popen: Popen[bytes] | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._log_start = 0  # byte offset in the log where the current launch begins
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("the port is chosen when the server starts; call start() first")
+        return self._port
+
+    @property
+    def base_url(self) -> str:
+        """`http://<host>:<port>` without `/v1`."""
+        return f"http://{_connect_host(self.config.host)}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen is not None else None
+
+    def command(self) -> list[str]:
+        """The launch command; SGLang runs under the server venv's python, the reference engine under ours."""
+        python = self.config.resolved_server_python() if self.engine == "sglang" else sys.executable
+        return [
+            python,
+            "-m",
+            ENGINE_MODULES[self.engine],
+            *self.config.server_args(self.model_path, self.port),
+        ]
+
+    def environment(self) -> dict[str, str]:
+        env = {**os.environ, **SGLANG_ENV_DEFAULTS, **self.config.server_env}
+        # Log lines reach the file as they are written, so a failed start shows its last words.
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.gpu_ids is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
+        return env
+
+    async def start(self) -> None:
+        """Launch the server and wait until `GET /health` answers 200.
+
+        Raises `ServerStartError` (with the command and the log tail) if the process exits first or is not
+        healthy within `config.server_timeout` seconds; the process tree is killed in both cases.
+        """
+        if self.is_alive():
+            return
+        self._port = self.config.port or _claim_port(self.config.host, self._port)
+        command = self.command()
+        # Popen runs on the event loop's thread on purpose: the parent-death signal is tied to the forking
+        # thread, and an executor thread may exit while the server still runs.
+        self._popen = self._launch(command)
+        self._finalizer = weakref.finalize(self, kill_process_tree, self._popen.pid, _EXIT_GRACE_SECONDS)
+        try:
+            await self._wait_healthy(command)
+        except BaseException:
+            # Timeout, early exit, or the caller gave up (cancellation, Ctrl-C): never leave it running.
+            await self.stop(timeout=_EXIT_GRACE_SECONDS)
+            raise
+
+    def _launch(self, command: list[str]) -> Popen[bytes]:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self._log_start = log.tell()
+            stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            log.write(f"=== {stamp} starting: {display_command(command)}\n".encode())
+            log.flush()
+            # The child keeps its own copy of the file descriptor, so ours can close right away.
+            return Popen(
+                command,
+                stdin=DEVNULL,
+                stdout=log,
+                stderr=STDOUT,
+                env=self.environment(),
+                start_new_session=True,
+                preexec_fn=parent_death_preexec(),
+            )
+
+    async def _wait_healthy(self, command: list[str]) -> None:
+        assert self._popen is not None
+        timeout = self.config.server_timeout
+        deadline = time.monotonic() + timeout
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        url = f"{self.base_url}/health"
+        bar = tqdm(desc=f"Starting {self.engine} server", bar_format="{desc}: {elapsed}", file=sys.stderr)
+        # trust_env=False: a proxy from the environment must not intercept a local server.
+        async with httpx.AsyncClient(timeout=5.0, headers=headers, trust_env=False) as http:
+            try:
+                while True:
+                    code = self._popen.poll()
+                    if code is not None:
+                        raise ServerStartError(self._start_failure(command, f"exited with code {code}"))
+                    try:
+                        if (await http.get(url)).status_code == 200:
+                            return
+                    except httpx.TransportError:
+                        pass  # not listening yet
+                    if time.monotonic() >= deadline:
+                        raise ServerStartError(
+                            self._start_failure(command, f"was not healthy within {timeout:g} s")
+                        )
+                    bar.refresh()
+                    await asyncio.sleep(_POLL_SECONDS)
+            finally:
+                bar.close()
+
+    def _start_failure(self, command: list[str], what: str) -> str:
+        return (
+            f"The {self.engine} server {what} (port {self.port}).\n"
+            f"command: {display_command(command)}\n"
+            f"log: {self.log_path}\n--- last lines of the log ---\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last lines this launch wrote to the log."""
+        return read_log_tail(self.log_path, self._log_start, lines)
+
+    async def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL every process of its tree still alive after
+        `timeout` seconds. Idempotent; fine if the server already died."""
+        popen, self._popen = self._popen, None
+        if popen is None:
+            return
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        await asyncio.to_thread(kill_process_tree, popen.pid, timeout)
+        popen.poll()  # already reaped; keeps the Popen's own bookkeeping consistent
+        if self.config.port is None and self._port is not None:
+            _release_port(self._port)  # a restart claims it again if it is still free
+
+    async def restart(self) -> None:
+        """Stop and start again, on the same port when it is still free."""
+        await self.stop()
+        await self.start()
+
+    def is_alive(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None
+
+    def check_alive(self) -> None:
+        """Raise `ServerCrashedError` (with the log tail) unless the server process is running."""
+        if self._popen is None:
+            raise ServerCrashedError(f"The {self.engine} server is not running (not started, or stopped).")
+        code = self._popen.poll()
+        if code is not None:
+            raise ServerCrashedError(
+                f"The {self.engine} server (pid {self._popen.pid}) died with exit code {code}.\n"
+                f"log: {self.log_path}\n--- last lines of the log ---\n{self.log_tail()}"
+            )

@@ -1,0 +1,216 @@
+"""ServerProcess against real subprocesses: the reference engine, and small `python -c` servers where a
+test needs a behaviour no real engine shows on demand (exits at once, never healthy, ignores SIGTERM)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from art_sglang.config import SGLANG_ENV_DEFAULTS, SGLangConfig
+from art_sglang.errors import ServerCrashedError, ServerStartError
+from art_sglang.server.process import ServerProcess
+
+# A minimal HTTP server: GET /health -> 200 once it is up. It writes its environment to the log and says
+# when SIGTERM arrives; with `--stubborn` it ignores SIGTERM and first starts a grandchild that ignores
+# SIGTERM too.
+HEALTH_SERVER = textwrap.dedent(
+    """
+    import http.server, json, os, signal, subprocess, sys
+    args = sys.argv[1:]
+    port = int(args[args.index("--port") + 1])
+    wanted = ("CUDA_VISIBLE_DEVICES", "EXTRA", "SGL")
+    print("ENV " + json.dumps({k: v for k, v in sorted(os.environ.items()) if k.startswith(wanted)}))
+    def on_sigterm(*_):
+        print("SIGTERM received", flush=True)
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    if "--stubborn" in args:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+             "print('ready', flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+        child.stdout.readline()
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    """
+)
+
+
+class ScriptServer(ServerProcess):
+    """A ServerProcess whose command runs `script` with the usual server flags (plus `extra`)."""
+
+    def __init__(self, script: str, tmp_path: Path, *, extra: tuple[str, ...] = (), **config: object):
+        super().__init__(
+            SGLangConfig(**config),
+            "unused-model",
+            engine="reference",
+            log_path=tmp_path / "logs" / "server.log",
+        )
+        self.script = script
+        self.extra = extra
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-c",
+            self.script,
+            *self.config.server_args(self.model_path, self.port),
+            *self.extra,
+        ]
+
+
+def tree_pids(pid: int) -> list[int]:
+    root = psutil.Process(pid)
+    return [pid, *(p.pid for p in root.children(recursive=True))]
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def healthy(url: str) -> bool:
+    async with httpx.AsyncClient(trust_env=False) as http:
+        return (await http.get(f"{url}/health")).status_code == 200
+
+
+def test_command_per_engine(tmp_path: Path) -> None:
+    config = SGLangConfig(port=31234, server_python="/opt/sglang-venv/bin/python")
+    sglang = ServerProcess(config, "/models/m", engine="sglang", log_path=tmp_path / "s.log")
+    reference = ServerProcess(config, "/models/m", engine="reference", log_path=tmp_path / "r.log")
+    args = config.server_args("/models/m", 31234)
+    assert sglang.command() == ["/opt/sglang-venv/bin/python", "-m", "sglang.launch_server", *args]
+    assert reference.command() == [sys.executable, "-m", "art_sglang.server.reference", *args]
+    assert sglang.base_url == "http://127.0.0.1:31234"
+
+
+async def test_exit_at_once_fails_fast_with_command_and_log_tail(tmp_path: Path) -> None:
+    server = ScriptServer("print('no such model: bogus'); raise SystemExit(3)", tmp_path, server_timeout=60)
+    began = time.monotonic()
+    with pytest.raises(ServerStartError) as info:
+        await server.start()
+    assert time.monotonic() - began < 10
+    message = str(info.value)
+    assert "exited with code 3" in message
+    assert "no such model: bogus" in message
+    assert "--model-path unused-model" in message
+    assert not server.is_alive()
+
+
+async def test_never_healthy_times_out_and_is_killed(tmp_path: Path) -> None:
+    script = "import time; print('loading weights...', flush=True); time.sleep(600)"
+    server = ScriptServer(script, tmp_path, server_timeout=1.5)
+    with pytest.raises(ServerStartError, match=r"not healthy within 1.5 s(.|\n)*loading weights"):
+        await server.start()
+    assert server.pid is None
+    assert not server.is_alive()
+
+
+async def test_stop_kills_whole_tree_even_when_sigterm_is_ignored(tmp_path: Path) -> None:
+    server = ScriptServer(HEALTH_SERVER, tmp_path, extra=("--stubborn",))
+    await server.start()
+    assert server.pid is not None
+    pids = tree_pids(server.pid)
+    assert len(pids) == 2  # the server and its SIGTERM-ignoring grandchild
+    began = time.monotonic()
+    await server.stop(timeout=1.0)
+    assert time.monotonic() - began < 5
+    assert not [pid for pid in pids if running(pid)]
+    await server.stop()  # idempotent
+    assert not server.is_alive()
+
+
+async def test_environment_and_log_header(tmp_path: Path) -> None:
+    server = ScriptServer(HEALTH_SERVER, tmp_path, server_env={"EXTRA": "1"}, api_key="s3cret")
+    server.gpu_ids = [2, 3]
+    await server.start()
+    await server.stop()
+    log = server.log_path.read_text()
+    assert log.startswith("=== ")
+    assert "--api-key REDACTED" in log
+    assert "s3cret" not in log
+    assert '"CUDA_VISIBLE_DEVICES": "2,3"' in log
+    assert '"EXTRA": "1"' in log
+    name, value = next(iter(SGLANG_ENV_DEFAULTS.items()))
+    assert f'"{name}": "{value}"' in log
+
+
+async def test_concurrent_servers_get_different_ports(tmp_path: Path) -> None:
+    servers = [ScriptServer(HEALTH_SERVER, tmp_path / str(i)) for i in range(3)]
+    try:
+        await asyncio.gather(*(s.start() for s in servers))
+        assert len({s.port for s in servers}) == 3
+        for server in servers:
+            assert await healthy(server.base_url)
+    finally:
+        await asyncio.gather(*(s.stop() for s in servers))
+
+
+async def test_killed_server_is_detected(tmp_path: Path) -> None:
+    server = ScriptServer(HEALTH_SERVER, tmp_path)
+    await server.start()
+    server.check_alive()
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGKILL)
+    for _ in range(100):
+        if not server.is_alive():
+            break
+        await asyncio.sleep(0.05)
+    assert not server.is_alive()
+    with pytest.raises(ServerCrashedError, match=r"exit code -9(.|\n)*last lines of the log(.|\n)*ENV"):
+        server.check_alive()
+    await server.stop()
+    with pytest.raises(ServerCrashedError, match="not running"):
+        server.check_alive()
+
+
+def test_server_dies_with_its_user(tmp_path: Path) -> None:
+    """A script starts a server and exits without stop() (atexit), or is SIGKILLed (parent-death signal)."""
+    script = textwrap.dedent(
+        f"""
+        import asyncio, sys, time
+        from pathlib import Path
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_server_process import ScriptServer, HEALTH_SERVER
+        server = ScriptServer(HEALTH_SERVER, Path({str(tmp_path)!r}))
+        asyncio.run(server.start())
+        print(server.pid, flush=True)
+        if sys.argv[1] == "hang":
+            time.sleep(600)
+        """
+    )
+    for how in ("exit", "hang"):
+        user = subprocess.Popen([sys.executable, "-c", script, how], stdout=subprocess.PIPE, text=True)
+        try:
+            pid = int(user.stdout.readline())
+            assert running(pid)
+            if how == "hang":
+                user.kill()
+            assert user.wait(timeout=30) == (0 if how == "exit" else -9)
+            deadline = time.monotonic() + 10
+            while running(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not running(pid), how
+            # At exit the server is stopped gracefully (atexit); a SIGKILLed user's server gets SIGKILL.
+            graceful = (tmp_path / "logs" / "server.log").read_text().splitlines().count("SIGTERM received")
+            assert graceful == 1, how
+        finally:
+            user.kill()
+            user.wait()
