@@ -31,6 +31,10 @@ class ServerRequestError(ArtSGLangError):
         self.server_message = server_message
 
 
+class ServerUnavailableError(ServerRequestError):
+    """The server could not be reached (connection refused or reset, or no answer in time)."""
+
+
 class AdapterLoadError(ServerRequestError):
     """``/load_lora_adapter`` refused the adapter (duplicate name, bad path, rank above the maximum, ...)."""
 
