@@ -1,0 +1,133 @@
+"""What the benchmark scripts share: launch settings from the command line, a random LoRA adapter of a
+model's shape (a serving benchmark needs no trained one), GPU memory in use, and result output (JSON plus
+a markdown table)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from art_sglang.config import DEFAULT_LORA_TARGETS, SGLangConfig
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=["sglang", "reference"], default="sglang")
+    parser.add_argument("--model", "--model-path", dest="model", required=True, help="model folder")
+    parser.add_argument("--mem-fraction-static", type=float, default=0.5)
+    parser.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="capture CUDA graphs (slower start, faster decode)",
+    )
+    parser.add_argument("--attention-backend", default=None, help="e.g. triton (the device kit has no FA3)")
+    parser.add_argument("--sampling-backend", default=None, help="e.g. pytorch")
+    parser.add_argument("--lora-rank", type=int, default=8, help="rank of the random adapter served")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/art-sglang-bench"))
+
+
+def server_config(args: argparse.Namespace, **overrides: Any) -> SGLangConfig:
+    settings: dict[str, Any] = {
+        "mem_fraction_static": args.mem_fraction_static,
+        "disable_cuda_graph": not args.cuda_graph,
+        "attention_backend": args.attention_backend,
+        "sampling_backend": args.sampling_backend,
+        "enable_cache_report": True,
+        "max_lora_rank": max(args.lora_rank, 8),
+    }
+    settings.update(overrides)
+    return SGLangConfig(**settings)
+
+
+def make_random_adapter(model_path: str, out: Path, *, rank: int = 8, seed: int = 0) -> Path:
+    """A PEFT LoRA adapter for `model_path` on all linear layers, with small random A and B (B != 0, so
+    it changes outputs). Built on the meta device: no weights are loaded."""
+    import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (out / "adapter_model.safetensors").exists():
+        return out
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(DEFAULT_LORA_TARGETS))
+    peft_model = get_peft_model(model, lora)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {
+        key: (torch.randn(value.shape, generator=generator) * 0.02).to(torch.bfloat16)
+        for key, value in get_peft_model_state_dict(peft_model).items()
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    lora.base_model_name_or_path = model_path
+    lora.save_pretrained(str(out))
+    return out
+
+
+def gpu_memory_used_mib() -> int | None:
+    """Memory in use on all GPUs together, or None without nvidia-smi."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sum(int(v) for v in done.stdout.split())
+
+
+def environment() -> dict[str, Any]:
+    """Where the numbers were taken: GPU, versions, date."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    try:
+        gpus = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError):
+        gpus = []
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpus": [g for g in gpus if g],
+        "cpu": platform.processor() or platform.machine(),
+        "versions": {name: v(name) for name in ("art-sglang", "torch", "transformers", "peft", "openai")},
+    }
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(value: Any) -> str:
+        return f"{value:,.3f}".rstrip("0").rstrip(".") if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(args: argparse.Namespace, results: dict[str, Any], table: str) -> None:
+    print(table)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+    if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table + "\n")

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# On the GPU machine, after both stacks are installed (stage.sh): the project's own few packages, the
+# server-python wrapper, the test models, and a record of the versions. Carry `.whl` (pytest 9 +
+# pytest-asyncio + pytest-timeout wheels).
+set -euo pipefail
+test -d /tmp/site/sglang || { echo "COLD: SGLang stack not installed"; exit 3; }
+test -d /tmp/tsite/unsloth || { echo "COLD: trainer stack not installed"; exit 3; }
+# openai/fastapi/uvicorn come from the SGLang bundle's wheels (same interpreter), kept apart from its pins.
+wheels=()
+for name in openai jiter distro fastapi starlette uvicorn python_multipart; do
+  wheels+=(/root/b.wheels/"$name"-*.whl)
+done
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/usite "${wheels[@]}" .whl/*.whl 2>&1 \
+  | grep -v '^WARNING' || true
+printf '#!/bin/sh\n# SGLang with its own stack only (the two venvs of setup_sglang.sh, on this machine)\nPYTHONPATH=/tmp/site exec python3 "$@"\n' \
+  > /tmp/sglang-python
+chmod +x /tmp/sglang-python
+# shellcheck source=scripts/device/env.sh
+source scripts/device/env.sh
+python3 tests/gpu/gpu_models.py /root/models
+python3 scripts/device/versions.py | tee "$OUT/versions.json"
