@@ -127,7 +127,12 @@ class TrajectoryGroup(BaseModel):
     ) -> Any:
         items = list(trajectories)
         extras = {"metadata": metadata or {}, "metrics": metrics or {}, "logs": logs or []}
-        if any(_is_awaitable(item) for item in items):
+        awaitables = [_is_awaitable(item) for item in items]
+        if any(awaitables):
+            if not all(awaitables):
+                raise TypeError(
+                    "TrajectoryGroup takes either awaitables of Trajectory or finished ones, not both"
+                )
             return PendingTrajectoryGroup(cast(list[Awaitable[Trajectory]], items), list(exceptions), extras)
         unknown = [i for i in items if not isinstance(i, (Trajectory, BaseException, dict))]
         if unknown:

@@ -98,9 +98,13 @@ def test_group_from_trajectories_and_exceptions():
     assert group.logs == ["note"]
 
 
-def test_group_rejects_other_items():
+async def test_group_rejects_other_items():
     with pytest.raises(TypeError, match="got str"):
         TrajectoryGroup([conversation(), "not a trajectory"])
+    pending = rollout(1)
+    with pytest.raises(TypeError, match="not both"):
+        TrajectoryGroup([conversation(), pending])
+    await pending
 
 
 def test_json_round_trip_keeps_choices_and_logprobs():
