@@ -1,0 +1,108 @@
+"""Checkpoint folders `<checkpoint_dir>/<step:04d>/`: a PEFT adapter (adapter_config.json +
+adapter_model.safetensors, loadable by peft and by SGLang's /load_lora_adapter), optimizer.pt and
+trainer_state.json. A checkpoint is written into `<step:04d>.tmp-<random>` in the same folder, every
+file fsynced, then renamed into place, so a crash never leaves a folder that `latest_checkpoint` picks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+OPTIMIZER = "optimizer.pt"
+TRAINER_STATE = "trainer_state.json"
+CHECKPOINT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER, TRAINER_STATE)
+_STEP_DIR = re.compile(r"^\d{4,}$")
+_TMP_MARK = ".tmp-"
+
+
+def checkpoint_path(checkpoint_dir: Path, step: int) -> Path:
+    return Path(checkpoint_dir) / f"{step:04d}"
+
+
+def is_complete(path: Path) -> bool:
+    """All four files present and trainer_state.json readable."""
+    if not all((path / name).is_file() for name in CHECKPOINT_FILES):
+        return False
+    try:
+        json.loads((path / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def list_checkpoints(checkpoint_dir: Path) -> list[int]:
+    """Steps of the complete checkpoints, ascending; temp and partial folders are ignored."""
+    folder = Path(checkpoint_dir)
+    if not folder.is_dir():
+        return []
+    return sorted(
+        int(p.name) for p in folder.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and is_complete(p)
+    )
+
+
+def latest_checkpoint(checkpoint_dir: Path) -> int | None:
+    steps = list_checkpoints(checkpoint_dir)
+    return steps[-1] if steps else None
+
+
+def remove_stale_temp_dirs(checkpoint_dir: Path) -> None:
+    """Delete leftovers of interrupted writes (only this trainer writes into the folder)."""
+    folder = Path(checkpoint_dir)
+    if folder.is_dir():
+        for path in folder.iterdir():
+            if _TMP_MARK in path.name and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def write_checkpoint(checkpoint_dir: Path, step: int, write: Callable[[Path], None]) -> Path:
+    """Run `write(tmp)` to fill a temp folder, fsync it, and rename it to `<step:04d>`. A partial
+    folder already at that name (e.g. from a crash without the temp naming) is replaced."""
+    folder = Path(checkpoint_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(folder, step)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}{_TMP_MARK}", dir=folder))
+    try:
+        write(tmp)
+        missing = [name for name in CHECKPOINT_FILES if not (tmp / name).is_file()]
+        if missing:
+            raise RuntimeError(f"checkpoint {step} is missing {missing}")
+        for path in tmp.iterdir():
+            _fsync(path)
+        _fsync(tmp)
+        if final.exists():
+            if is_complete(final):
+                raise FileExistsError(f"checkpoint {final} already exists")
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync(folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=1, default=str))
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    return json.loads((Path(path) / TRAINER_STATE).read_text())
+
+
+def _fsync(path: Path) -> None:
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)
+    fd = os.open(path, flags)
+    try:
+        with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
+            os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,238 @@
+"""`TrainerProcess`: the parent-side handle of the trainer worker subprocess (see worker.py for the
+protocol). The worker gets `CUDA_VISIBLE_DEVICES` in its environment before it imports torch, runs in its
+own session, writes stderr to the trainer log, and is killed with its whole tree by `stop()`, at
+interpreter exit, when the handle is garbage collected, and (Linux) when the thread that started it dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from subprocess import PIPE, Popen
+from typing import IO, Any
+
+import art_sglang
+
+from ..config import TrainerConfig
+from ..errors import TrainerError, TrainingInputError
+from ..process_tree import kill_process_tree, parent_death_preexec
+from ..server.process import read_log_tail
+from ..trajectories import TrajectoryGroup
+from .options import StepOutcome, TrainOptions
+from .validation import WireGroup, groups_to_wire, validate_groups
+from .worker import ERROR, INPUT_ERROR, PROGRESS, RESULT
+
+_EXIT_GRACE_SECONDS = 5.0
+_SHUTDOWN_WAIT_SECONDS = 10.0
+
+ProgressCallback = Callable[[dict[str, Any]], None]
+
+
+class TrainerProcess:
+    """One trainer worker: loads the base model once and serves many `train()` calls, one at a time."""
+
+    def __init__(
+        self,
+        base_model: str,
+        checkpoint_dir: Path,
+        config: TrainerConfig,
+        *,
+        gpu_ids: list[int] | None,
+        log_path: Path,
+    ) -> None:
+        self.base_model = base_model
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.config = config
+        self.gpu_ids = gpu_ids
+        self.log_path = Path(log_path)
+        self.info: dict[str, Any] = {}  # the worker's answer to init: step, resumed, backend, device
+        self._popen: Popen[bytes] | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._lines: asyncio.Queue[bytes | None] | None = None
+        self._ids = itertools.count(1)
+        self._lock = asyncio.Lock()
+        self._log_start = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen is not None else None
+
+    def command(self) -> list[str]:
+        return [self.config.trainer_python or sys.executable, "-m", "art_sglang.training.worker"]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.gpu_ids is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
+        # The worker must import this very package, even when it is not installed (a source checkout).
+        root = str(Path(art_sglang.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    async def start(self) -> int:
+        """Start the worker; it loads the base model, resumes the newest complete checkpoint or writes
+        step 0. Returns the step. TrainerError (with the log tail) if it fails."""
+        if self.is_alive():
+            return int(self.info["step"])
+        self._launch()
+        try:
+            self.info = await self._request(
+                "init",
+                base_model=self.base_model,
+                checkpoint_dir=str(self.checkpoint_dir),
+                config=self.config.model_dump(mode="json"),
+            )
+        except BaseException:
+            await self.stop()
+            raise
+        return int(self.info["step"])
+
+    def _launch(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self._log_start = log.tell()
+            stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            log.write(
+                f"=== {stamp} starting trainer: {' '.join(self.command())} gpus={self.gpu_ids}\n".encode()
+            )
+            log.flush()
+            # Popen on the event loop's thread on purpose: the parent-death signal follows the forking thread.
+            popen = Popen(
+                self.command(),
+                stdin=PIPE,
+                stdout=PIPE,
+                stderr=log,
+                env=self.environment(),
+                start_new_session=True,
+                preexec_fn=parent_death_preexec(),
+            )
+        self._popen = popen
+        self._finalizer = weakref.finalize(self, kill_process_tree, popen.pid, _EXIT_GRACE_SECONDS)
+        loop = asyncio.get_running_loop()
+        lines: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._lines = lines
+        assert popen.stdout is not None
+        threading.Thread(target=_pump, args=(popen.stdout, loop, lines), daemon=True).start()
+
+    async def train(
+        self,
+        groups: list[TrajectoryGroup] | list[WireGroup],
+        options: TrainOptions,
+        *,
+        on_progress: ProgressCallback | None = None,
+    ) -> StepOutcome:
+        """One optimizer step on `groups`. Input problems raise TrainingInputError before anything is
+        trained or written; `trained=False` (with `reason`) when no group carries a learning signal."""
+        wire = groups_to_wire(groups)
+        validate_groups(wire, allow_training_without_logprobs=options.allow_training_without_logprobs)
+        data = await self._request(
+            "train", on_progress=on_progress, groups=wire, options=options.model_dump()
+        )
+        path = data.get("checkpoint_path")
+        return StepOutcome(
+            step=int(data["step"]),
+            metrics={k: float(v) for k, v in data["metrics"].items()},
+            checkpoint_path=Path(path) if path else None,
+            trained=bool(data["trained"]),
+            reason=data.get("reason"),
+        )
+
+    async def offload(self) -> None:
+        """Move the model and optimizer state to CPU and free the GPU (shared mode); no-op on CPU."""
+        await self._request("offload")
+
+    async def reload(self) -> None:
+        await self._request("reload")
+
+    async def stop(self) -> None:
+        """Ask the worker to exit, then kill whatever is left of its tree. Idempotent."""
+        popen, self._popen = self._popen, None
+        if popen is None:
+            return
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if popen.poll() is None and not self._lock.locked():
+            with contextlib.suppress(OSError, ValueError):
+                await asyncio.to_thread(_write, popen.stdin, {"id": 0, "cmd": "shutdown"})
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(popen.wait, _SHUTDOWN_WAIT_SECONDS)
+        await asyncio.to_thread(kill_process_tree, popen.pid, _EXIT_GRACE_SECONDS)
+        popen.poll()
+        for stream in (popen.stdin, popen.stdout):
+            with contextlib.suppress(OSError):
+                if stream is not None:
+                    stream.close()
+
+    def is_alive(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        return read_log_tail(self.log_path, self._log_start, lines)
+
+    def _died(self, what: str) -> TrainerError:
+        code = self._popen.poll() if self._popen is not None else None
+        return TrainerError(
+            f"the trainer worker {what} (exit code {code}).\nlog: {self.log_path}\n"
+            f"--- last lines of the log ---\n{self.log_tail()}"
+        )
+
+    async def _request(self, cmd: str, *, on_progress: ProgressCallback | None = None, **fields: Any) -> dict:
+        async with self._lock:
+            popen, lines = self._popen, self._lines
+            if popen is None or lines is None:
+                raise TrainerError(f"the trainer is not running (not started, or stopped); cannot {cmd}")
+            if popen.poll() is not None:
+                raise self._died("is not running")
+            rid = next(self._ids)
+            try:
+                await asyncio.to_thread(_write, popen.stdin, {"id": rid, "cmd": cmd, **fields})
+            except (OSError, ValueError):
+                raise self._died(f"closed its input while receiving {cmd!r}") from None
+            while True:
+                line = await lines.get()
+                if line is None:
+                    await asyncio.to_thread(_wait_quietly, popen)
+                    lines.put_nowait(None)  # later requests see the end too
+                    raise self._died(f"died during {cmd!r}")
+                message = json.loads(line)
+                if message.get("id") != rid:
+                    continue  # the tail of a request whose caller was cancelled
+                event = message.get("event")
+                if event == PROGRESS and on_progress is not None:
+                    on_progress(message.get("data") or {})
+                elif event == RESULT:
+                    return message.get("data") or {}
+                elif event == ERROR:
+                    error = TrainingInputError if message.get("error_type") == INPUT_ERROR else TrainerError
+                    raise error(message.get("message", "unknown trainer error"))
+
+
+def _write(stream: IO[bytes] | None, request: dict[str, Any]) -> None:
+    """One request line. NaN/inf stay JSON literals (Python's json reads them back); other odd values
+    become strings."""
+    assert stream is not None
+    stream.write(json.dumps(request, default=str).encode() + b"\n")
+    stream.flush()
+
+
+def _wait_quietly(popen: Popen[bytes]) -> None:
+    with contextlib.suppress(Exception):
+        popen.wait(_EXIT_GRACE_SECONDS)
+
+
+def _pump(stdout: IO[bytes], loop: asyncio.AbstractEventLoop, lines: asyncio.Queue[bytes | None]) -> None:
+    """Reader thread: every protocol line to the queue, then None at end of stream."""
+    with contextlib.suppress(RuntimeError, ValueError, OSError):  # the loop or the pipe closed first
+        for line in stdout:
+            loop.call_soon_threadsafe(lines.put_nowait, line)
+        loop.call_soon_threadsafe(lines.put_nowait, None)

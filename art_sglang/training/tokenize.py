@@ -1,0 +1,225 @@
+"""Trajectories → token sequences with a mask of the tokens the model sampled and the sampler's logprobs.
+
+How a conversation becomes tokens (tools included, via the tokenizer's chat template):
+- For each sampled Choice at position p, the prompt is the template rendering of items [:p] with
+  `add_generation_prompt=True`, and the completion is what rendering items [:p+1] adds after it. The
+  completion is split at the first end-of-turn token (tokenizer/generation-config EOS): the text before
+  it is the sampled content, the end-of-turn token itself, then template trailer (e.g. a newline).
+- Mask = 1 on the content tokens, and on the end-of-turn token when the model stopped by itself
+  (finish_reason "stop" or "tool_calls"); 0 on everything else: system/user/tool messages, plain
+  assistant message dicts (context, as in ART), template tokens, an end-of-turn token the model never
+  sampled (finish_reason "length").
+- The prompt and the sampled text are tokenized separately, as the server did when it sampled.
+- A multi-turn conversation is one sequence while each prompt extends the previous rendering; a
+  template that rewrites history (e.g. drops earlier reasoning) starts a new sequence at that choice.
+
+Sampler logprobs (validation.py has already checked that they spell the content). Let N be the number
+of entries that spell the content and M the number of re-tokenized content tokens:
+- N == M: the entries are the old logprobs of the content tokens; a trailing stop-token entry, when
+  present, is the old logprob of the end-of-turn token.
+- N != M (the sampler's tokenization of the text differs from the tokenizer's, or the server split off
+  tool calls/reasoning): re-tokenization mismatch. The choice's sampler logprobs are dropped and the
+  trainer's own detached logprobs stand in (importance ratio 1 for that choice); counted in
+  `tokenize/logprob_mismatch`.
+- No logprobs at all (allowed only with allow_training_without_logprobs): the same stand-in, counted in
+  `tokenize/no_logprobs`. Tokens without a sampler logprob carry NaN here.
+A sequence longer than `max_seq_length` is a TrainingInputError naming the group and trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import TrainingInputError
+from .validation import WireGroup, content_entry_count, histories, is_choice, logprob_entries, text_checkable
+
+NAN = float("nan")
+_STOPPED = ("stop", "tool_calls")
+
+
+@dataclass
+class TokenizedSequence:
+    """One sequence to train on. `old_logprobs[t]` is the sampler's logprob of `input_ids[t]` (NaN where
+    unknown); `sampled_mask[t]` is 1 where the model sampled `input_ids[t]`."""
+
+    input_ids: list[int]
+    sampled_mask: list[int]
+    old_logprobs: list[float]
+    group: int
+    trajectory: int
+    advantage: float = 0.0
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.sampled_mask)
+
+
+@dataclass
+class TokenizeStats:
+    logprob_mismatch: int = 0
+    no_logprobs: int = 0
+    choices: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "tokenize/choices": float(self.choices),
+            "tokenize/logprob_mismatch": float(self.logprob_mismatch),
+            "tokenize/no_logprobs": float(self.no_logprobs),
+        }
+
+
+@dataclass
+class _Builder:
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    rendered: str = ""
+
+    def add(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
+        self.ids += ids
+        self.mask += [int(sampled)] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [NAN] * len(ids)
+
+
+class ChatTokenizer:
+    """Renders wire-format trajectories (see validation.py) with a Hugging Face tokenizer."""
+
+    def __init__(self, tokenizer: Any, *, end_of_turn_ids: list[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        ids = end_of_turn_ids if end_of_turn_ids is not None else [tokenizer.eos_token_id]
+        self.end_of_turn = {tokenizer.convert_ids_to_tokens(i): i for i in ids if i is not None}
+
+    @classmethod
+    def for_model(cls, tokenizer: Any, model_path: str | Path) -> ChatTokenizer:
+        """End-of-turn tokens = the tokenizer's EOS plus generation_config.json's eos_token_id(s)."""
+        ids = [tokenizer.eos_token_id]
+        config = Path(model_path) / "generation_config.json"
+        if config.exists():
+            extra = json.loads(config.read_text()).get("eos_token_id")
+            ids += extra if isinstance(extra, list) else [extra]
+        return cls(tokenizer, end_of_turn_ids=list(dict.fromkeys(i for i in ids if i is not None)))
+
+    def tokenize_trajectory(
+        self, trajectory: WireGroup, *, group: int, index: int, stats: TokenizeStats
+    ) -> list[TokenizedSequence]:
+        sequences: list[TokenizedSequence] = []
+        for items, tools in histories(trajectory):
+            try:
+                sequences += self._tokenize_history(items, tools, group, index, stats)
+            except TrainingInputError:
+                raise
+            except Exception as exc:  # a template error names the trajectory it came from
+                raise TrainingInputError(
+                    f"group {group}, trajectory {index}: the chat template could not render it: {exc}"
+                ) from exc
+        return sequences
+
+    def _tokenize_history(
+        self, items: list[Any], tools: list[Any] | None, group: int, index: int, stats: TokenizeStats
+    ) -> list[TokenizedSequence]:
+        messages = [_as_message(item) for item in items]
+        done: list[_Builder] = []
+        current = _Builder()
+        for position, item in enumerate(items):
+            if not is_choice(item):
+                continue
+            stats.choices += 1
+            prompt = self._render(messages[:position], tools, generation_prompt=True)
+            full = self._render(messages[: position + 1], tools, generation_prompt=False)
+            if not (current.rendered and prompt.startswith(current.rendered)):
+                if current.ids:
+                    done.append(current)
+                current = _Builder()
+            current.add(self._encode(prompt[len(current.rendered) :]), sampled=False)
+            completion = full[len(prompt) :] if full.startswith(prompt) else None
+            self._add_choice(current, item, completion, stats)
+            current.rendered = full if completion is not None else ""
+        if current.ids:
+            done.append(current)
+        return [TokenizedSequence(b.ids, b.mask, b.logprobs, group, index) for b in done]
+
+    def _add_choice(
+        self, builder: _Builder, choice: WireGroup, completion: str | None, stats: TokenizeStats
+    ) -> None:
+        content, eot, trailer = self._split_completion(choice, completion)
+        content_ids = self._encode(content)
+        entries = logprob_entries(choice)
+        content_lps: list[float] | None = None
+        eot_lp = NAN
+        if entries is None:
+            stats.no_logprobs += 1
+        else:
+            count = content_entry_count(choice, entries) if text_checkable(choice) else len(entries)
+            if count == len(content_ids):
+                content_lps = [float(e["logprob"]) for e in entries[: len(content_ids)]]
+                if count is not None and count < len(entries):
+                    eot_lp = float(entries[count]["logprob"])
+            else:
+                stats.logprob_mismatch += 1
+        builder.add(content_ids, sampled=True, logprobs=content_lps)
+        if eot is not None:
+            stopped = choice.get("finish_reason") in _STOPPED
+            builder.add([eot], sampled=stopped, logprobs=[eot_lp if stopped else NAN])
+        builder.add(self._encode(trailer), sampled=False)
+
+    def _split_completion(self, choice: WireGroup, completion: str | None) -> tuple[str, int | None, str]:
+        """(sampled text, end-of-turn token id or None, template trailer)."""
+        if completion is None:
+            # The template does not render the assistant turn right after its generation prompt; train the
+            # raw content followed by the end-of-turn token.
+            return (choice.get("message") or {}).get("content") or "", self._first_eot(), ""
+        found = [(completion.find(text), text) for text in self.end_of_turn if text in completion]
+        if not found:
+            return completion, None, ""
+        at, text = min(found)
+        return completion[:at], self.end_of_turn[text], completion[at + len(text) :]
+
+    def _first_eot(self) -> int | None:
+        return next(iter(self.end_of_turn.values()), None)
+
+    def _render(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, *, generation_prompt: bool
+    ) -> str:
+        if not messages:
+            return ""
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+
+def _as_message(item: Any) -> dict[str, Any]:
+    """The chat-template form of a message or Choice (templates expect string content)."""
+    if is_choice(item):
+        message = item.get("message") or {}
+        out: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+        if message.get("tool_calls"):
+            out["tool_calls"] = message["tool_calls"]
+        return out
+    return {**item, "content": item.get("content") or ""}
+
+
+def tokenize_groups(
+    chat: ChatTokenizer, groups: list[WireGroup], *, max_seq_length: int
+) -> tuple[list[list[list[TokenizedSequence]]], TokenizeStats]:
+    """Sequences per group per trajectory; raises TrainingInputError for an over-long sequence."""
+    stats = TokenizeStats()
+    out: list[list[list[TokenizedSequence]]] = []
+    for gi, group in enumerate(groups):
+        per_trajectory = []
+        for ti, trajectory in enumerate(group["trajectories"]):
+            sequences = chat.tokenize_trajectory(trajectory, group=gi, index=ti, stats=stats)
+            for sequence in sequences:
+                if len(sequence.input_ids) > max_seq_length:
+                    raise TrainingInputError(
+                        f"group {gi}, trajectory {ti}: {len(sequence.input_ids)} tokens, longer than "
+                        f"max_seq_length={max_seq_length}"
+                    )
+            per_trajectory.append(sequences)
+        out.append(per_trajectory)
+    return out, stats

@@ -1,0 +1,128 @@
+"""Checks on trajectory groups that need no tokenizer, run in the parent before anything is sent to the
+trainer (and again in the worker). Groups travel as plain dicts (`groups_to_wire`): a dict with "role"
+is a chat message (context), a dict with "message" and "finish_reason" is a sampled Choice (trained).
+
+A Choice's `logprobs.content` must spell out exactly its `message.content` (the entries' bytes, joined),
+optionally followed by one trailing entry for the stop token. Entries that spell anything else (one too
+few, one too many, another completion's) are "logprobs of the wrong length" and an error. The check is
+skipped for choices whose text the server split off (tool calls, `reasoning_content`): there only the
+number of entries is compared later, by the tokenizer (see `tokenize.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import TrainingInputError
+
+if TYPE_CHECKING:
+    from ..trajectories import TrajectoryGroup
+
+WireGroup = dict[str, Any]
+
+
+def groups_to_wire(groups: Sequence[TrajectoryGroup | WireGroup]) -> list[WireGroup]:
+    """Plain-dict form of the groups, as sent to the worker. Python mode keeps NaN/inf rewards as floats
+    (JSON mode would turn them into null) so validation can name them."""
+    return [g if isinstance(g, dict) else g.model_dump(mode="python") for g in groups]
+
+
+def is_choice(item: Any) -> bool:
+    return isinstance(item, dict) and "message" in item and "finish_reason" in item
+
+
+def histories(trajectory: WireGroup) -> list[tuple[list[Any], list[Any] | None]]:
+    """(messages_and_choices, tools) of the main conversation and of each additional history."""
+    main = (trajectory.get("messages_and_choices") or [], trajectory.get("tools"))
+    extra = [
+        (h.get("messages_and_choices") or [], h.get("tools"))
+        for h in trajectory.get("additional_histories") or []
+    ]
+    return [main, *extra]
+
+
+def logprob_entries(choice: WireGroup) -> list[dict[str, Any]] | None:
+    """The per-token logprob entries of a choice, or None when the rollout did not ask for logprobs."""
+    logprobs = choice.get("logprobs")
+    if not logprobs:
+        return None
+    entries = logprobs.get("content")
+    if entries is None:
+        entries = logprobs.get("refusal")
+    return list(entries) if entries is not None else None
+
+
+def _entry_bytes(entry: dict[str, Any]) -> bytes:
+    raw = entry.get("bytes")
+    return bytes(raw) if raw is not None else str(entry.get("token", "")).encode()
+
+
+def text_checkable(choice: WireGroup) -> bool:
+    """Whether `message.content` is the whole sampled text (no tool calls or reasoning split off)."""
+    message = choice.get("message") or {}
+    return not message.get("tool_calls") and not message.get("reasoning_content")
+
+
+def content_entry_count(choice: WireGroup, entries: list[dict[str, Any]]) -> int | None:
+    """How many leading entries spell the choice's content: all of them, or all but a trailing stop
+    token. None when they spell something else."""
+    target = ((choice.get("message") or {}).get("content") or "").encode()
+    joined = b"".join(_entry_bytes(e) for e in entries)
+    if joined == target:
+        return len(entries)
+    if entries and joined[: len(joined) - len(_entry_bytes(entries[-1]))] == target:
+        return len(entries) - 1
+    return None
+
+
+def validate_groups(groups: list[WireGroup], *, allow_training_without_logprobs: bool) -> None:
+    """Raise TrainingInputError, naming the group and trajectory index, for input that cannot be trained:
+    no groups, an empty group, a reward that is not a finite number, a trajectory without a sampled
+    Choice, a Choice without logprobs (unless allowed), logprobs that do not match the Choice's text."""
+    if not groups:
+        raise TrainingInputError("no trajectory groups to train on")
+    for gi, group in enumerate(groups):
+        trajectories = group.get("trajectories") or []
+        if not trajectories:
+            failed = len(group.get("exceptions") or [])
+            hint = f" ({failed} rollouts raised exceptions)" if failed else ""
+            raise TrainingInputError(f"group {gi} has no trajectories{hint}")
+        for ti, trajectory in enumerate(trajectories):
+            _validate_trajectory(trajectory, f"group {gi}, trajectory {ti}", allow_training_without_logprobs)
+
+
+def _validate_trajectory(trajectory: WireGroup, where: str, allow_without_logprobs: bool) -> None:
+    reward = trajectory.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise TrainingInputError(f"{where}: reward must be a finite number, got {reward!r}")
+    choices = [item for items, _ in histories(trajectory) for item in items if is_choice(item)]
+    if not choices:
+        raise TrainingInputError(
+            f"{where}: no assistant Choice to train on (plain assistant message dicts are context; "
+            "append the Choice objects returned by the chat completion)"
+        )
+    for ci, choice in enumerate(choices):
+        _validate_choice(choice, f"{where}, choice {ci}", allow_without_logprobs)
+
+
+def _validate_choice(choice: WireGroup, where: str, allow_without_logprobs: bool) -> None:
+    entries = logprob_entries(choice)
+    if entries is None:
+        if not allow_without_logprobs:
+            raise TrainingInputError(
+                f"{where}: the Choice has no logprobs; request them (logprobs=True) in the rollout or "
+                "train with allow_training_without_logprobs=True"
+            )
+        return
+    for ei, entry in enumerate(entries):
+        value = entry.get("logprob") if isinstance(entry, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise TrainingInputError(f"{where}: logprob {ei} must be a finite number, got {value!r}")
+    if text_checkable(choice) and content_entry_count(choice, entries) is None:
+        content = (choice.get("message") or {}).get("content") or ""
+        raise TrainingInputError(
+            f"{where}: logprobs of the wrong length: {len(entries)} logprob entries do not spell the "
+            f"choice's content ({len(content)} characters)"
+        )
