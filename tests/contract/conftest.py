@@ -4,7 +4,6 @@ with peft, and one server per test module started through `ServerProcess`."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -35,7 +34,9 @@ def adapters(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> dict[
     made = {
         "a": make_adapter(model_path, root / "lora_a", rank=8, targets=ALL_LINEAR, seed=1, scale=20.0),
         "b": make_adapter(model_path, root / "lora_b", rank=8, targets=ALL_LINEAR, seed=2, scale=20.0),
-        "rank32": make_adapter(model_path, root / "lora_rank32", rank=32, targets=["q_proj", "v_proj"], seed=3),
+        "rank32": make_adapter(
+            model_path, root / "lora_rank32", rank=32, targets=["q_proj", "v_proj"], seed=3
+        ),
     }
     return {name: str(path) for name, path in made.items()}
 

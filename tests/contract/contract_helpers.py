@@ -44,7 +44,9 @@ def contract_config(engine: str, **overrides: Any) -> SGLangConfig:
 
 
 @contextlib.contextmanager
-def running_server(config: SGLangConfig, model_path: str, engine: str, log_path: Path) -> Iterator[ServerProcess]:
+def running_server(
+    config: SGLangConfig, model_path: str, engine: str, log_path: Path
+) -> Iterator[ServerProcess]:
     """A started server, stopped (whole tree) on exit."""
     server = ServerProcess(config, model_path, engine=engine, log_path=log_path)  # type: ignore[arg-type]
     asyncio.run(server.start())

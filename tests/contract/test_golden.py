@@ -13,7 +13,13 @@ from contract_helpers import load_golden, parse_sse, shape_mismatches
 
 CASES = [c for c in load_golden() if c is not None]
 # What the recorded requests named on the capture machine, and what stands for it here.
-RECORDED_PATHS = ("/root/tiny", "/root/lora_a", "/root/lora_rank32", "/root/does_not_exist", "/root/nothing_here")
+RECORDED_PATHS = (
+    "/root/tiny",
+    "/root/lora_a",
+    "/root/lora_rank32",
+    "/root/does_not_exist",
+    "/root/nothing_here",
+)
 # /get_server_info dumps all of SGLang's ~400 flags; these are the ones a client of this project reads.
 SERVER_INFO_KEYS = {
     "model_path", "tokenizer_path", "served_model_name", "host", "port", "tp_size", "enable_lora",
@@ -39,13 +45,22 @@ def replayed(
 ) -> dict[str, httpx.Response]:
     """Every golden request sent in the recorded order (later cases depend on earlier ones)."""
     missing = tmp_path_factory.mktemp("missing")
-    here = [model_path, adapters["a"], adapters["rank32"], str(missing / "does_not_exist"), str(missing / "x")]
+    here = [
+        model_path,
+        adapters["a"],
+        adapters["rank32"],
+        str(missing / "does_not_exist"),
+        str(missing / "x"),
+    ]
     paths = dict(zip(RECORDED_PATHS, here, strict=True))
     answers = {}
     for case in CASES:
         request = case["request"]
         if isinstance(request, str):  # the malformed-JSON case keeps its raw bytes
-            kwargs: dict[str, Any] = {"content": request.encode(), "headers": {"content-type": "application/json"}}
+            kwargs: dict[str, Any] = {
+                "content": request.encode(),
+                "headers": {"content-type": "application/json"},
+            }
         elif request is None:
             kwargs = {}
         else:
@@ -72,7 +87,8 @@ def test_matches_sglang(case: dict[str, Any], replayed: dict[str, httpx.Response
             assert not shape_mismatches(ours[index], theirs[index]), (index, ours[index])
         return
     if case["path"] == "/get_server_info":
-        assert SERVER_INFO_KEYS <= set(golden) and SERVER_INFO_KEYS <= set(answer.json())
+        missing = SERVER_INFO_KEYS - set(answer.json())
+        assert not SERVER_INFO_KEYS - set(golden) and not missing, missing
         return
     if case["path"] == "/metrics":
         assert "# TYPE sglang:" in answer.text
