@@ -102,7 +102,11 @@ class Model(BaseModel):
                 f"model {self.name!r}: `config` must be JSON-serializable (it is saved to model.json): {exc}"
             ) from exc
         self._backend = backend
-        await backend.register(self)
+        try:
+            await backend.register(self)
+        except BaseException:
+            self._backend = None
+            raise
 
     def openai_client(self) -> AsyncOpenAI:
         """An `AsyncOpenAI` client for the model's inference server (created once per server address)."""
@@ -180,8 +184,14 @@ class TrainableModel(Model):
 
     async def register(self, backend: Backend, _openai_client_config: Any | None = None) -> None:
         """Attach to the backend, which starts serving the latest checkpoint, and point the model at it."""
-        await super().register(backend)
-        base_url, api_key = await backend._prepare_backend_for_training(self, _openai_client_config)
+        try:
+            await super().register(backend)
+            base_url, api_key = await backend._prepare_backend_for_training(self, _openai_client_config)
+        except BaseException:
+            # A model whose registration failed must not keep pointing at an earlier server.
+            self._backend = None
+            self.inference_base_url = self.inference_api_key = self.inference_model_name = None
+            raise
         self.inference_base_url = base_url
         self.inference_api_key = api_key
         self.inference_model_name = backend._model_inference_name(self)

@@ -195,6 +195,22 @@ async def test_register_points_the_model_at_the_backend(model):
     assert json.loads(model.model_dump_json())["inference_model_name"] == "agent-001@0"
 
 
+class FailingBackend(ProtocolBackend):
+    async def _prepare_backend_for_training(self, model: art.TrainableModel, config: Any) -> tuple[str, str]:
+        raise art.ServerStartError("server exited with code 1")
+
+
+async def test_failed_register_leaves_the_model_unregistered(model):
+    await model.register(ProtocolBackend())
+    with pytest.raises(art.ServerStartError):
+        await model.register(FailingBackend())
+    assert model.inference_base_url is None and model.inference_model_name is None
+    with pytest.raises(ModelNotRegisteredError):
+        model.openai_client()
+    with pytest.raises(ModelNotRegisteredError):
+        await model.get_step()
+
+
 async def test_old_style_model_train(model):
     backend = ProtocolBackend()
     await model.register(backend)
