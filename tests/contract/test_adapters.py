@@ -1,0 +1,174 @@
+"""LoRA adapters at run time: they change the output, are chosen per request (several loaded at once,
+concurrent requests included), unloading restores the base model, load/unload errors are 400 with a
+message and the server keeps serving; and SGLang's trap: a name that is not loaded is served by the base
+model with HTTP 200."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from contract_helpers import MESSAGES, chat, greedy
+
+from art_sglang.server.process import ServerProcess
+
+
+def _load(client: httpx.Client, name: str, path: str) -> httpx.Response:
+    return client.post("/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+
+def _unload(client: httpx.Client, name: str) -> httpx.Response:
+    return client.post("/unload_lora_adapter", json={"lora_name": name})
+
+
+@pytest.fixture(scope="module")
+def base_answer(client: httpx.Client) -> str:
+    return greedy(client)
+
+
+def test_adapter_changes_output_and_unload_restores_base(
+    client: httpx.Client, adapters: dict[str, str], base_answer: str
+) -> None:
+    loaded = _load(client, "agent@1", adapters["a"])
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.json()["success"] is True
+    assert loaded.json()["loaded_adapters"]["agent@1"] == adapters["a"]
+
+    with_adapter = greedy(client, "agent@1")
+    assert with_adapter != base_answer
+    assert greedy(client, "agent@1") == with_adapter  # greedy is deterministic per adapter
+
+    unloaded = _unload(client, "agent@1")
+    assert unloaded.status_code == 200, unloaded.text
+    assert unloaded.json() == {
+        "rid": None,
+        "http_worker_ipc": None,
+        "success": True,
+        "error_message": "",
+        "loaded_adapters": {},
+    }
+    # The unloaded name is still accepted and silently served by the base model (SGLang's behaviour).
+    response = chat(client, "agent@1", max_tokens=12, ignore_eos=True)
+    assert response.status_code == 200
+    assert response.json()["model"] == "agent@1"
+    assert response.json()["choices"][0]["message"]["content"] == base_answer
+
+
+def test_unknown_model_name_is_served_by_base_model(client: httpx.Client, base_answer: str) -> None:
+    response = chat(client, "nope@7", max_tokens=12, ignore_eos=True)
+    assert response.status_code == 200
+    assert response.json()["model"] == "nope@7"
+    assert response.json()["choices"][0]["message"]["content"] == base_answer
+
+
+def test_two_adapters_chosen_per_request(
+    client: httpx.Client, adapters: dict[str, str], model_path: str, base_answer: str
+) -> None:
+    for name, key in (("m@1", "a"), ("m@2", "b")):
+        assert _load(client, name, adapters[key]).status_code == 200
+    try:
+        answers = {name: greedy(client, name) for name in ("m@1", "m@2")}
+        assert len({base_answer, *answers.values()}) == 3, answers
+        # /generate selects the adapter with lora_path.
+        body = {
+            "text": "hello",
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+        }
+        native = {
+            name: client.post("/generate", json={**body, "lora_path": name}).json()["output_ids"]
+            for name in ("m@1", "m@2", None)
+        }
+        assert native["m@1"] != native[None] and native["m@2"] != native[None]
+
+        cards = client.get("/v1/models").json()["data"]
+        assert cards[0]["id"] == model_path and cards[0]["parent"] is None
+        by_id = {card["id"]: card for card in cards[1:]}
+        assert by_id["m@1"]["root"] == adapters["a"] and by_id["m@1"]["parent"] == model_path
+        assert by_id["m@2"]["root"] == adapters["b"] and by_id["m@2"]["parent"] == model_path
+    finally:
+        for name in ("m@1", "m@2"):
+            _unload(client, name)
+
+
+def test_load_and_unload_errors_keep_the_server_serving(
+    client: httpx.Client, adapters: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    assert _load(client, "e@1", adapters["a"]).status_code == 200
+    try:
+        missing = tmp_path_factory.mktemp("nothing") / "does_not_exist"
+        refusals = {
+            "already loaded": _load(client, "e@1", adapters["a"]),
+            "bad path": _load(client, "e@9", str(missing)),
+            "rank": _load(client, "e@32", adapters["rank32"]),
+        }
+        for what, response in refusals.items():
+            assert response.status_code == 400, (what, response.text)
+            body = response.json()
+            assert body["success"] is False and body["error_message"], what
+            assert body["loaded_adapters"] == {"e@1": adapters["a"]}, what
+        assert "already loaded" in refusals["already loaded"].json()["error_message"]
+        assert "rank 32" in refusals["rank"].json()["error_message"]
+
+        unknown = _unload(client, "zzz")
+        assert unknown.status_code == 400
+        assert unknown.json()["success"] is False and "zzz" in unknown.json()["error_message"]
+        assert unknown.json()["loaded_adapters"] is None
+
+        assert chat(client, "e@1").status_code == 200
+        assert [card["id"] for card in client.get("/v1/models").json()["data"][1:]] == ["e@1"]
+    finally:
+        _unload(client, "e@1")
+
+
+async def test_concurrent_requests_match_sequential_answers(
+    server: ServerProcess, client: httpx.Client, adapters: dict[str, str]
+) -> None:
+    for name, key in (("c@1", "a"), ("c@2", "b")):
+        assert _load(client, name, adapters[key]).status_code == 200
+    try:
+        jobs = [(f"c@{1 + i % 2}", f"question number {i}") for i in range(8)]
+
+        def body(model: str, text: str) -> dict:
+            messages = [*MESSAGES[:-1], {"role": "user", "content": text}]
+            return {
+                "model": model,
+                "messages": messages,
+                "max_tokens": 10,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+
+        sequential = [
+            client.post("/v1/chat/completions", json=body(m, t)).json()["choices"][0]["message"]["content"]
+            for m, t in jobs
+        ]
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120.0, trust_env=False) as http:
+            answers = await asyncio.gather(
+                *(http.post("/v1/chat/completions", json=body(m, t)) for m, t in jobs)
+            )
+        assert all(a.status_code == 200 for a in answers)
+        assert [a.json()["choices"][0]["message"]["content"] for a in answers] == sequential
+        assert [a.json()["model"] for a in answers] == [m for m, _ in jobs]
+    finally:
+        for name in ("c@1", "c@2"):
+            _unload(client, name)
+
+
+async def test_health_answers_while_generating(server: ServerProcess, engine: str) -> None:
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=120.0, trust_env=False) as http:
+        long = {
+            "model": "default",
+            "messages": MESSAGES,
+            "max_tokens": 1500,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        generation = asyncio.create_task(http.post("/v1/chat/completions", json=long))
+        await asyncio.sleep(0.3)
+        health = await http.get("/health")
+        assert health.status_code == 200
+        if engine == "reference":
+            # 1500 tokens take seconds on CPU; the event loop answered in the meantime.
+            assert not generation.done()
+        assert (await generation).status_code == 200
