@@ -265,9 +265,10 @@ def choose_layout(
     if training is None:
         training = tuple(g.index for g in gpus if g.index not in serving) or serving
     if not training:
+        other = next((g.index for g in gpus if g.index not in serving), serving[-1] + 1)
         raise ConfigError(
-            "training_devices is empty: list at least one GPU for training, e.g. training_devices=[1] "
-            f"(split mode), or training_devices=[{inference_device}] to share the inference GPU"
+            f"training_devices is empty: list at least one GPU for training, e.g. training_devices=[{other}] "
+            f"(split mode), or training_devices=[{_list(serving)}] to share the inference GPU"
         )
     # Without detection (auto_detect=False, nothing found) this process's CUDA_VISIBLE_DEVICES, if set,
     # still bounds the indices.

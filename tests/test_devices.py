@@ -257,7 +257,7 @@ def test_auto_detect_off_trusts_the_config_without_gpus_found():
             lambda: choose_layout(
                 DeviceConfig(inference_device=1, training_devices=[]), discovery=visible(2)
             ),
-            "training_devices is empty: list at least one GPU for training, e.g. training_devices=[1] "
+            "training_devices is empty: list at least one GPU for training, e.g. training_devices=[0] "
             "(split mode), or training_devices=[1] to share the inference GPU",
         ),
         (
