@@ -1,0 +1,209 @@
+"""Serving behaviour beyond shapes: bad requests are 4xx and harmless, streaming equals the plain answer,
+logprobs are the model's log-softmax, seeded sampling repeats, stop strings, the prefix-cache report,
+flush, release/resume memory, weights from disk, metrics and the info endpoints."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+from contract_helpers import MESSAGES, chat, greedy, make_perturbed_model, parse_sse
+
+
+def _error(response: httpx.Response, status: int = 400) -> str:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["object"] == "error" and body["code"] == status
+    return body["message"]
+
+
+def test_bad_requests_are_400_and_the_server_keeps_serving(client: httpx.Client) -> None:
+    malformed = client.post(
+        "/v1/chat/completions",
+        content=b'{"model": "default", "messages": [',
+        headers={"content-type": "application/json"},
+    )
+    assert "JSON" in _error(malformed)
+    assert "messages" in _error(
+        client.post("/v1/chat/completions", json={"model": "default", "max_tokens": 4})
+    )
+    assert _error(chat(client, max_tokens=-3)) == "max_new_tokens must be at least 0, got -3."
+    assert "at least 0" in _error(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": -1}))
+    generate = client.post("/generate", json={"sampling_params": {"max_new_tokens": 2}})
+    assert generate.status_code == 400
+
+    empty = chat(client, max_tokens=0)
+    assert empty.status_code == 200
+    assert empty.json()["choices"][0]["message"]["content"] == ""
+    assert empty.json()["usage"]["completion_tokens"] == 0
+    assert chat(client).status_code == 200
+
+
+def test_stream_equals_plain_answer(client: httpx.Client) -> None:
+    plain = greedy(client)
+    body = {
+        "model": "default",
+        "messages": MESSAGES,
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = parse_sse(response.text)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == plain
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+
+
+def test_logprobs_are_the_models_log_softmax(client: httpx.Client, model_path: str, engine: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    response = chat(
+        client, max_tokens=4, logprobs=True, top_logprobs=5, return_token_ids=True, ignore_eos=True
+    )
+    choice = response.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == 4
+    for entry in content:
+        tops = [t["logprob"] for t in entry["top_logprobs"]]
+        assert len(tops) == 5 and tops == sorted(tops, reverse=True)
+        assert entry["logprob"] == pytest.approx(tops[0], abs=1e-5)  # greedy picks the argmax
+        assert sum(math.exp(t) for t in tops) <= 1.0 + 1e-4
+
+    # Recompute with transformers: the reported logprobs are log_softmax of the model's logits.
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    ids = choice["prompt_token_ids"] + choice["token_ids"]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    prompt_len = len(choice["prompt_token_ids"])
+    expected = [float(logprobs[prompt_len - 1 + i, t]) for i, t in enumerate(choice["token_ids"])]
+    tolerance = 1e-3 if engine == "reference" else 5e-2  # SGLang computes in bfloat16
+    assert [e["logprob"] for e in content] == pytest.approx(expected, abs=tolerance)
+
+
+def test_seeded_sampling_repeats_and_n_choices(client: httpx.Client) -> None:
+    def sample() -> list[str]:
+        response = chat(client, max_tokens=8, temperature=1.0, seed=7, n=2, ignore_eos=True)
+        assert response.status_code == 200
+        choices = response.json()["choices"]
+        assert [c["index"] for c in choices] == [0, 1]
+        return [c["message"]["content"] for c in choices]
+
+    assert sample() == sample()
+
+
+def test_stop_string_ends_and_is_trimmed(client: httpx.Client) -> None:
+    choice = chat(client, max_tokens=32, temperature=1.0, seed=3, stop=["e"]).json()["choices"][0]
+    assert "e" not in choice["message"]["content"]
+    if choice["finish_reason"] == "stop" and isinstance(choice["matched_stop"], str):
+        assert choice["matched_stop"] == "e"
+
+
+def test_generate_native_api(client: httpx.Client) -> None:
+    body = {
+        "input_ids": [1, 2, 3, 4],
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    answer = client.post("/generate", json=body).json()
+    meta = answer["meta_info"]
+    assert len(answer["output_ids"]) == 4 and meta["completion_tokens"] == 4
+    assert meta["finish_reason"] == {"type": "length", "length": 4}
+    assert meta["input_token_logprobs"][0] == [None, 1, None]
+    assert [t[1] for t in meta["input_token_logprobs"]] == [1, 2, 3, 4]
+    assert [t[1] for t in meta["output_token_logprobs"]] == answer["output_ids"]
+    assert all(t[0] <= 0 for t in meta["output_token_logprobs"])
+
+
+def test_cache_report_counts_a_repeated_prefix_and_flush_clears_it(client: httpx.Client) -> None:
+    system = [{"role": "system", "content": "You are a careful agent. " * 40}]
+
+    def usage(text: str) -> dict:
+        messages = [*system, {"role": "user", "content": text}]
+        response = client.post(
+            "/v1/chat/completions", json={"model": "default", "messages": messages, "max_tokens": 2}
+        )
+        assert response.status_code == 200
+        return response.json()["usage"]
+
+    usage("a")
+    second = usage("b")
+    assert second["prompt_tokens"] > 100
+    assert second["prompt_tokens_details"]["cached_tokens"] >= 0.9 * second["prompt_tokens"]
+
+    flushed = client.post("/flush_cache", json={})
+    assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.")
+    details = usage("b")["prompt_tokens_details"]
+    assert details is None or details["cached_tokens"] < 0.5 * second["prompt_tokens"]
+
+
+def test_release_and_resume_memory_keep_outputs(client: httpx.Client, engine: str) -> None:
+    before = greedy(client)
+    released = client.post("/release_memory_occupation", json={})
+    assert released.status_code == 200 and released.json() is None
+    if engine == "reference":
+        # The reference engine refuses to generate while released (SGLang's behaviour is undefined there).
+        assert _error(chat(client), 503)
+        assert client.get("/health_generate").status_code == 503
+        assert client.get("/health").status_code == 200
+        lines = client.get("/metrics").text.splitlines()
+        weights = next(line for line in lines if line.startswith("sglang:weight_memory_usage_gb"))
+        assert float(weights.rsplit(" ", 1)[1]) == 0.0
+        assert client.get("/get_server_info").json()["internal_states"][0]["memory_released"] is True
+    resumed = client.post("/resume_memory_occupation", json={})
+    assert resumed.status_code == 200 and resumed.json() is None
+    assert greedy(client) == before
+
+
+def test_update_weights_from_disk(
+    client: httpx.Client, model_path: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    before = greedy(client)
+    other = make_perturbed_model(model_path, tmp_path_factory.mktemp("perturbed") / "model", seed=5)
+
+    def update(path: str) -> httpx.Response:
+        return client.post("/update_weights_from_disk", json={"model_path": path})
+
+    bad = update(str(other.parent / "nothing_here"))
+    assert bad.status_code == 400
+    assert bad.json()["success"] is False and bad.json()["message"]
+    assert greedy(client) == before
+
+    changed = update(str(other))
+    assert changed.status_code == 200, changed.text
+    assert changed.json() == {
+        "success": True,
+        "message": "Succeeded to update model weights.",
+        "num_paused_requests": 0,
+    }
+    assert greedy(client) != before
+
+    assert update(model_path).status_code == 200
+    assert greedy(client) == before
+
+
+def test_info_endpoints(client: httpx.Client, model_path: str) -> None:
+    assert client.get("/health").status_code == 200
+    assert client.get("/health_generate").status_code == 200
+    info = client.get("/get_model_info").json()
+    assert info["model_path"] == model_path and info["is_generation"] is True
+    server = client.get("/get_server_info").json()
+    assert server["model_path"] == model_path and server["enable_lora"] is True
+    assert server["max_lora_rank"] == 16 and server["enable_cache_report"] is True
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == model_path
+    assert "deprecated" in _error(client.get("/get_weight_version"), 404)
+
+    metrics = client.get("/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    assert "# TYPE sglang:" in metrics.text
