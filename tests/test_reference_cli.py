@@ -1,0 +1,69 @@
+"""The reference engine accepts every command line `SGLangConfig.server_args()` renders, keeps unknown flags
+instead of failing, and parses `--lora-paths` as SGLang does."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from art_sglang.config import SGLangConfig
+from art_sglang.server.reference.cli import parse_args
+
+
+def test_every_rendered_flag_is_understood() -> None:
+    config = SGLangConfig(
+        mem_fraction_static=0.5,
+        disable_radix_cache=True,
+        max_loras_per_batch=3,
+        context_length=512,
+        max_lora_rank=32,
+        lora_target_modules=["q_proj", "v_proj"],
+        attention_backend="triton",
+        sampling_backend="pytorch",
+        enable_cache_report=True,
+        enable_metrics=True,
+        enable_memory_saver=True,
+        enable_weights_cpu_backup=True,
+        disable_cuda_graph=True,
+        api_key="k",
+        tensor_parallel_size=2,
+    )
+    args = parse_args(config.server_args("/models/m", 4321))
+    assert args.ignored_args == []
+    assert (args.model_path, args.host, args.port) == ("/models/m", "127.0.0.1", 4321)
+    assert (args.mem_fraction_static, args.tp_size, args.max_loras_per_batch) == (0.5, 2, 3)
+    assert args.enable_lora and args.max_lora_rank == 32
+    assert args.lora_target_modules == ["q_proj", "v_proj"]
+    assert args.context_length == 512 and args.api_key == "k"
+    assert (args.attention_backend, args.sampling_backend) == ("triton", "pytorch")
+    assert args.disable_radix_cache and args.enable_cache_report and args.enable_metrics
+    assert args.enable_memory_saver and args.enable_weights_cpu_backup and args.disable_cuda_graph
+
+
+def test_unknown_flags_are_kept_and_lora_paths_parsed() -> None:
+    argv = [
+        "--model-path",
+        "m",
+        "--lora-paths",
+        "a=/x/a",
+        "/x/b",
+        "--served-model-name",
+        "s",
+        "--chunked-prefill-size",
+        "8",
+    ]
+    args = parse_args(argv)
+    assert args.lora_paths == {"a": "/x/a", "/x/b": "/x/b"}
+    assert args.model_name == "s"
+    assert args.ignored_args == ["--chunked-prefill-size", "8"]
+    assert parse_args(["--model-path", "m"]).model_name == "m"
+
+
+def test_help_runs_without_loading_a_model() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "art_sglang.server.reference", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and "--lora-target-modules" in done.stdout
