@@ -14,19 +14,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from .errors import AdapterLoadError
+from .training.checkpoints import list_checkpoints
 
 MODEL_JSON = "model.json"
 HISTORY_FILE = "history.jsonl"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
-_STEP_DIR = re.compile(r"^\d{4,}$")
 
 
 class ModelStore:
@@ -84,17 +83,9 @@ class ModelStore:
         return json.loads(self.model_json.read_text())
 
     def checkpoint_steps(self) -> list[int]:
-        """Steps with a complete checkpoint (adapter config and weights present), ascending.
-
-        In-progress (`<step>.tmp-*`) and broken directories are ignored, as the trainer's resume does.
-        """
-        if not self.checkpoints_dir.is_dir():
-            return []
-        steps = []
-        for entry in self.checkpoints_dir.iterdir():
-            if entry.is_dir() and _STEP_DIR.match(entry.name) and adapter_problem(entry) is None:
-                steps.append(int(entry.name))
-        return sorted(steps)
+        """Steps with a complete checkpoint, ascending (in-progress and broken ones are ignored, as the
+        trainer's resume does)."""
+        return list_checkpoints(self.checkpoints_dir)
 
     def delete_checkpoints(self, steps: list[int]) -> list[int]:
         """Delete the checkpoints of `steps` (and their merged models); returns the steps deleted."""

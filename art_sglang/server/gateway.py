@@ -80,6 +80,7 @@ class AdapterGateway:
         self.hold_timeout = hold_timeout
         self._adapters: frozenset[str] = frozenset()
         self._base_ids: frozenset[str] = frozenset()
+        self._aliases: dict[str, str] = {}
         self._in_flight: Counter[str] = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -120,15 +121,26 @@ class AdapterGateway:
         self._thread = None
 
     # --- what is served --------------------------------------------------------------------------------
-    def set_served(self, adapters: Iterable[str], base_ids: Iterable[str] | None = None) -> None:
-        """Replace the set of adapter names (and optionally base model ids) requests may name."""
-        self._adapters = frozenset(adapters)
+    def set_served(
+        self,
+        adapters: Iterable[str],
+        base_ids: Iterable[str] | None = None,
+        aliases: dict[str, str] | None = None,
+    ) -> None:
+        """Replace the adapter names (and optionally base model ids) requests may name.
+
+        `aliases` maps further names to a base id they are rewritten to before forwarding: with merged
+        weights (`weight_sync_method="disk"`) `name@step` is served by the base model slot itself.
+        """
+        if aliases is not None:
+            self._aliases = dict(aliases)
         if base_ids is not None:
             self._base_ids = frozenset(base_ids)
+        self._adapters = frozenset(adapters)
 
     @property
     def served(self) -> frozenset[str]:
-        return self._adapters | self._base_ids
+        return self._adapters | self._base_ids | frozenset(self._aliases)
 
     def set_upstream(self, upstream: str) -> None:
         self.upstream = upstream.rstrip("/")
@@ -215,6 +227,10 @@ class AdapterGateway:
                 await _send_json(conn, writer, 400, {"error": {"message": f"bad HTTP request: {exc}"}})
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away
+        except asyncio.CancelledError:
+            # Only the gateway's shutdown cancels a connection; ending quietly keeps asyncio's server
+            # callback from logging every open keep-alive connection as an error.
+            pass
         finally:
             writer.close()
             with contextlib.suppress(Exception):
@@ -240,6 +256,9 @@ class AdapterGateway:
             if refusal is not None:
                 await _send_json(conn, writer, *refusal)
                 return
+            aliases = self._aliases
+            if any(name in aliases for name in names):
+                body = _rewrite(body, aliases)
         keys = names or [""]
         for key in (*keys, ANY):
             self._in_flight[key] += 1
@@ -265,7 +284,7 @@ class AdapterGateway:
         return 404, _error(message, "model_not_found", "model")
 
     def _is_served(self, name: str) -> bool:
-        if name in self._adapters or name in self._base_ids:
+        if name in self._adapters or name in self._base_ids or name in self._aliases:
             return True
         # SGLang also accepts "<base>:<adapter>".
         base, sep, adapter = name.partition(":")
@@ -351,6 +370,20 @@ def _requested_names(body: bytes) -> list[str]:
         elif isinstance(value, list):
             names.extend(item for item in value if isinstance(item, str))
     return names
+
+
+def _rewrite(body: bytes, aliases: dict[str, str]) -> bytes:
+    """The body with aliased names replaced: `model` by the base id, an aliased `lora_path` dropped (no
+    adapter means the base model)."""
+    payload = json.loads(body)
+    if payload.get("model") in aliases:
+        payload["model"] = aliases[payload["model"]]
+    lora = payload.get("lora_path")
+    if isinstance(lora, str) and lora in aliases:
+        del payload["lora_path"]
+    elif isinstance(lora, list):
+        payload["lora_path"] = [None if item in aliases else item for item in lora]
+    return json.dumps(payload).encode()
 
 
 def _bearer(request: h11.Request) -> str | None:

@@ -1,0 +1,451 @@
+"""`SGLangBackend`: ART's backend protocol with inference on an SGLang server (or, without a GPU, the
+reference engine) and a LoRA trainer in its own process.
+
+The backend orchestrates; the parts live in their own modules: `devices` (split/shared/cpu layout),
+`inference` (server + gateway + loaded adapters), `shared_mode` (GPU handoff around training),
+`weight_sync` (lora/disk/restart), `model_store` (files on disk), `history`, `train_args` (ART's train()
+keywords) and `training.process` (the trainer worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tqdm import tqdm
+
+from .config import SGLangConfig, TrainerConfig
+from .devices import DeviceLayout, EngineChoice, choose_layout
+from .errors import ConfigError, ModelNotRegisteredError, TrainingInputError
+from .history import append_row
+from .inference import InferenceService
+from .model_store import ModelStore
+from .shared_mode import GpuHandoff, HandoffStrategy
+from .train_args import build_train_options
+from .training.process import TrainerProcess
+from .trajectories import TrajectoryGroup
+from .types import TrainResult
+from .weight_sync import SyncTarget, make_weight_sync
+
+logger = logging.getLogger(__name__)
+
+SharedStrategy = Literal["sleep", "restart"]
+
+
+@dataclass
+class _Registered:
+    """A trainable model this backend serves: its files, its trainer and its current step."""
+
+    model: Any  # art_sglang.TrainableModel or art.TrainableModel
+    store: ModelStore
+    trainer: TrainerProcess
+    step: int
+
+    def target(self, step: int) -> SyncTarget:
+        checkpoint = self.store.checkpoint_dir(step)
+        return SyncTarget(self.model.name, step, checkpoint, self.store, self.model.base_model)
+
+
+class SGLangBackend:
+    """Train LoRA adapters with RL while an SGLang server serves them.
+
+    Mode (from the visible GPUs unless set): split with 2+ GPUs (server on the first, trainer on the
+    rest), shared with one (server and trainer take turns: `shared_strategy` "sleep" releases the
+    server's memory, "restart" stops it), and the CPU reference engine with none. `engine` forces
+    "sglang" or "reference". `gateway=False` points clients at the server directly (no refusal of
+    unloaded model names). `layout` overrides the device choice entirely (tests use it to force shared
+    mode on CPU).
+    """
+
+    def __init__(
+        self,
+        *,
+        inference_device: int | None = None,
+        training_devices: list[int] | None = None,
+        device_config: Any | None = None,
+        sglang_config: SGLangConfig | None = None,
+        trainer_config: TrainerConfig | None = None,
+        engine: EngineChoice = "auto",
+        shared_strategy: SharedStrategy = "sleep",
+        path: str = ".art",
+        gateway: bool = True,
+        layout: DeviceLayout | None = None,
+    ):
+        if shared_strategy not in ("sleep", "restart"):
+            raise ConfigError(f"shared_strategy={shared_strategy!r}: use 'sleep' or 'restart'")
+        if engine not in ("auto", "sglang", "reference"):
+            raise ConfigError(f"engine={engine!r}: use 'auto', 'sglang' or 'reference'")
+        self.trainer_config = trainer_config or TrainerConfig()
+        config = sglang_config or SGLangConfig()
+        _check_compatible(config, self.trainer_config)
+        self.layout = layout or choose_layout(
+            device_config,
+            inference_device=inference_device,
+            training_devices=training_devices,
+            engine=engine,
+            tensor_parallel_size=config.tensor_parallel_size,
+        )
+        self.shared_strategy = shared_strategy
+        self.handoff_strategy: HandoffStrategy = shared_strategy if self.layout.mode == "shared" else "none"
+        self.sglang_config = _with_memory_saver(config) if self.handoff_strategy == "sleep" else config
+        self._path = path
+        self._use_gateway = gateway
+        self._service: InferenceService | None = None
+        self._handoff: GpuHandoff | None = None
+        self._models: dict[tuple[str, str], _Registered] = {}
+        self._lock = asyncio.Lock()
+        self._closed = False
+        logger.info(
+            "SGLangBackend: %s; weight sync %r%s",
+            self.layout.describe(),
+            self.sglang_config.weight_sync_method,
+            f", shared strategy {shared_strategy!r}" if self.layout.mode == "shared" else "",
+        )
+
+    # --- ART's backend protocol ------------------------------------------------------------------------
+    async def register(self, model: Any) -> None:
+        """Write model.json; for a trainable model start the trainer (resuming its newest checkpoint) and
+        the server, and load the current step's adapter as `<name>@<step>`. Registering again is a no-op."""
+        self._check_open()
+        model.base_path = self._path
+        store = ModelStore(self._path, model.project, model.name)
+        await asyncio.to_thread(store.create)
+        await asyncio.to_thread(store.write_model_json, _model_json(model))
+        if not model.trainable:
+            return
+        async with self._lock:
+            key = (model.project, model.name)
+            existing = self._models.get(key)
+            if existing is not None:
+                if existing.model.base_model != model.base_model:
+                    raise ConfigError(
+                        f"model {model.name!r} is already registered on base model "
+                        f"{existing.model.base_model!r}; use another name for {model.base_model!r}"
+                    )
+                existing.model = model
+                return
+            self._check_can_add(model)
+            service = self._ensure_service(model.base_model, store)
+            assert self._handoff is not None
+            trainer = TrainerProcess(
+                model.base_model,
+                store.checkpoints_dir,
+                self.trainer_config,
+                gpu_ids=self._gpu_ids("training"),
+                log_path=store.trainer_log,
+            )
+            try:
+                async with self._handoff.trainer_turn(None):
+                    step = await trainer.start()
+                    if self.handoff_strategy != "none":
+                        await trainer.offload()
+                entry = _Registered(model, store, trainer, step)
+                if not service.process.is_alive():
+                    await service.start()
+                await self._sync.publish(entry.target(step))
+                await service.probe(f"{model.name}@{step}")
+            except BaseException:
+                await trainer.stop()
+                raise
+            self._models[key] = entry
+            logger.info("registered %s at step %d (%s)", model.name, step, store.dir)
+
+    async def _prepare_backend_for_training(self, model: Any, config: Any | None = None) -> tuple[str, str]:
+        """(OpenAI base URL ending in /v1, API key) for the model's rollouts."""
+        if config:
+            raise ConfigError(
+                "SGLangBackend does not take an OpenAI server config at register: "
+                "set server options with SGLangBackend(sglang_config=SGLangConfig(...))"
+            )
+        self._entry(model)
+        assert self._service is not None
+        return self._service.openai_base_url, self._service.api_key
+
+    def _model_inference_name(self, model: Any, step: int | None = None) -> str:
+        """`<name>@<step>`; the current step when `step` is None."""
+        if not getattr(model, "trainable", False):
+            return model.inference_model_name or model.name
+        entry = self._models.get((model.project, model.name))
+        if step is None:
+            if entry is None:
+                raise ModelNotRegisteredError(
+                    f"model {model.name!r} is not registered with this backend: "
+                    "call `await model.register(backend)` first"
+                )
+            step = entry.step
+        return f"{model.name}@{step}"
+
+    async def _get_step(self, model: Any) -> int:
+        entry = self._models.get((model.project, model.name))
+        if entry is not None:
+            return entry.step
+        steps = ModelStore(self._path, model.project, model.name).checkpoint_steps()
+        return steps[-1] if steps else 0
+
+    async def get_step(self, model: Any) -> int:
+        """The model's latest trained step."""
+        return await self._get_step(model)
+
+    async def _delete_checkpoint_files(self, model: Any, steps_to_keep: list[int]) -> None:
+        """Delete every checkpoint not in `steps_to_keep`, never the current step; adapters of deleted
+        steps are unloaded first (after their requests in flight finish)."""
+        entry = self._entry(model)
+        async with self._lock:
+            keep = {*steps_to_keep, entry.step}
+            doomed = [s for s in entry.store.checkpoint_steps() if s not in keep]
+            assert self._service is not None
+            for step in doomed:
+                await self._service.unload(f"{model.name}@{step}")
+            await asyncio.to_thread(entry.store.delete_checkpoints, doomed)
+
+    async def train(
+        self,
+        model: Any,
+        trajectory_groups: Iterable[Any],
+        *,
+        learning_rate: float = 5e-6,
+        loss_fn: str = "ppo",
+        epsilon: float | None = None,
+        epsilon_high: float | None = None,
+        scale_rewards: bool = True,
+        normalize_advantages: bool = True,
+        kl_penalty_coef: float = 0.0,
+        max_grad_norm: float | None = None,
+        allow_training_without_logprobs: bool = False,
+        save_checkpoint: bool = True,
+        verbose: bool = False,
+        **unsupported: Any,
+    ) -> TrainResult:
+        """One RL step on `trajectory_groups`; returns once `<name>@<new step>` answers requests.
+
+        Options and groups are checked before anything starts (`ConfigError`, `TrainingInputError`). In
+        shared mode the server gives the GPU to the trainer for the step. Options ART's LocalBackend
+        takes that this backend does not implement are refused unless left at ART's default.
+        """
+        self._check_open()
+        options = build_train_options(
+            learning_rate=learning_rate,
+            loss_fn=loss_fn,
+            epsilon=epsilon,
+            epsilon_high=epsilon_high,
+            scale_rewards=scale_rewards,
+            normalize_advantages=normalize_advantages,
+            kl_penalty_coef=kl_penalty_coef,
+            max_grad_norm=max_grad_norm,
+            allow_training_without_logprobs=allow_training_without_logprobs,
+            save_checkpoint=save_checkpoint,
+            extra=unsupported,
+        )
+        if not save_checkpoint:
+            raise ConfigError(
+                "save_checkpoint=False is not supported: the server loads each step's adapter from its "
+                "checkpoint; delete old ones with model.delete_checkpoints() instead"
+            )
+        groups = _as_groups(trajectory_groups)
+        entry = self._entry(model)
+        async with self._lock:
+            service, handoff = self._service, self._handoff
+            assert service is not None and handoff is not None
+            started = time.monotonic()
+            await service.ensure_running()
+            if not entry.trainer.is_alive():
+                logger.warning("trainer of %s is not running; restarting it from its checkpoint", model.name)
+                entry.step = await entry.trainer.start()
+            with _progress(
+                model.name, entry.step + 1, disable=not verbose and not sys.stderr.isatty()
+            ) as bar:
+                async with handoff.trainer_turn(entry.trainer) as timings:
+                    trained_at = time.monotonic()
+                    outcome = await entry.trainer.train(groups, options, on_progress=bar)
+                    timings["time/train_s"] = time.monotonic() - trained_at
+                    target = entry.target(outcome.step)
+                    if outcome.trained:
+                        await self._sync.prepare(target)
+            if outcome.trained:
+                synced_at = time.monotonic()
+                await service.ensure_running()
+                await self._sync.apply(target)
+                if self.sglang_config.flush_cache_on_sync:
+                    await service.flush_cache()
+                timings["time/sync_s"] = time.monotonic() - synced_at
+                probed_at = time.monotonic()
+                await service.probe(target.inference_name)
+                timings["time/probe_s"] = time.monotonic() - probed_at
+                entry.step = outcome.step
+            elif outcome.reason:
+                logger.warning("%s: step not taken: %s", model.name, outcome.reason)
+            timings["time/step_s"] = time.monotonic() - started
+            metrics = {**outcome.metrics, **timings}
+            row = {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
+            await asyncio.to_thread(append_row, entry.store.history, entry.step, row)
+            if verbose:
+                logger.info("%s step %d: %s", model.name, entry.step, json.dumps(metrics, default=str))
+            return TrainResult(step=entry.step, metrics=metrics)
+
+    async def _log(self, model: Any, trajectory_groups: list[Any], split: str = "val") -> None:
+        """Store the groups that `model.log()` recorded under `trajectories/<split>/<step>.jsonl`."""
+        store = ModelStore(self._path, model.project, model.name)
+        step = await self._get_step(model)
+        lines = [group.model_dump_json() for group in _as_groups(trajectory_groups)]
+        await asyncio.to_thread(_append_lines, store.trajectories_file(split, step), lines)
+
+    async def close(self) -> None:
+        """Stop the server, the gateway and every trainer. Idempotent; also done at interpreter exit by
+        the process handles themselves."""
+        if self._closed:
+            return
+        self._closed = True
+        for entry in self._models.values():
+            await entry.trainer.stop()
+        if self._service is not None:
+            await self._service.close()
+
+    async def __aenter__(self) -> SGLangBackend:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    # --- helpers ---------------------------------------------------------------------------------------
+    @property
+    def inference(self) -> InferenceService | None:
+        """The inference service (server, gateway, loaded adapters), once a model is registered."""
+        return self._service
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this SGLangBackend is closed: create a new one")
+
+    def _entry(self, model: Any) -> _Registered:
+        entry = self._models.get((model.project, model.name))
+        if entry is None:
+            raise ModelNotRegisteredError(
+                f"model {model.name!r} is not registered with this backend: "
+                "call `await model.register(backend)` first"
+            )
+        return entry
+
+    def _check_can_add(self, model: Any) -> None:
+        if self._service is None:
+            return
+        if self._service.base_model != model.base_model:
+            raise ConfigError(
+                f"this backend serves base model {self._service.base_model!r}; model {model.name!r} uses "
+                f"{model.base_model!r}: one server serves one base model, so use a second SGLangBackend"
+            )
+        if self.sglang_config.weight_sync_method == "disk":
+            raise ConfigError(
+                "weight_sync_method='disk' merges one model's weights into the server's base weights, so "
+                "only one model can be registered: use weight_sync_method='lora' to serve several"
+            )
+
+    def _ensure_service(self, base_model: str, store: ModelStore) -> InferenceService:
+        # The server's log lives with the first model registered (one server serves every model).
+        if self._service is None:
+            self._service = InferenceService(
+                self.sglang_config,
+                base_model,
+                engine=self.layout.engine,
+                log_path=store.server_log,
+                gpu_ids=self._gpu_ids("inference"),
+                use_gateway=self._use_gateway,
+            )
+            self._handoff = GpuHandoff(self.handoff_strategy, self._service)
+            self._sync = make_weight_sync(
+                self.sglang_config.weight_sync_method, self._service, self.sglang_config.adapters_to_keep
+            )
+        return self._service
+
+    def _gpu_ids(self, role: Literal["inference", "training"]) -> list[int]:
+        """GPU ids for a child's CUDA_VISIBLE_DEVICES: none on CPU (hides every GPU)."""
+        if self.layout.engine == "reference":
+            return []
+        value = self.layout.cuda_visible_devices(role)
+        return [int(part) for part in value.split(",") if part]
+
+
+def _check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
+    """Configuration clashes between server and trainer, found before anything starts."""
+    if trainer.lora_rank > sglang.max_lora_rank:
+        raise ConfigError(
+            f"TrainerConfig(lora_rank={trainer.lora_rank}) exceeds SGLangConfig(max_lora_rank="
+            f"{sglang.max_lora_rank}): the server could not load the adapters; raise max_lora_rank to "
+            f"{trainer.lora_rank} or lower lora_rank"
+        )
+    served = set(sglang.lora_target_modules)
+    if "all" not in served:
+        fused = {"qkv_proj": {"q_proj", "k_proj", "v_proj"}, "gate_up_proj": {"gate_proj", "up_proj"}}
+        for name, parts in fused.items():
+            if name in served:
+                served |= parts
+        missing = sorted(set(trainer.target_modules) - served)
+        if missing:
+            raise ConfigError(
+                f"TrainerConfig(target_modules) trains {missing}, which SGLangConfig(lora_target_modules="
+                f"{sglang.lora_target_modules}) does not serve: add them, or use lora_target_modules=['all']"
+            )
+
+
+def _with_memory_saver(config: SGLangConfig) -> SGLangConfig:
+    """Shared mode with "sleep" needs SGLang's memory saver and CPU weight backup: without them
+    release_memory_occupation answers 200 and frees nothing."""
+    if "enable_memory_saver" in config.model_fields_set and not config.enable_memory_saver:
+        raise ConfigError(
+            "shared_strategy='sleep' needs SGLangConfig(enable_memory_saver=True) (it was set to False): "
+            "leave it unset, or use shared_strategy='restart'"
+        )
+    return config.model_copy(update={"enable_memory_saver": True, "enable_weights_cpu_backup": True})
+
+
+def _as_groups(groups: Iterable[Any]) -> list[TrajectoryGroup]:
+    """Our TrajectoryGroups; ART's (openpipe-art) are converted through their JSON form."""
+    result = []
+    for index, group in enumerate(groups):
+        if isinstance(group, TrajectoryGroup):
+            result.append(group)
+        elif hasattr(group, "model_dump") and hasattr(group, "trajectories"):
+            result.append(TrajectoryGroup.model_validate(group.model_dump()))
+        else:
+            raise TrainingInputError(
+                f"group {index} is a {type(group).__name__}, not a TrajectoryGroup: build groups with "
+                "art.TrajectoryGroup(...) or gather_trajectory_groups(...)"
+            )
+    if not result:
+        raise TrainingInputError("train() got no trajectory groups: gather at least one group")
+    return result
+
+
+def _model_json(model: Any) -> dict[str, Any]:
+    # ART's model_dump includes its private config; whatever is not JSON becomes its repr.
+    return json.loads(json.dumps(model.model_dump(), default=str))
+
+
+def _append_lines(path: Any, lines: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        handle.write("".join(line + "\n" for line in lines))
+
+
+class _progress:
+    """A tqdm bar over the step's gradient micro-batches, fed by the trainer's progress events."""
+
+    def __init__(self, name: str, step: int, disable: bool):
+        self.bar = tqdm(desc=f"train {name} step {step}", unit="batch", disable=disable, file=sys.stderr)
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if event.get("phase") == "train":
+            self.bar.total = int(event.get("micro_batches", 0)) or None
+            self.bar.n = int(event.get("micro_batch", 0))
+            self.bar.refresh()
+
+    def __enter__(self) -> _progress:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.bar.close()
