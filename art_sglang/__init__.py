@@ -5,8 +5,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from .backend import SGLangBackend
 from .config import DeviceConfig, SGLangConfig, TrainerConfig
 from .errors import (
     AdapterLoadError,
@@ -17,6 +16,7 @@ from .errors import (
     ServerCrashedError,
     ServerRequestError,
     ServerStartError,
+    ServerUnavailableError,
     TrainerError,
     TrainingInputError,
 )
@@ -44,6 +44,7 @@ __all__ = [
     "ServerCrashedError",
     "ServerRequestError",
     "ServerStartError",
+    "ServerUnavailableError",
     "Tools",
     "TrainConfig",
     "TrainResult",
@@ -55,13 +56,3 @@ __all__ = [
     "TrajectoryGroup",
     "gather_trajectory_groups",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    # The backend pulls in the server and trainer modules; importing it on first use keeps
-    # `import art_sglang` light for code that only builds trajectories.
-    if name == "SGLangBackend":
-        from .backend import SGLangBackend
-
-        return SGLangBackend
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

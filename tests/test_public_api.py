@@ -8,7 +8,6 @@ history.jsonl.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -24,9 +23,17 @@ from art_sglang.errors import ConfigError, ModelNotRegisteredError
 
 def test_every_public_name_resolves():
     for name in art.__all__:
-        if name == "SGLangBackend" and importlib.util.find_spec("art_sglang.backend") is None:
-            continue  # being written; `import art_sglang` must work meanwhile
         assert getattr(art, name) is not None, name
+    namespace: dict = {}
+    exec("from art_sglang import *", namespace)
+    assert set(art.__all__) <= set(namespace)
+
+
+def test_every_error_class_is_exported():
+    errors = [
+        v for v in vars(art.errors).values() if isinstance(v, type) and issubclass(v, art.ArtSGLangError)
+    ]
+    assert {e.__name__ for e in errors} <= set(art.__all__)
 
 
 def test_import_is_light():
