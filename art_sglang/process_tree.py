@@ -73,7 +73,9 @@ def _running(proc: psutil.Process) -> bool:
         return False
     except psutil.TimeoutExpired:
         try:
-            return proc.status() != psutil.STATUS_ZOMBIE
+            # Our own child counts as gone only once reaped: its main thread shows as a zombie while its
+            # other threads still exit, and reaping must wait for them.
+            return proc.ppid() == os.getpid() or proc.status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return False
 

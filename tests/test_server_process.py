@@ -18,6 +18,7 @@ import pytest
 
 from art_sglang.config import SGLANG_ENV_DEFAULTS, SGLangConfig
 from art_sglang.errors import ServerCrashedError, ServerStartError
+from art_sglang.server.client import ServerClient
 from art_sglang.server.process import ServerProcess
 
 # A minimal HTTP server: GET /health -> 200 once it is up. It writes its environment to the log and says
@@ -214,3 +215,35 @@ def test_server_dies_with_its_user(tmp_path: Path) -> None:
         finally:
             user.kill()
             user.wait()
+
+
+async def test_reference_engine_bad_model_path(tmp_path: Path) -> None:
+    config = SGLangConfig(server_timeout=120)
+    server = ServerProcess(
+        config, str(tmp_path / "no-model"), engine="reference", log_path=tmp_path / "s.log"
+    )
+    with pytest.raises(ServerStartError, match=r"exited with code [1-9](.|\n)*last lines of the log") as info:
+        await server.start()
+    message = str(info.value)
+    assert f"-m art_sglang.server.reference --model-path {tmp_path / 'no-model'}" in message
+    assert message.count("\n") > 4  # the log tail, not just the headline
+    assert not server.is_alive()
+
+
+async def test_reference_engine_restart_is_healthy_on_the_same_port(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    config = SGLangConfig(server_timeout=120)
+    server = ServerProcess(config, str(tiny_model_path), engine="reference", log_path=tmp_path / "s.log")
+    await server.start()
+    try:
+        first_pid, port = server.pid, server.port
+        await server.restart()
+        assert server.pid != first_pid
+        assert not running(first_pid)
+        assert server.port == port
+        assert await healthy(server.base_url)
+        async with ServerClient(server.base_url) as client:
+            assert [card.id for card in await client.list_models()] == [str(tiny_model_path)]
+    finally:
+        await server.stop()

@@ -204,10 +204,16 @@ class ServerProcess:
     async def _wait_healthy(self, command: list[str]) -> None:
         assert self._popen is not None
         timeout = self.config.server_timeout
-        deadline = time.monotonic() + timeout
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         url = f"{self.base_url}/health"
-        bar = tqdm(desc=f"Starting {self.engine} server", bar_format="{desc}: {elapsed}", file=sys.stderr)
+        began = time.monotonic()
+        bar = tqdm(
+            desc=f"Starting {self.engine} server",
+            total=round(timeout),
+            bar_format="{desc}: {n_fmt}/{total_fmt} s",
+            file=sys.stderr,
+            mininterval=1.0,
+        )
         # trust_env=False: a proxy from the environment must not intercept a local server.
         async with httpx.AsyncClient(timeout=5.0, headers=headers, trust_env=False) as http:
             try:
@@ -220,11 +226,11 @@ class ServerProcess:
                             return
                     except httpx.TransportError:
                         pass  # not listening yet
-                    if time.monotonic() >= deadline:
+                    if time.monotonic() - began >= timeout:
                         raise ServerStartError(
                             self._start_failure(command, f"was not healthy within {timeout:g} s")
                         )
-                    bar.refresh()
+                    bar.update(int(time.monotonic() - began) - bar.n)
                     await asyncio.sleep(_POLL_SECONDS)
             finally:
                 bar.close()

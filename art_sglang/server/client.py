@@ -1,0 +1,181 @@
+"""`ServerClient`: the typed async admin API of an SGLang server (or the reference engine).
+
+Every failure becomes a specific exception carrying the HTTP status and the server's own message: SGLang
+answers refused admin requests with HTTP 400 and `success: false` plus `error_message` or `message`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict
+
+from art_sglang.errors import (
+    AdapterLoadError,
+    AdapterNotLoadedError,
+    ServerRequestError,
+    ServerUnavailableError,
+)
+
+
+class ModelCard(BaseModel):
+    """One entry of `GET /v1/models`: the base model (parent None) or a loaded adapter (parent = base)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+def _server_message(response: httpx.Response) -> str:
+    """The explanation in an error body: SGLang's `error_message`/`message`/`error`, FastAPI's `detail`, or text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()
+    if isinstance(body, dict):
+        for key in ("error_message", "message", "detail", "error"):
+            if body.get(key):
+                value = body[key]
+                return value if isinstance(value, str) else json.dumps(value)
+    return response.text.strip()
+
+
+class ServerClient:
+    """Admin requests to the server at `base_url` (no `/v1`), authenticated with `api_key` as Bearer."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # trust_env=False: a proxy from the environment must not intercept the local server.
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, timeout=timeout, trust_env=False
+        )
+
+    async def __aenter__(self) -> ServerClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        error: type[ServerRequestError] = ServerRequestError,
+    ) -> httpx.Response:
+        """Send a request; raise `error` on an HTTP error status, `ServerUnavailableError` if unreachable."""
+        try:
+            response = await self._http.request(method, path, json=body)
+        except httpx.TransportError as exc:
+            raise ServerUnavailableError(
+                f"{method} {self.base_url}{path} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        if response.is_error:
+            self._raise(error, path, response)
+        return response
+
+    async def _post_checked(
+        self, path: str, body: dict[str, Any], error: type[ServerRequestError] = ServerRequestError
+    ) -> dict[str, Any]:
+        """POST an admin command whose JSON answer carries `success`; raise `error` unless it is true."""
+        response = await self._request("POST", path, body, error)
+        try:
+            data = response.json()
+        except ValueError:
+            data = None
+        if not isinstance(data, dict) or data.get("success") is not True:
+            self._raise(error, path, response)
+        return data
+
+    def _raise(self, error: type[ServerRequestError], path: str, response: httpx.Response) -> None:
+        message = _server_message(response)
+        raise error(
+            f"{path} failed (HTTP {response.status_code}): {message}",
+            status=response.status_code,
+            server_message=message,
+        )
+
+    async def _probe(self, path: str) -> bool:
+        try:
+            response = await self._http.get(path)
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
+    async def health(self) -> bool:
+        """Whether the server process answers (`GET /health` is 200); False if unreachable."""
+        return await self._probe("/health")
+
+    async def health_generate(self) -> bool:
+        """Whether the server can generate a token (`GET /health_generate` is 200); False if unreachable."""
+        return await self._probe("/health_generate")
+
+    async def model_info(self) -> dict[str, Any]:
+        """`GET /get_model_info`: model path, weight version, architecture, ..."""
+        return (await self._request("GET", "/get_model_info")).json()
+
+    async def server_info(self) -> dict[str, Any]:
+        """`GET /get_server_info`: the server's launch arguments and runtime state."""
+        return (await self._request("GET", "/get_server_info")).json()
+
+    async def list_models(self) -> list[ModelCard]:
+        """`GET /v1/models`: the base model and every loaded adapter."""
+        data = (await self._request("GET", "/v1/models")).json()
+        return [ModelCard.model_validate(card) for card in data["data"]]
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict[str, str]:
+        """Load the adapter at `path` as `name`; returns every loaded adapter (name -> path).
+
+        Raises `AdapterLoadError` if refused (name already loaded, bad path, rank above the maximum, ...).
+        """
+        data = await self._post_checked(
+            "/load_lora_adapter", {"lora_name": name, "lora_path": path}, AdapterLoadError
+        )
+        return data.get("loaded_adapters") or {}
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, str]:
+        """Unload adapter `name`; returns the adapters still loaded.
+
+        Raises `AdapterNotLoadedError` (a `ServerRequestError`) if no adapter of that name is loaded.
+        """
+        try:
+            data = await self._post_checked("/unload_lora_adapter", {"lora_name": name})
+        except ServerRequestError as exc:
+            # SGLang: "LoRA with name X does not exist. Loaded LoRAs: ..." (HTTP 400).
+            if exc.status == 400 and "does not exist" in (exc.server_message or ""):
+                raise AdapterNotLoadedError(
+                    str(exc), status=exc.status, server_message=exc.server_message
+                ) from None
+            raise
+        return data.get("loaded_adapters") or {}
+
+    async def flush_cache(self) -> None:
+        """Empty the prefix cache. Raises `ServerRequestError` if the server refuses (requests running)."""
+        await self._request("POST", "/flush_cache")
+
+    async def release_memory_occupation(self) -> None:
+        """Free the server's GPU memory (weights + KV cache with `--enable-memory-saver`).
+
+        SGLang answers 200 even without the memory saver, so success does not prove memory was freed.
+        """
+        await self._request("POST", "/release_memory_occupation", {})
+
+    async def resume_memory_occupation(self) -> None:
+        """Take the GPU memory back after `release_memory_occupation`."""
+        await self._request("POST", "/resume_memory_occupation", {})
+
+    async def update_weights_from_disk(self, model_path: str) -> None:
+        """Replace the base weights with those at `model_path`; `ServerRequestError` if it fails."""
+        await self._post_checked("/update_weights_from_disk", {"model_path": model_path})
+
+    async def metrics(self) -> str:
+        """`GET /metrics` in Prometheus text format (empty unless the server runs with metrics enabled)."""
+        return (await self._request("GET", "/metrics")).text

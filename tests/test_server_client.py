@@ -1,0 +1,128 @@
+"""ServerClient against the real reference engine: every admin method, and that refusals become the
+right exception carrying the server's own message."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from contract.contract_helpers import make_adapter
+
+from art_sglang.config import SGLangConfig
+from art_sglang.errors import (
+    AdapterLoadError,
+    AdapterNotLoadedError,
+    ServerRequestError,
+    ServerUnavailableError,
+)
+from art_sglang.server.client import ModelCard, ServerClient
+from art_sglang.server.process import ServerProcess
+
+API_KEY = "test-key"
+TARGETS = ["q_proj", "v_proj"]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("client-adapters")
+    model = str(tiny_model_path)
+    return {
+        "r4": str(make_adapter(model, root / "r4", rank=4, targets=TARGETS, seed=1)),
+        "r16": str(make_adapter(model, root / "r16", rank=16, targets=TARGETS, seed=2)),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    config = SGLangConfig(max_lora_rank=8, api_key=API_KEY, enable_metrics=True, server_timeout=120)
+    log = tmp_path_factory.mktemp("client-server") / "server.log"
+    proc = ServerProcess(config, str(tiny_model_path), engine="reference", log_path=log)
+    asyncio.run(proc.start())
+    try:
+        yield proc
+    finally:
+        asyncio.run(proc.stop())
+
+
+@pytest.fixture
+async def client(server: ServerProcess) -> AsyncIterator[ServerClient]:
+    async with ServerClient(server.base_url, api_key=API_KEY) as c:
+        yield c
+
+
+async def test_health_and_info(client: ServerClient, server: ServerProcess, tiny_model_path: Path) -> None:
+    assert await client.health()
+    assert await client.health_generate()
+    assert (await client.model_info())["model_path"] == str(tiny_model_path)
+    assert (await client.server_info())["port"] == server.port
+    assert await client.list_models() == [
+        ModelCard(id=str(tiny_model_path), root=str(tiny_model_path), parent=None, max_model_len=4096)
+    ]
+
+
+async def test_adapter_load_list_unload(
+    client: ServerClient, adapters: dict[str, str], tiny_model_path: Path
+):
+    assert await client.load_lora_adapter("m@1", adapters["r4"]) == {"m@1": adapters["r4"]}
+    try:
+        cards = {card.id: card for card in await client.list_models()}
+        assert cards["m@1"].parent == str(tiny_model_path)
+        assert cards["m@1"].root == adapters["r4"]
+
+        with pytest.raises(AdapterLoadError, match="already loaded") as dup:
+            await client.load_lora_adapter("m@1", adapters["r4"])
+        assert dup.value.status == 400
+        assert dup.value.server_message == "Failed to load LoRA adapter m@1 because it is already loaded"
+
+        with pytest.raises(AdapterLoadError, match="rank 16 is incompatible"):
+            await client.load_lora_adapter("m@16", adapters["r16"])
+        with pytest.raises(AdapterLoadError) as missing:
+            await client.load_lora_adapter("m@9", "/no/such/adapter")
+        assert "/no/such/adapter" in (missing.value.server_message or "")
+    finally:
+        assert await client.unload_lora_adapter("m@1") == {}
+    assert [card.id for card in await client.list_models()] == [str(tiny_model_path)]
+
+
+async def test_unload_unknown_adapter(client: ServerClient) -> None:
+    with pytest.raises(AdapterNotLoadedError, match="zzz does not exist") as info:
+        await client.unload_lora_adapter("zzz")
+    assert isinstance(info.value, ServerRequestError)
+    assert info.value.status == 400
+
+
+async def test_cache_memory_weights_and_metrics(client: ServerClient, tiny_model_path: Path) -> None:
+    await client.flush_cache()
+    await client.release_memory_occupation()
+    await client.resume_memory_occupation()
+    await client.update_weights_from_disk(str(tiny_model_path))
+    assert await client.health_generate()
+    assert "sglang:" in await client.metrics()
+
+
+async def test_update_weights_from_bad_path(client: ServerClient) -> None:
+    with pytest.raises(ServerRequestError, match="/nothing/here") as info:
+        await client.update_weights_from_disk("/nothing/here")
+    assert info.value.status == 400
+    assert "Failed to get weights iterator" in (info.value.server_message or "")
+
+
+async def test_wrong_api_key_is_refused(server: ServerProcess) -> None:
+    async with ServerClient(server.base_url, api_key="wrong") as client:
+        with pytest.raises(ServerRequestError) as info:
+            await client.model_info()
+    assert info.value.status == 401
+    assert info.value.server_message == "Unauthorized"
+
+
+async def test_unreachable_server() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again below: nothing listens there
+    async with ServerClient(f"http://127.0.0.1:{port}", timeout=2.0) as client:
+        assert not await client.health()
+        with pytest.raises(ServerUnavailableError, match=f"127.0.0.1:{port}/get_model_info"):
+            await client.model_info()
