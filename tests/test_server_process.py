@@ -115,6 +115,14 @@ async def test_exit_at_once_fails_fast_with_command_and_log_tail(tmp_path: Path)
     assert not server.is_alive()
 
 
+async def test_missing_server_python(tmp_path: Path) -> None:
+    config = SGLangConfig(server_python=str(tmp_path / "no-venv" / "bin" / "python"))
+    server = ServerProcess(config, "m", engine="sglang", log_path=tmp_path / "s.log")
+    with pytest.raises(ServerStartError, match=r"Could not run .*no-venv/bin/python -m sglang.launch_server"):
+        await server.start()
+    assert server.pid is None
+
+
 async def test_never_healthy_times_out_and_is_killed(tmp_path: Path) -> None:
     script = "import time; print('loading weights...', flush=True); time.sleep(600)"
     server = ScriptServer(script, tmp_path, server_timeout=1.5)
@@ -164,12 +172,14 @@ async def test_concurrent_servers_get_different_ports(tmp_path: Path) -> None:
         await asyncio.gather(*(s.stop() for s in servers))
 
 
-async def test_killed_server_is_detected(tmp_path: Path) -> None:
-    server = ScriptServer(HEALTH_SERVER, tmp_path)
+async def test_killed_server_is_detected_and_starts_again(tmp_path: Path) -> None:
+    server = ScriptServer(HEALTH_SERVER, tmp_path, extra=("--stubborn",))
     await server.start()
     server.check_alive()
     assert server.pid is not None
-    os.kill(server.pid, signal.SIGKILL)
+    crashed, orphan = tree_pids(server.pid)
+    port = server.port
+    os.kill(crashed, signal.SIGKILL)
     for _ in range(100):
         if not server.is_alive():
             break
@@ -177,7 +187,14 @@ async def test_killed_server_is_detected(tmp_path: Path) -> None:
     assert not server.is_alive()
     with pytest.raises(ServerCrashedError, match=r"exit code -9(.|\n)*last lines of the log(.|\n)*ENV"):
         server.check_alive()
-    await server.stop()
+    assert running(orphan)  # SIGKILL spared the grandchild; a new start clears it away
+    try:
+        await server.start()
+        assert not running(orphan)
+        assert server.port == port
+        assert await healthy(server.base_url)
+    finally:
+        await server.stop(timeout=0.5)
     with pytest.raises(ServerCrashedError, match="not running"):
         server.check_alive()
 

@@ -31,8 +31,8 @@ ENGINE_MODULES: dict[Engine, str] = {
 }
 LOG_TAIL_LINES = 40
 _POLL_SECONDS = 0.25
-# At interpreter exit (or when a forgotten handle is collected) nobody waits on the server any more, so a
-# short grace period is enough before SIGKILL.
+# At interpreter exit, when a forgotten handle is collected, or when clearing a crashed tree, nobody waits
+# on the server any more, so a short grace period is enough before SIGKILL.
 _EXIT_GRACE_SECONDS = 5.0
 
 # Ports handed to servers of this interpreter and not released yet, so that servers started at the same
@@ -170,11 +170,18 @@ class ServerProcess:
         """
         if self.is_alive():
             return
+        if self._popen is not None:
+            # It crashed: clear what is left of its tree (and its exit hook) first.
+            await self.stop(timeout=_EXIT_GRACE_SECONDS)
         self._port = self.config.port or _claim_port(self.config.host, self._port)
         command = self.command()
         # Popen runs on the event loop's thread on purpose: the parent-death signal is tied to the forking
         # thread, and an executor thread may exit while the server still runs.
-        self._popen = self._launch(command)
+        try:
+            self._popen = self._launch(command)
+        except OSError as exc:  # e.g. the server venv's python does not exist
+            self._release_auto_port()
+            raise ServerStartError(f"Could not run {display_command(command)}: {exc}") from exc
         self._finalizer = weakref.finalize(self, kill_process_tree, self._popen.pid, _EXIT_GRACE_SECONDS)
         try:
             await self._wait_healthy(command)
@@ -256,8 +263,11 @@ class ServerProcess:
             self._finalizer.detach()
         await asyncio.to_thread(kill_process_tree, popen.pid, timeout)
         popen.poll()  # already reaped; keeps the Popen's own bookkeeping consistent
+        self._release_auto_port()  # a restart claims it again if it is still free
+
+    def _release_auto_port(self) -> None:
         if self.config.port is None and self._port is not None:
-            _release_port(self._port)  # a restart claims it again if it is still free
+            _release_port(self._port)
 
     async def restart(self) -> None:
         """Stop and start again, on the same port when it is still free."""
