@@ -16,8 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
-from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+from openai import AsyncOpenAI, Timeout
 from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
 from pydantic_core import PydanticSerializationError
 
@@ -124,12 +123,9 @@ class Model(BaseModel):
             self._openai_client = AsyncOpenAI(
                 base_url=self.inference_base_url,
                 api_key=self.inference_api_key,
-                # Long generations and many concurrent rollouts: the defaults (10 min, 1000 connections)
-                # cut both short, so use ART's limits.
-                http_client=DefaultAsyncHttpxClient(
-                    timeout=httpx.Timeout(timeout=1200, connect=5.0),
-                    limits=httpx.Limits(max_connections=100_000, max_keepalive_connections=100_000),
-                ),
+                # Long generations queue behind many concurrent rollouts: the default 10 min read timeout
+                # cuts them short (ART uses 20 min); a server that is not there should fail fast.
+                timeout=Timeout(1200.0, connect=5.0),
             )
             self._openai_client_key = key
         return self._openai_client

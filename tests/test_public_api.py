@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 import art_sglang as art
@@ -196,6 +198,7 @@ async def test_register_points_the_model_at_the_backend(model):
     client = model.openai_client()
     assert client is model.openai_client()  # cached
     assert str(client.base_url) == "http://127.0.0.1:30000/v1/" and client.api_key == "secret"
+    assert client.timeout.read == 1200.0
     # A new server (e.g. another backend) gets a new client.
     await model.register(ProtocolBackend(base_url="http://127.0.0.1:30001/v1"))
     assert str(model.openai_client().base_url) == "http://127.0.0.1:30001/v1/"
@@ -216,6 +219,15 @@ async def test_failed_register_leaves_the_model_unregistered(model):
         model.openai_client()
     with pytest.raises(ModelNotRegisteredError):
         await model.get_step()
+
+
+async def test_openai_client_makes_real_requests(model):
+    with socket.socket() as probe:  # a port nobody listens on: the request must fail as a connection error
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    await model.register(ProtocolBackend(base_url=f"http://127.0.0.1:{port}/v1"))
+    with pytest.raises(openai.APIConnectionError):
+        await model.openai_client().with_options(max_retries=0).models.list()
 
 
 async def test_old_style_model_train(model):
