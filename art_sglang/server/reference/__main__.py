@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from types import FrameType
 
 from .cli import log_ignored, parse_args
 
@@ -42,7 +43,14 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,
         timeout_graceful_shutdown=2,
     )
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # Stop generations at their next token so SIGTERM exits promptly, not after a long answer.
+            engine.shutdown()
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     logging.getLogger("art_sglang.server.reference").info(
         "The server is fired up and ready to roll! http://%s:%d", args.host, args.port
     )

@@ -45,6 +45,9 @@ class ServerArgs(BaseModel):
     max_loras_per_batch: int = 8
     max_loaded_loras: int | None = None
     context_length: int | None = None
+    max_total_tokens: int = Field(
+        32768, ge=1, description="Token budget of the prefix cache (SGLang: KV pool)."
+    )
     attention_backend: str | None = None
     sampling_backend: str | None = None
     disable_radix_cache: bool = False
@@ -93,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-loras-per-batch", type=int, default=8)
     add("--max-loaded-loras", type=int)
     add("--context-length", type=int)
+    add("--max-total-tokens", type=int, default=32768)
     add("--attention-backend")
     add("--sampling-backend")
     add("--disable-radix-cache", action="store_true")

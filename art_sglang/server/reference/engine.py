@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +27,8 @@ from .prefix_cache import PrefixCache
 from .sampling import SamplingOptions, choose_token, logprobs_of
 
 logger = logging.getLogger(__name__)
+
+_SINGLE_THREAD_PARAMS = 50_000_000
 
 
 class EngineReleasedError(RuntimeError):
@@ -110,15 +113,15 @@ class _TextTracker:
     """Decodes output tokens incrementally, finds stop strings, and yields only text that can no longer
     change: an unfinished UTF-8 character or a possible start of a stop string is held back."""
 
-    def __init__(self, tokenizer: Any, options: SamplingOptions) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, decode: Callable[[list[int], bool], str], options: SamplingOptions) -> None:
+        self._decode = decode
         self.options = options
         self.ids: list[int] = []
         self.emitted = 0
         self.final: str | None = None
 
     def decode(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=self.options.skip_special_tokens)
+        return self._decode(self.ids, self.options.skip_special_tokens)
 
     def push(self, token_id: int) -> tuple[str, str | None]:
         """Add a token; return (new stable text, matched stop string or None)."""
@@ -160,6 +163,10 @@ class ReferenceEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
         self.hf_config = AutoConfig.from_pretrained(args.model_path)
         model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32).eval()
+        if "OMP_NUM_THREADS" not in os.environ and model.num_parameters() < _SINGLE_THREAD_PARAMS:
+            # A small model decodes one token in ~1 ms on one core; more intra-op threads only add
+            # synchronisation, which costs 10x or more on a busy machine (measured on 2 shared cores).
+            torch.set_num_threads(1)
         self.context_length = args.context_length or int(
             getattr(self.hf_config, "max_position_embeddings", 0) or 4096
         )
@@ -181,13 +188,18 @@ class ReferenceEngine:
             target_modules=args.lora_target_modules,
             max_loaded=args.max_loaded_loras,
         )
-        self.prefix_cache = PrefixCache(enabled=not args.disable_radix_cache)
+        self.prefix_cache = PrefixCache(
+            enabled=not args.disable_radix_cache, max_tokens=args.max_total_tokens
+        )
         self.stats = EngineStats()
         self.weights_path = args.model_path
         self.weight_version = "default"
         self.load_seconds = time.perf_counter() - started
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()
+        # Fast tokenizers are not safe to use from two threads at once ("Already borrowed").
+        self._tokenizer_lock = threading.Lock()
+        self._shutting_down = threading.Event()
         self._released = False
         self._backup: dict[str, torch.Tensor] | None = None
         # Shapes the served model needs, checked against new weights (also while released).
@@ -236,16 +248,22 @@ class ReferenceEngine:
         if not getattr(self.tokenizer, "chat_template", None):
             raise PromptError("The model has no chat template; use /v1/completions or /generate.")
         try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False,
-                **(kwargs or {}),
-            )  # fmt: skip
+            with self._tokenizer_lock:
+                ids = self.tokenizer.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False,
+                    **(kwargs or {}),
+                )  # fmt: skip
         except Exception as exc:  # jinja and tokenizer errors alike mean "these messages do not render"
             raise PromptError(f"Failed to apply the chat template: {exc}") from exc
         return list(ids)
 
     def encode_text(self, text: str) -> list[int]:
-        return list(self.tokenizer(text).input_ids)
+        with self._tokenizer_lock:
+            return list(self.tokenizer(text).input_ids)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def sampling_defaults(self) -> dict[str, Any]:
         """Defaults from the model's generation_config.json (SGLang's `--sampling-defaults model`)."""
@@ -316,7 +334,7 @@ class ReferenceEngine:
         if options.seed is not None and not options.greedy:
             generator = torch.Generator().manual_seed(options.seed)
         stop_ids = set(options.stop_token_ids) | (set() if options.ignore_eos else self.eos_ids)
-        tracker = _TextTracker(self.tokenizer, options)
+        tracker = _TextTracker(self.decode, options)
         output_ids: list[int] = []
         output_logprobs: list[TokenLogprob] = []
         input_logprobs: list[TokenLogprob | None] = []
@@ -353,7 +371,7 @@ class ReferenceEngine:
                     break
                 if len(output_ids) >= max_new:
                     break
-                if request.abort is not None and request.abort.is_set():
+                if self._shutting_down.is_set() or (request.abort is not None and request.abort.is_set()):
                     finish = FinishReason("abort")
                     break
                 next_logits = model(
@@ -385,7 +403,11 @@ class ReferenceEngine:
 
     def token_text(self, token_id: int) -> str:
         """A token's text as SGLang shows it in logprobs (partial UTF-8 decodes to U+FFFD)."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def shutdown(self) -> None:
+        """Make generations in flight stop at their next token (the server is exiting)."""
+        self._shutting_down.set()
 
     # --- adapters ----------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str) -> LoadedAdapter:
