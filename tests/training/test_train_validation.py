@@ -1,0 +1,99 @@
+"""Bad input is refused before anything is sent to the trainer, with the group and trajectory named."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from training_helpers import make_choice
+from transformers import AutoTokenizer
+
+from art_sglang.errors import TrainingInputError
+from art_sglang.training.validation import groups_to_wire, validate_groups
+from art_sglang.trajectories import Trajectory, TrajectoryGroup
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def good(tokenizer: Any, reward: float = 1.0) -> Trajectory:
+    return Trajectory(
+        messages_and_choices=[{"role": "user", "content": "q"}, make_choice(tokenizer, "a 1")], reward=reward
+    )
+
+
+def check(groups: list[TrajectoryGroup], allow: bool = False) -> None:
+    validate_groups(groups_to_wire(groups), allow_training_without_logprobs=allow)
+
+
+def test_good_groups_pass(tokenizer: Any) -> None:
+    check([TrajectoryGroup([good(tokenizer), good(tokenizer, 0.0)])])
+
+
+@pytest.mark.parametrize("reward", [math.nan, math.inf, -math.inf])
+def test_non_finite_reward(tokenizer: Any, reward: float) -> None:
+    groups = [TrajectoryGroup([good(tokenizer)]), TrajectoryGroup([good(tokenizer), good(tokenizer, reward)])]
+    with pytest.raises(TrainingInputError, match=r"group 1, trajectory 1: reward must be a finite number"):
+        check(groups)
+
+
+def test_no_assistant_choice(tokenizer: Any) -> None:
+    plain = Trajectory(
+        messages_and_choices=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+        reward=1.0,
+    )
+    with pytest.raises(TrainingInputError, match=r"group 0, trajectory 1: no assistant Choice"):
+        check([TrajectoryGroup([good(tokenizer), plain])])
+
+
+def test_empty_group_and_no_groups(tokenizer: Any) -> None:
+    with pytest.raises(TrainingInputError, match=r"group 1 has no trajectories \(2 rollouts raised"):
+        check(
+            [
+                TrajectoryGroup([good(tokenizer)]),
+                TrajectoryGroup([], exceptions=[ValueError("x"), KeyError("y")]),
+            ]
+        )
+    with pytest.raises(TrainingInputError, match="no trajectory groups"):
+        check([])
+
+
+@pytest.mark.parametrize("change", ["drop_one", "add_one", "other_text"])
+def test_logprobs_of_the_wrong_length(tokenizer: Any, change: str) -> None:
+    choice = make_choice(tokenizer, "ab 12")
+    entries = choice.logprobs.content
+    if change == "drop_one":
+        choice.logprobs.content = entries[1:]
+    elif change == "add_one":
+        choice.logprobs.content = [*entries, entries[0], entries[0]]
+    else:
+        choice.message.content = "ab 13"
+    bad = Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, choice], reward=0.0)
+    with pytest.raises(
+        TrainingInputError, match=r"group 0, trajectory 1, choice 0: logprobs of the wrong length"
+    ):
+        check([TrajectoryGroup([good(tokenizer), bad])])
+
+
+def test_choice_without_logprobs(tokenizer: Any) -> None:
+    choice = make_choice(tokenizer, "a")
+    choice.logprobs = None
+    bare = Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, choice], reward=0.0)
+    with pytest.raises(
+        TrainingInputError, match=r"group 0, trajectory 0, choice 0: the Choice has no logprobs"
+    ):
+        check([TrajectoryGroup([bare])])
+    check([TrajectoryGroup([bare])], allow=True)
+
+
+def test_non_finite_logprob(tokenizer: Any) -> None:
+    choice = make_choice(tokenizer, "a 1", [-1.0, math.nan, -1.0])
+    bad = Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, choice], reward=0.0)
+    with pytest.raises(
+        TrainingInputError, match=r"group 0, trajectory 0, choice 0: logprob 1 must be a finite"
+    ):
+        check([TrajectoryGroup([bad])])
