@@ -205,10 +205,12 @@ class TrainableModel(Model):
         trajectory_groups: Iterable[TrajectoryGroup],
         config: TrainConfig | None = None,
         _config: dict[str, Any] | None = None,
+        verbose: bool = False,
     ) -> TrainResult:
         """Older ART style: `await model.train(groups, config=TrainConfig(...))`.
 
-        Same as `await backend.train(model, groups, learning_rate=..., kl_penalty_coef=..., **_config)`.
+        Same as `await backend.train(model, groups, learning_rate=..., kl_penalty_coef=..., verbose=...,
+        **_config)`; `_config` holds further `backend.train` options.
         """
         config = config or TrainConfig()
         return await self.backend().train(
@@ -216,6 +218,7 @@ class TrainableModel(Model):
             list(trajectory_groups),
             learning_rate=config.learning_rate,
             kl_penalty_coef=config.kl_penalty_coef,
+            verbose=verbose,
             **(_config or {}),
         )
 

@@ -240,7 +240,7 @@ async def test_old_style_model_train(model):
     assert result == art.TrainResult(step=1, metrics={"loss": 0.1})
     [(_, (groups, options))] = [c for c in backend.calls if c[0] == "train"]
     assert groups == [group]
-    assert options == {"learning_rate": 1e-5, "kl_penalty_coef": 0.2, "epsilon": 0.3}
+    assert options == {"learning_rate": 1e-5, "kl_penalty_coef": 0.2, "verbose": False, "epsilon": 0.3}
 
 
 async def test_log_appends_history_rows(model):
