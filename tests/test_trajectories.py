@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from art_sglang import Trajectory, TrajectoryGroup, gather_trajectory_groups
+from art_sglang import History, Trajectory, TrajectoryGroup, gather_trajectory_groups
 from art_sglang.types import Choice
 
 
@@ -51,6 +51,9 @@ def conversation(reward: float = 1.0) -> Trajectory:
         reward=reward,
         metrics={"turns": 2, "solved": True},
         metadata={"scenario": "add", "seed": 3},
+        additional_histories=[
+            History(messages_and_choices=[{"role": "user", "content": "sub"}, sampled_choice("5")])
+        ],
     )
 
 
@@ -121,6 +124,12 @@ def test_json_round_trip_keeps_choices_and_logprobs():
         assert items[2].message.tool_calls[0].function.name == "add"
         assert restored.trajectories[0].metrics == {"turns": 2, "solved": True}
         assert restored.exceptions[0].message == "x"
+        history = restored.trajectories[0].additional_histories[0]
+        assert history.messages() == [
+            {"role": "user", "content": "sub"},
+            {"role": "assistant", "content": "5"},
+        ]
+        assert isinstance(history.messages_and_choices[1], Choice)
 
 
 def test_group_copies_are_independent():
