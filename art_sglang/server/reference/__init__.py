@@ -1,2 +1,27 @@
 """The CPU reference engine: a small real HTTP server speaking SGLang 0.5.17's HTTP subset on
-transformers + peft, run as `python -m art_sglang.server.reference <sglang launch flags>`."""
+transformers + peft, run as `python -m art_sglang.server.reference <sglang launch flags>`.
+
+It makes every orchestration path testable without a GPU; the contract tests (tests/contract) run the same
+assertions against it and against real SGLang, and replay SGLang's recorded answers (status codes, JSON
+shapes). Where SGLang's behaviour is kept on purpose, or where a CPU engine must differ:
+
+- A model name that is not loaded (unknown, or unloaded) is served by the base model with HTTP 200 and the
+  requested name echoed back, exactly as SGLang does. `<base>:<adapter>` and `lora_path` also pick adapters.
+- Adapters: any number loaded at once (`--max-loaded-loras` caps it if given; `--max-loras-per-batch` is a
+  GPU pool size and is ignored); rank above `--max-lora-rank` or a target outside `--lora-target-modules`
+  -> 400 with SGLang's message; a missing path -> 400 saying so (SGLang instead tries the model hub).
+- Weights run in float32. Logprobs are log-softmax of the logits divided by the temperature, before
+  top-p/top-k (SGLang's default); greedy requests report the plain log-softmax. A seeded request samples
+  deterministically (choice i of n uses seed + i).
+- Requests run one at a time under a lock, in a worker thread, so /health answers while generating.
+- The prefix cache keeps recent KV caches per adapter (token budget `--max-total-tokens`) and reuses the
+  longest common prefix, so `usage.prompt_tokens_details.cached_tokens` is real;
+  `--disable-radix-cache` turns it off; /flush_cache clears it (refused while requests run, like SGLang).
+- /release_memory_occupation with `--enable-memory-saver` clears the cache and drops the base weights;
+  with `--enable-weights-cpu-backup` they are kept in RAM (on a CPU that backup is the weights themselves),
+  without it they are re-read from disk on resume. While released, generation answers 503 and
+  /health_generate 503 (/health stays 200). Without the memory saver both calls are accepted no-ops.
+- /update_weights_from_disk reads a local checkpoint of the same shapes; adapters stay loaded; the cache is
+  flushed. SIGTERM stops generations in flight at their next token.
+- GPU-only flags are accepted and ignored with a log line; unknown flags too. One log line per request.
+"""

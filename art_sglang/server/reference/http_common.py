@@ -14,7 +14,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from .adapters import AdapterError
 from .engine import (
     EngineReleasedError,
     GenerationRequest,
@@ -39,7 +38,7 @@ def engine_error_body(exc: Exception) -> dict[str, Any]:
     """The error SGLang gives for the same situation as an engine exception (code = HTTP status)."""
     if isinstance(exc, EngineReleasedError):
         return error_body(str(exc), 503, "ServiceUnavailableError")
-    if isinstance(exc, (ValueError, AdapterError)):
+    if isinstance(exc, ValueError):  # bad input: sampling parameters, lengths, adapters, prompts
         return error_body(str(exc))
     logger.exception("request failed")
     return error_body(f"Internal error: {exc!r}", 500, "InternalServerError")
