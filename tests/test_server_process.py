@@ -166,6 +166,8 @@ async def test_concurrent_servers_get_different_ports(tmp_path: Path) -> None:
     try:
         await asyncio.gather(*(s.start() for s in servers))
         assert len({s.port for s in servers}) == 3
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        assert all(s.port < ephemeral_low for s in servers)  # outgoing connections cannot take them
         for server in servers:
             assert await healthy(server.base_url)
     finally:

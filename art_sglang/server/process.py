@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import shlex
 import socket
 import sys
@@ -52,20 +53,32 @@ def _port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def _claim_port(host: str, wanted: int | None) -> int:
-    """Reserve `wanted` if it is free and unreserved, else a fresh port the OS says is free."""
+    """Reserve `wanted` if it is free and unreserved, else a random free port.
+
+    The port is chosen below the OS's ephemeral range: the server binds it only after loading the model
+    (minutes for SGLang), and meanwhile any outgoing connection could take an ephemeral port as its own.
+    """
+    low = 10000
+    high = _ephemeral_range()[0] - 1
+    if high - low < 1000:  # an unusual range: any port not reserved and free will do
+        low, high = 1024, 65535
     with _ports_lock:
-        if wanted is not None and wanted not in _reserved_ports and _port_is_free(host, wanted):
-            _reserved_ports.add(wanted)
-            return wanted
-        for _ in range(100):
-            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-                sock.bind((host, 0))
-                port = sock.getsockname()[1]
-            if port not in _reserved_ports:
+        candidates = [wanted] if wanted is not None else []
+        candidates += [random.randint(low, high) for _ in range(200)]
+        for port in candidates:
+            if port not in _reserved_ports and _port_is_free(host, port):
                 _reserved_ports.add(port)
                 return port
-    raise ServerStartError(f"found no free port on {host}")
+    raise ServerStartError(f"found no free port on {host} in {low}-{high}")
 
 
 def _release_port(port: int) -> None:
