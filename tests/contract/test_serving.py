@@ -65,6 +65,22 @@ def test_stream_equals_plain_answer(client: httpx.Client) -> None:
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
 
 
+def test_completion_and_native_streams_equal_plain_answers(client: httpx.Client) -> None:
+    body = {"prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    events = parse_sse(client.post("/v1/completions", json={**body, "stream": True}).text)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == plain
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+    native = {"text": "hello", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    answer = client.post("/generate", json=native).json()
+    events = parse_sse(client.post("/generate", json={**native, "stream": True}).text)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["text"] == answer["text"]  # SGLang's native stream repeats the whole text so far
+    assert events[-2]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+
+
 def test_logprobs_are_the_models_log_softmax(client: httpx.Client, model_path: str, engine: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM

@@ -48,9 +48,9 @@ class SamplingOptions:
 def logprobs_of(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
     """Log-probabilities reported for a step: log-softmax of the logits divided by the temperature (as
     SGLang reports them; greedy requests get the plain log-softmax). Top-p/top-k do not renormalise them."""
-    if options.greedy:
-        return torch.log_softmax(logits.float(), dim=-1)
-    return torch.log_softmax(logits.float() / options.temperature, dim=-1)
+    scaled = logits.float() if options.greedy else logits.float() / options.temperature
+    # Clamped like SGLang's, so a masked (-inf) logit still serialises as a JSON number.
+    return torch.log_softmax(scaled, dim=-1).clamp(min=torch.finfo(torch.float32).min)
 
 
 def choose_token(logprobs: torch.Tensor, options: SamplingOptions, generator: torch.Generator | None) -> int:
