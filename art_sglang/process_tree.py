@@ -7,9 +7,11 @@ import contextlib
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import psutil
 
@@ -87,6 +89,23 @@ def _signal_all(pid: int, procs: list[psutil.Process], sig: signal.Signals) -> N
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
             proc.send_signal(sig)
+
+
+def peek_exit_code(popen: subprocess.Popen[Any]) -> int | None:
+    """The child's exit code (negative signal number if a signal killed it), or None while it runs.
+
+    Unlike `Popen.poll()` it leaves the exited child unreaped, so its pid (and process-group id) cannot be
+    reused by an unrelated process before `kill_process_tree` has cleared what is left of its tree.
+    """
+    if popen.returncode is not None:
+        return popen.returncode
+    try:
+        info = os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere
+        return popen.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 def parent_death_preexec() -> Callable[[], None] | None:

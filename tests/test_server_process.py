@@ -189,6 +189,8 @@ async def test_killed_server_is_detected_and_starts_again(tmp_path: Path) -> Non
     assert not server.is_alive()
     with pytest.raises(ServerCrashedError, match=r"exit code -9(.|\n)*last lines of the log(.|\n)*ENV"):
         server.check_alive()
+    # Not reaped yet, so its pid and process group cannot go to another process before the cleanup.
+    assert psutil.Process(crashed).status() == psutil.STATUS_ZOMBIE
     assert running(orphan)  # SIGKILL spared the grandchild; a new start clears it away
     try:
         await server.start()

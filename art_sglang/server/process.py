@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from art_sglang.config import SGLANG_ENV_DEFAULTS, SGLangConfig
 from art_sglang.errors import ServerCrashedError, ServerStartError
-from art_sglang.process_tree import kill_process_tree, parent_death_preexec
+from art_sglang.process_tree import kill_process_tree, parent_death_preexec, peek_exit_code
 
 Engine = Literal["sglang", "reference"]
 
@@ -238,7 +238,7 @@ class ServerProcess:
         async with httpx.AsyncClient(timeout=5.0, headers=headers, trust_env=False) as http:
             try:
                 while True:
-                    code = self._popen.poll()
+                    code = peek_exit_code(self._popen)
                     if code is not None:
                         raise ServerStartError(self._start_failure(command, f"exited with code {code}"))
                     try:
@@ -275,7 +275,7 @@ class ServerProcess:
         if self._finalizer is not None:
             self._finalizer.detach()
         await asyncio.to_thread(kill_process_tree, popen.pid, timeout)
-        popen.poll()  # already reaped; keeps the Popen's own bookkeeping consistent
+        popen.poll()  # reaped by now; keeps the Popen's own bookkeeping consistent
         self._release_auto_port()  # a restart claims it again if it is still free
 
     def _release_auto_port(self) -> None:
@@ -288,13 +288,13 @@ class ServerProcess:
         await self.start()
 
     def is_alive(self) -> bool:
-        return self._popen is not None and self._popen.poll() is None
+        return self._popen is not None and peek_exit_code(self._popen) is None
 
     def check_alive(self) -> None:
         """Raise `ServerCrashedError` (with the log tail) unless the server process is running."""
         if self._popen is None:
             raise ServerCrashedError(f"The {self.engine} server is not running (not started, or stopped).")
-        code = self._popen.poll()
+        code = peek_exit_code(self._popen)
         if code is not None:
             raise ServerCrashedError(
                 f"The {self.engine} server (pid {self._popen.pid}) died with exit code {code}.\n"
