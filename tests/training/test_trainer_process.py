@@ -1,0 +1,242 @@
+"""TrainerProcess with the real worker subprocess: resume continues the optimizer exactly, bad input
+changes nothing, the worker's stdout carries only protocol lines, a dead worker is a TrainerError, and a
+saved adapter gives the same greedy output in peft and in the reference engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from training_helpers import Scorer, make_choice, trajectory
+from transformers import AutoTokenizer
+
+from art_sglang.config import SGLangConfig, TrainerConfig
+from art_sglang.errors import TrainerError, TrainingInputError
+from art_sglang.server.client import ServerClient
+from art_sglang.server.process import ServerProcess
+from art_sglang.training.checkpoints import list_checkpoints
+from art_sglang.training.options import TrainOptions
+from art_sglang.training.process import TrainerProcess
+from art_sglang.trajectories import TrajectoryGroup
+
+OPTIONS = TrainOptions(learning_rate=5e-2)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def groups(tokenizer: Any, seed: int) -> list[TrajectoryGroup]:
+    answers = [("1 2 3", 1.0), ("a b", 0.0), (f"{seed} z", 0.5)]
+    return [
+        TrajectoryGroup(
+            [trajectory(f"task {seed} {g}", make_choice(tokenizer, a, [-7.0] * 5), r) for a, r in answers]
+        )
+        for g in range(2)
+    ]
+
+
+def trainer(model: Path, folder: Path, **config: Any) -> TrainerProcess:
+    return TrainerProcess(
+        str(model),
+        folder / "checkpoints",
+        TrainerConfig(**config),
+        gpu_ids=None,
+        log_path=folder / "trainer.log",
+    )
+
+
+async def test_resume_continues_adapter_and_optimizer(
+    tiny_model_path: Path, tmp_path: Path, tokenizer: Any
+) -> None:
+    straight = trainer(tiny_model_path, tmp_path / "a")
+    try:
+        assert await straight.start() == 0
+        await straight.train(groups(tokenizer, 1), OPTIONS)
+        expected = await straight.train(groups(tokenizer, 2), OPTIONS)
+    finally:
+        await straight.stop()
+
+    first = trainer(tiny_model_path, tmp_path / "b")
+    try:
+        await first.start()
+        await first.train(groups(tokenizer, 1), OPTIONS)
+    finally:
+        await first.stop()
+    resumed = trainer(tiny_model_path, tmp_path / "b")
+    try:
+        assert await resumed.start() == 1
+        assert resumed.info["resumed"] is True
+        await resumed.offload()  # CPU: answered, nothing to move
+        await resumed.reload()
+        got = await resumed.train(groups(tokenizer, 2), OPTIONS)
+    finally:
+        await resumed.stop()
+
+    assert got.step == expected.step == 2
+    # Same weights and same Adam moments before step 2 -> the same step 2, to float precision.
+    for key in ("loss", "grad_norm", "ratio_mean", "clip_fraction"):
+        assert got.metrics[key] == pytest.approx(expected.metrics[key], rel=1e-5), key
+    a, b = (
+        load_file(expected.checkpoint_path / "adapter_model.safetensors"),
+        load_file(got.checkpoint_path / "adapter_model.safetensors"),
+    )
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-7)
+    opt_a = torch.load(expected.checkpoint_path / "optimizer.pt")["state"]
+    opt_b = torch.load(got.checkpoint_path / "optimizer.pt")["state"]
+    assert opt_a.keys() == opt_b.keys() and len(opt_a) > 0
+    for index in opt_a:
+        assert float(opt_a[index]["step"]) == float(opt_b[index]["step"]) == 2.0
+        torch.testing.assert_close(opt_b[index]["exp_avg"], opt_a[index]["exp_avg"], rtol=1e-5, atol=1e-9)
+    state = json.loads((got.checkpoint_path / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["metrics"]["loss"] == pytest.approx(got.metrics["loss"])
+
+
+async def test_bad_input_changes_nothing(tiny_model_path: Path, tmp_path: Path, tokenizer: Any) -> None:
+    proc = trainer(tiny_model_path, tmp_path, max_seq_length=64)
+    try:
+        await proc.start()
+        folder = tmp_path / "checkpoints"
+        before = {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
+        good = groups(tokenizer, 3)
+        nan = [*good, TrajectoryGroup([trajectory("q", make_choice(tokenizer, "1"), float("nan"))])]
+        with pytest.raises(TrainingInputError, match="group 2, trajectory 0: reward must be a finite number"):
+            await proc.train(nan, OPTIONS)
+        # Checked only by the worker (needs the tokenizer): the sequence length.
+        long = [*good, TrajectoryGroup([trajectory("word " * 80, make_choice(tokenizer, "1"), 1.0)])]
+        with pytest.raises(
+            TrainingInputError, match=r"group 2, trajectory 0: .* longer than max_seq_length=64"
+        ):
+            await proc.train(long, OPTIONS)
+        assert {p: p.stat().st_mtime_ns for p in folder.rglob("*")} == before
+        assert list_checkpoints(folder) == [0]
+        # The worker is still healthy and the step number unchanged.
+        outcome = await proc.train(good, OPTIONS)
+        assert outcome.step == 1 and list_checkpoints(folder) == [0, 1]
+    finally:
+        await proc.stop()
+
+
+async def test_dead_worker_is_a_trainer_error(tiny_model_path: Path, tmp_path: Path, tokenizer: Any) -> None:
+    proc = trainer(tiny_model_path, tmp_path)
+    try:
+        await proc.start()
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        with pytest.raises(TrainerError, match=r"(?s)trainer worker .*exit code -9.*trainer\.log"):
+            await proc.train(groups(tokenizer, 1), OPTIONS)
+    finally:
+        await proc.stop()
+    assert not proc.is_alive()
+    with pytest.raises(TrainerError, match="not running"):
+        await proc.train(groups(tokenizer, 1), OPTIONS)
+
+
+async def test_failing_start_reports_the_log(tmp_path: Path) -> None:
+    proc = trainer(tmp_path / "no-such-model", tmp_path)
+    with pytest.raises(TrainerError, match="no-such-model"):
+        await proc.start()
+    assert not proc.is_alive()
+
+
+def test_cuda_devices_are_set_for_the_child(tiny_model_path: Path, tmp_path: Path) -> None:
+    env = TrainerProcess(
+        str(tiny_model_path), tmp_path, TrainerConfig(), gpu_ids=[3, 5], log_path=tmp_path / "l"
+    ).environment()
+    assert env["CUDA_VISIBLE_DEVICES"] == "3,5"
+
+
+def test_worker_stdout_carries_only_protocol_lines(tiny_model_path: Path, tmp_path: Path) -> None:
+    requests = [
+        {
+            "id": 1,
+            "cmd": "init",
+            "base_model": str(tiny_model_path),
+            "checkpoint_dir": str(tmp_path / "c"),
+            "config": {},
+        },
+        {"id": 2, "cmd": "bogus"},
+        {"id": 3, "cmd": "shutdown"},
+    ]
+    env = TrainerProcess(
+        str(tiny_model_path), tmp_path, TrainerConfig(), gpu_ids=None, log_path=tmp_path / "l"
+    ).environment()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "print('noise'); import runpy; runpy.run_module('art_sglang.training.worker', run_name='__main__')",
+        ],
+        input="".join(json.dumps(r) + "\n" for r in requests),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [
+        json.loads(line) for line in done.stdout.splitlines()[1:]
+    ]  # line 0 is the noise printed before the worker
+    assert [(m["id"], m["event"]) for m in lines] == [(1, "result"), (2, "error"), (3, "result")]
+    assert lines[0]["data"]["step"] == 0 and lines[1]["message"] == "RuntimeError: unknown command 'bogus'"
+    assert "Loading weights" in done.stderr  # library output went to stderr
+
+
+async def test_adapter_round_trip_peft_and_reference_engine(
+    tiny_model_path: Path, tmp_path: Path, tokenizer: Any
+) -> None:
+    proc = trainer(tiny_model_path, tmp_path)
+    try:
+        await proc.start()
+        for seed in range(3):
+            outcome = await proc.train(groups(tokenizer, seed), TrainOptions(learning_rate=1e-1))
+    finally:
+        await proc.stop()
+    adapter = outcome.checkpoint_path
+    assert adapter is not None
+    weights = load_file(adapter / "adapter_model.safetensors")
+    assert all(".lora_A." in k or ".lora_B." in k for k in weights)
+    assert any(float(v.abs().max()) > 0 for k, v in weights.items() if ".lora_B." in k)
+    prompt = "task 1 0"
+    peft = Scorer(tiny_model_path, adapter)
+    base_ids = Scorer(tiny_model_path).greedy(prompt)
+    peft_ids = peft.greedy(prompt)
+    assert peft_ids != base_ids  # the adapter changes the model
+    expected = tokenizer.decode(peft_ids, skip_special_tokens=True)
+
+    server = ServerProcess(
+        SGLangConfig(max_lora_rank=8, server_timeout=120),
+        str(tiny_model_path),
+        engine="reference",
+        log_path=tmp_path / "server.log",
+    )
+    await server.start()
+    try:
+        async with ServerClient(server.base_url) as client:
+            await client.load_lora_adapter("m@3", str(adapter))
+            import httpx
+
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+                response = await http.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "m@3",
+                        "messages": [{"role": "user", "content": prompt}],
+                        "max_tokens": len(peft_ids),
+                        "temperature": 0,
+                    },
+                )
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["message"]["content"] == expected
+    finally:
+        await server.stop()

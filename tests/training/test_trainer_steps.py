@@ -1,0 +1,107 @@
+"""The in-worker `Trainer` on the tiny model, in this process: micro-batching gives the same step as one
+batch (token-mean over the whole batch), the KL term, groups without signal, and offload on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from training_helpers import make_choice, trajectory
+from transformers import AutoTokenizer
+
+from art_sglang.config import TrainerConfig
+from art_sglang.training.options import TrainOptions
+from art_sglang.training.tokenize import TokenizedSequence
+from art_sglang.training.trainer import Trainer, plan_micro_batches
+from art_sglang.training.validation import groups_to_wire
+from art_sglang.trajectories import TrajectoryGroup
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def batch(tokenizer: Any) -> list[dict[str, Any]]:
+    # Different lengths and token counts per trajectory, so a mean of micro-batch means would differ.
+    answers = [("1 2 3 4 5 6 7 8", 1.0), ("a", 0.0), ("9 x", 0.5), ("the cat sat on the mat", 0.0)]
+    groups = [
+        TrajectoryGroup(
+            [trajectory(f"prompt {g}", make_choice(tokenizer, a, [-7.5] * 20), r) for a, r in answers]
+        )
+        for g in range(2)
+    ]
+    return groups_to_wire(groups)
+
+
+def lora_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def test_plan_micro_batches_respects_budget() -> None:
+    seqs = [TokenizedSequence([0] * n, [0] * n, [0.0] * n, 0, i) for i, n in enumerate([5, 30, 12, 12, 8])]
+    plan = plan_micro_batches(seqs, 24)
+    assert [[len(s.input_ids) for s in b] for b in plan] == [[30], [12, 12], [8, 5]]
+
+
+def test_micro_batches_accumulate_to_the_full_batch_step(
+    tiny_model_path: Path, tmp_path: Path, tokenizer: Any
+) -> None:
+    options = TrainOptions(learning_rate=1e-3, kl_penalty_coef=0.1)
+    results = []
+    for budget in (4096, 16):  # one micro-batch vs one sequence per micro-batch
+        trainer = Trainer(
+            str(tiny_model_path), tmp_path / str(budget), TrainerConfig(micro_batch_tokens=budget)
+        )
+        trainer.resume_or_init()
+        outcome = trainer.train(batch(tokenizer), options, lambda _: None)
+        results.append((outcome, lora_weights(trainer)))
+    (one, w_one), (many, w_many) = results
+    assert one.metrics["micro_batches"] == 1 and many.metrics["micro_batches"] == 8
+    for key in ("loss", "policy_loss", "kl", "grad_norm", "clip_fraction", "ratio_mean", "num_tokens"):
+        assert many.metrics[key] == pytest.approx(one.metrics[key], rel=1e-5, abs=1e-7), key
+    for name, value in w_one.items():
+        torch.testing.assert_close(w_many[name], value, rtol=1e-5, atol=1e-7)
+
+
+def test_kl_is_zero_for_the_fresh_adapter_and_grows(
+    tiny_model_path: Path, tmp_path: Path, tokenizer: Any
+) -> None:
+    trainer = Trainer(str(tiny_model_path), tmp_path, TrainerConfig())
+    trainer.resume_or_init()
+    first = trainer.train(
+        batch(tokenizer), TrainOptions(learning_rate=5e-2, kl_penalty_coef=1.0), lambda _: None
+    )
+    # Step 0's adapter has B = 0: the policy equals the base model, so KL is 0 and the loss is the policy loss.
+    assert first.metrics["kl"] == pytest.approx(0.0, abs=1e-9)
+    assert first.metrics["loss"] == pytest.approx(first.metrics["policy_loss"])
+    second = trainer.train(
+        batch(tokenizer), TrainOptions(learning_rate=5e-2, kl_penalty_coef=1.0), lambda _: None
+    )
+    assert second.metrics["kl"] > 1e-6
+    assert second.metrics["loss"] == pytest.approx(second.metrics["policy_loss"] + second.metrics["kl"])
+    # Without the penalty, no reference pass and no KL is reported.
+    third = trainer.train(batch(tokenizer), TrainOptions(learning_rate=5e-2), lambda _: None)
+    assert third.metrics["kl"] == 0.0 and third.step == 3
+
+
+def test_groups_without_signal_take_no_step(tiny_model_path: Path, tmp_path: Path, tokenizer: Any) -> None:
+    trainer = Trainer(str(tiny_model_path), tmp_path, TrainerConfig())
+    trainer.resume_or_init()
+    before = lora_weights(trainer)
+    flat = groups_to_wire([TrajectoryGroup([trajectory("p", make_choice(tokenizer, "1"), 0.5)] * 3)] * 2)
+    outcome = trainer.train(flat, TrainOptions(), lambda _: None)
+    assert not outcome.trained and outcome.step == 0 and outcome.checkpoint_path is None
+    assert "all 2 groups have equal rewards" in (outcome.reason or "")
+    assert outcome.metrics["groups_skipped"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0000"]
+    for name, value in before.items():
+        assert torch.equal(lora_weights(trainer)[name], value)
+    # One group with signal among flat ones: trained, the flat group counted as skipped.
+    mixed = [*flat, *batch(tokenizer)[:1]]
+    outcome = trainer.train(mixed, TrainOptions(), lambda _: None)
+    assert outcome.trained and outcome.step == 1 and outcome.metrics["groups_skipped"] == 2
+    trainer.offload()  # CPU: a no-op that still works
+    trainer.reload()
