@@ -89,6 +89,11 @@ def role_of(proc: psutil.Process) -> str | None:
     return None
 
 
+def server_pids() -> set[int]:
+    """Pids of this process's SGLang server processes."""
+    return {p.pid for p in psutil.Process().children(recursive=True) if role_of(p) == "server"}
+
+
 @dataclass
 class Snapshot:
     """GPU memory (MiB) held by this process's server and trainer descendants, per physical GPU."""

@@ -30,6 +30,7 @@ from gpu_helpers import (
     make_groups,
     output_logprobs,
     record,
+    server_pids,
     sglang_test_config,
     snapshot,
 )
@@ -133,7 +134,7 @@ async def test_training_step_hands_the_gpu_to_the_trainer(run: Run) -> None:
     run.facts["greedy_step0"] = [await _greedy(client, "agent@0", p) for p in PROMPTS]
     groups = await make_groups(client, "agent@0")
     before = snapshot()
-    server_pids_before = _server_pids()
+    server_pids_before = server_pids()
     with MemorySampler() as sampler:
         result = await run.backend.train(run.model, groups, learning_rate=LEARNING_RATE)
     after = snapshot()
@@ -144,10 +145,10 @@ async def test_training_step_hands_the_gpu_to_the_trainer(run: Run) -> None:
         # Same server process throughout, its memory released during the step and restored after.
         assert all(s.server_alive for s in during)
         assert lowest_server < 0.2 * before.server_mib(), [s.server_mib() for s in during]
-        assert _server_pids() & server_pids_before
+        assert server_pids() & server_pids_before
     else:
         assert any(not s.server_alive for s in during), "the server was never stopped during the step"
-        assert not (_server_pids() & server_pids_before), "the same server process still runs"
+        assert not (server_pids() & server_pids_before), "the same server process still runs"
     assert after.server_mib() >= 0.9 * before.server_mib(), (before, after)
     assert await _greedy(client, "agent@1", PROMPTS[0]) is not None  # the new adapter answers
     state = json.loads((run.store.checkpoints_dir / "0001" / "trainer_state.json").read_text())
@@ -214,10 +215,3 @@ async def test_sglang_logprobs_agree_with_the_trainer(run: Run) -> None:
     assert agree["mean_abs"] < MEAN_ABS_TOLERANCE and agree["max_abs"] < MAX_ABS_TOLERANCE, report
     # The adapter moved the model much further than the two engines differ: SGLang applied it.
     assert base["mean_abs"] > 3 * agree["mean_abs"], report
-
-
-def _server_pids() -> set[int]:
-    import psutil
-    from gpu_helpers import role_of
-
-    return {p.pid for p in psutil.Process().children(recursive=True) if role_of(p) == "server"}
