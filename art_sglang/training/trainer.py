@@ -166,6 +166,9 @@ class Trainer:
         self, sequences: list[TokenizedSequence], options: TrainOptions, progress: Progress
     ) -> dict[str, float]:
         started = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_sampled = sum(s.num_sampled for s in sequences)
@@ -183,7 +186,9 @@ class Trainer:
         seconds = time.perf_counter() - started
         policy = sums.policy / total_sampled
         kl = sums.kl / total_sampled
+        memory = {"gpu_peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30} if cuda else {}
         return {
+            **memory,
             "loss": policy + options.kl_penalty_coef * kl,
             "policy_loss": policy,
             "kl": kl,
