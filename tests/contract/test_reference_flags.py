@@ -4,12 +4,13 @@ Reference engine only (SGLang's own flags are its business)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from contract_helpers import MESSAGES, contract_config, running_server
+from contract_helpers import MESSAGES, contract_config, make_adapter, running_server
 
 from art_sglang.server.process import ServerProcess
 
@@ -29,11 +30,15 @@ def flagged_server(
         enable_weights_cpu_backup=False,
         disable_radix_cache=True,
         context_length=256,
+        # Fused names, as SGLang spells them, cover q/k/v and gate/up.
+        lora_target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
         extra_args=[
             "--lora-paths",
             f"boot={adapters['a']}",
             "--served-model-name",
             "tiny",
+            "--max-loaded-loras",
+            "2",
             "--no-such-flag",
             "7",
         ],
@@ -118,3 +123,35 @@ def test_log_has_one_line_per_request_and_names_ignored_flags(
     assert "GET /get_model_info 200" in log
     chat_lines = [line for line in log.splitlines() if "POST /v1/chat/completions 200" in line]
     assert chat_lines and "adapter=boot" in chat_lines[-1] and "completion=8" in chat_lines[-1]
+
+
+def test_adapter_limits_from_the_command_line(
+    http: httpx.Client, model_path: str, adapters: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    head = make_adapter(
+        model_path, tmp_path_factory.mktemp("head") / "lora", rank=4, targets=["lm_head"], seed=4
+    )
+    refused = http.post("/load_lora_adapter", json={"lora_name": "head", "lora_path": str(head)})
+    assert refused.status_code == 400 and "--lora-target-modules" in refused.json()["error_message"]
+
+    assert (
+        http.post("/load_lora_adapter", json={"lora_name": "second", "lora_path": adapters["b"]}).status_code
+        == 200
+    )
+    try:
+        third = http.post("/load_lora_adapter", json={"lora_name": "third", "lora_path": adapters["b"]})
+        assert third.status_code == 400 and "--max-loaded-loras" in third.json()["error_message"]
+    finally:
+        http.post("/unload_lora_adapter", json={"lora_name": "second"})
+
+
+def test_closing_a_stream_stops_its_generation(http: httpx.Client) -> None:
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        for number, _ in enumerate(response.iter_lines()):
+            if number > 4:
+                break
+    deadline = time.monotonic() + 5
+    while http.get("/get_server_info").json()["internal_states"][0]["running_requests"]:
+        assert time.monotonic() < deadline, "the generation kept running after the client left"
+        time.sleep(0.05)
