@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 from .errors import ConfigError
 from .training.options import TrainOptions
 
@@ -69,8 +71,11 @@ def build_train_options(
         values["epsilon"] = epsilon
     try:
         return TrainOptions(**values)
-    except ValueError as exc:
-        raise ConfigError(f"invalid train() option: {exc}") from exc
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}={e.get('input')!r}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid train() option: {problems}") from None
 
 
 def check_unsupported(extra: dict[str, Any]) -> None:

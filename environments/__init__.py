@@ -1,0 +1,1 @@
+"""Example RL tasks with reward functions, runnable end to end (`python -m environments.char_share`)."""

@@ -1,0 +1,60 @@
+"""Helpers for the backend tests: real reference-engine servers and real trainer workers on CPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # environments/ is a top-level folder of the checkout
+
+import art_sglang as art  # noqa: E402
+from environments.char_share import CharShareTask, rollout  # noqa: E402
+
+TASK = CharShareTask(max_tokens=6)
+
+
+async def sample_groups(
+    model: Any, *, groups: int = 2, size: int = 4, seed: int = 0
+) -> list[art.TrajectoryGroup]:
+    """Rollouts of the character-share task on the model's current step, through model.openai_client()."""
+    return await art.gather_trajectory_groups(
+        (
+            art.TrajectoryGroup(
+                rollout(model, TASK, TASK.prompts[g], seed * 1000 + g * 10 + i) for i in range(size)
+            )
+            for g in range(groups)
+        ),
+        pbar_desc=None,
+    )
+
+
+async def server_models(base_url: str) -> set[str]:
+    """Ids listed by GET /v1/models of a server (or the gateway), `base_url` without /v1."""
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+        response = await http.get(f"{base_url}/v1/models")
+    response.raise_for_status()
+    return {card["id"] for card in response.json()["data"]}
+
+
+async def chat(base_url: str, model: str, *, max_tokens: int = 4, stream: bool = False) -> httpx.Response:
+    """One chat completion straight over HTTP (no client-side checks), `base_url` without /v1."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+    async with httpx.AsyncClient(timeout=120, trust_env=False) as http:
+        response = await http.post(f"{base_url}/v1/chat/completions", json=body)
+        await response.aread()
+        return response
+
+
+def tree_snapshot(root: Path) -> dict[str, int]:
+    """Every file under `root` with its size: compared before and after to prove nothing changed."""
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
