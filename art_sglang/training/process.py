@@ -20,8 +20,6 @@ from pathlib import Path
 from subprocess import PIPE, Popen
 from typing import IO, Any
 
-import art_sglang
-
 from ..config import TrainerConfig
 from ..errors import TrainerError, TrainingInputError
 from ..process_tree import kill_process_tree, parent_death_preexec
@@ -74,7 +72,7 @@ class TrainerProcess:
         if self.gpu_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
         # The worker must import this very package, even when it is not installed (a source checkout).
-        root = str(Path(art_sglang.__file__).resolve().parent.parent)
+        root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env["PYTHONUNBUFFERED"] = "1"
         return env
@@ -84,6 +82,7 @@ class TrainerProcess:
         step 0. Returns the step. TrainerError (with the log tail) if it fails."""
         if self.is_alive():
             return int(self.info["step"])
+        await self.stop()  # the remains of a worker that died
         self._launch()
         try:
             self.info = await self._request(
