@@ -17,8 +17,10 @@ Sampler logprobs (validation.py has already checked that they spell the content)
 of entries that spell the content and M the number of re-tokenized content tokens:
 - N == M: the entries are the old logprobs of the content tokens; a trailing stop-token entry, when
   present, is the old logprob of the end-of-turn token.
-- N != M (the sampler's tokenization of the text differs from the tokenizer's, or the server split off
-  tool calls/reasoning): re-tokenization mismatch. The choice's sampler logprobs are dropped and the
+- Where the server split tool calls or reasoning off the content, the text cannot be compared: N is
+  all entries, less a last one for the stop token when that makes N == M.
+- N != M (the sampler's tokenization of the text differs from the tokenizer's, or a tool call rendered
+  by the template differs from the sampled text): re-tokenization mismatch. The choice's sampler logprobs are dropped and the
   trainer's own detached logprobs stand in (importance ratio 1 for that choice); counted in
   `tokenize/logprob_mismatch`.
 - No logprobs at all (allowed only with allow_training_without_logprobs): the same stand-in, counted in
@@ -152,7 +154,7 @@ class ChatTokenizer:
         if entries is None:
             stats.no_logprobs += 1
         else:
-            count = content_entry_count(choice, entries) if text_checkable(choice) else len(entries)
+            count = self._entry_count(choice, entries, len(content_ids))
             if count == len(content_ids):
                 content_lps = [float(e["logprob"]) for e in entries[: len(content_ids)]]
                 if count is not None and count < len(entries):
@@ -164,6 +166,14 @@ class ChatTokenizer:
             stopped = choice.get("finish_reason") in _STOPPED
             builder.add([eot], sampled=stopped, logprobs=[eot_lp if stopped else NAN])
         builder.add(self._encode(trailer), sampled=False)
+
+    @staticmethod
+    def _entry_count(choice: WireGroup, entries: list[dict[str, Any]], tokens: int) -> int | None:
+        """Entries that belong to the content. Where the text cannot be compared (tool calls, reasoning)
+        the counts decide: `tokens` entries, or one more for the stop token."""
+        if text_checkable(choice):
+            return content_entry_count(choice, entries)
+        return tokens if len(entries) in (tokens, tokens + 1) else len(entries)
 
     def _split_completion(self, choice: WireGroup, completion: str | None) -> tuple[str, int | None, str]:
         """(sampled text, end-of-turn token id or None, template trailer)."""
@@ -194,14 +204,28 @@ class ChatTokenizer:
 
 
 def _as_message(item: Any) -> dict[str, Any]:
-    """The chat-template form of a message or Choice (templates expect string content)."""
+    """The chat-template form of a message or Choice: string content, and tool-call arguments as the
+    JSON object they encode (chat templates render them as objects; a string would be quoted twice)."""
+    message = (item.get("message") or {}) if is_choice(item) else item
+    out: dict[str, Any] = {**message, "content": message.get("content") or ""}
     if is_choice(item):
-        message = item.get("message") or {}
-        out: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
-        if message.get("tool_calls"):
-            out["tool_calls"] = message["tool_calls"]
-        return out
-    return {**item, "content": item.get("content") or ""}
+        out = {"role": "assistant", "content": out["content"]}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [_decoded_arguments(call) for call in message["tool_calls"]]
+    return out
+
+
+def _decoded_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            return call
+        if isinstance(decoded, dict):
+            return {**call, "function": {**function, "arguments": decoded}}
+    return call
 
 
 def tokenize_groups(

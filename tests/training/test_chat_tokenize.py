@@ -158,3 +158,29 @@ def test_sequence_longer_than_limit_is_an_input_error(chat: ChatTokenizer, token
         TrainingInputError, match=r"group 1, trajectory 1: \d+ tokens, longer than max_seq_length=40"
     ):
         tokenize_groups(chat, groups, max_seq_length=40)
+
+
+def test_tool_call_choice_is_trained_with_its_logprobs(chat: ChatTokenizer, tokenizer: Any) -> None:
+    # The server parsed the sampled text into a tool call (content None); the template renders the call
+    # back, with the arguments as a JSON object, and that rendering is what gets trained.
+    sampled = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    ids = tokenizer.encode(sampled, add_special_tokens=False)
+    entries = [{"token": tokenizer.decode([i]), "logprob": -0.25, "top_logprobs": []} for i in ids]
+    entries.append({"token": "<|im_end|>", "logprob": -0.5, "top_logprobs": []})
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    choice = {
+        "index": 0,
+        "finish_reason": "tool_calls",
+        "message": {"role": "assistant", "content": None, "tool_calls": [call]},
+        "logprobs": {"content": entries},
+    }
+    trajectory = {"messages_and_choices": [{"role": "user", "content": "add"}, choice], "reward": 1.0}
+    stats = TokenizeStats()
+    [seq] = chat.tokenize_trajectory(trajectory, group=0, index=0, stats=stats)
+    assert sampled_text(tokenizer, seq.input_ids, seq.sampled_mask) == [sampled + "<|im_end|>"]
+    trained = [lp for lp, m in zip(seq.old_logprobs, seq.sampled_mask, strict=True) if m]
+    assert trained == [-0.25] * len(ids) + [-0.5] and stats.logprob_mismatch == 0
+    # Entries that do not fit the rendered call: the mismatch policy, not an error.
+    choice["logprobs"] = {"content": entries[:3]}
+    [seq] = chat.tokenize_trajectory(trajectory, group=0, index=0, stats=stats)
+    assert stats.logprob_mismatch == 1 and all(math.isnan(lp) for lp in seq.old_logprobs)
