@@ -131,7 +131,9 @@ class TrainerProcess:
         on_progress: ProgressCallback | None = None,
     ) -> StepOutcome:
         """One optimizer step on `groups`. Input problems raise TrainingInputError before anything is
-        trained or written; `trained=False` (with `reason`) when no group carries a learning signal."""
+        trained or written; `trained=False` (with `reason`) when no group carries a learning signal.
+        `on_progress` gets one event per micro-batch. Cancelling the call does not stop the worker: it
+        finishes that step (and its checkpoint), and the next call's outcome carries the step reached."""
         wire = groups_to_wire(groups)
         validate_groups(wire, allow_training_without_logprobs=options.allow_training_without_logprobs)
         data = await self._request(

@@ -222,10 +222,10 @@ class Trainer:
         ref = None
         if options.kl_penalty_coef > 0:
             with torch.no_grad(), self.model.disable_adapter():
-                logits = self.model(input_ids=input_ids, attention_mask=attention).logits
+                logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
                 ref = sampled_token_logprobs(logits, input_ids, mask)
             del logits
-        logits = self.model(input_ids=input_ids, attention_mask=attention).logits
+        logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
         new = sampled_token_logprobs(logits, input_ids, mask)
         terms = grpo_token_loss(
             new, old, adv, ref, epsilon=options.epsilon, epsilon_high=options.epsilon_high or options.epsilon

@@ -121,8 +121,10 @@ async def test_bad_input_changes_nothing(tiny_model_path: Path, tmp_path: Path, 
         assert {p: p.stat().st_mtime_ns for p in folder.rglob("*")} == before
         assert list_checkpoints(folder) == [0]
         # The worker is still healthy and the step number unchanged.
-        outcome = await proc.train(good, OPTIONS)
+        events: list[dict[str, Any]] = []
+        outcome = await proc.train(good, OPTIONS, on_progress=events.append)
         assert outcome.step == 1 and list_checkpoints(folder) == [0, 1]
+        assert events and events[-1]["micro_batch"] == events[-1]["micro_batches"]
     finally:
         await proc.stop()
 
