@@ -5,8 +5,9 @@ is a chat message (context), a dict with "message" and "finish_reason" is a samp
 A Choice's `logprobs.content` must spell out exactly its `message.content` (the entries' bytes, joined),
 optionally followed by one trailing entry for the stop token. Entries that spell anything else (one too
 few, one too many, another completion's) are "logprobs of the wrong length" and an error. The check is
-skipped for choices whose text the server split off (tool calls, `reasoning_content`): there only the
-number of entries is compared later, by the tokenizer (see `tokenize.py`).
+skipped where the text cannot be compared (tool calls or `reasoning_content` split off, tokens holding
+part of a character): there only the number of entries is compared later, by the tokenizer (see
+`tokenize.py`).
 """
 
 from __future__ import annotations
@@ -59,10 +60,18 @@ def _entry_bytes(entry: dict[str, Any]) -> bytes:
     return bytes(raw) if raw is not None else str(entry.get("token", "")).encode()
 
 
+_REPLACEMENT = "\ufffd".encode()
+
+
 def text_checkable(choice: WireGroup) -> bool:
-    """Whether `message.content` is the whole sampled text (no tool calls or reasoning split off)."""
+    """Whether the logprob entries can be compared with `message.content`: no tool calls or reasoning
+    split off, and no entry that is only part of a character (servers report such a token as U+FFFD,
+    not as its bytes, so its text cannot be joined back)."""
     message = choice.get("message") or {}
-    return not message.get("tool_calls") and not message.get("reasoning_content")
+    if message.get("tool_calls") or message.get("reasoning_content"):
+        return False
+    partial = any(_REPLACEMENT in _entry_bytes(e) for e in logprob_entries(choice) or [])
+    return not partial or "\ufffd" in (message.get("content") or "")
 
 
 def content_entry_count(choice: WireGroup, entries: list[dict[str, Any]]) -> int | None:

@@ -97,3 +97,18 @@ def test_non_finite_logprob(tokenizer: Any) -> None:
         TrainingInputError, match=r"group 0, trajectory 0, choice 0: logprob 1 must be a finite"
     ):
         check([TrajectoryGroup([bad])])
+
+
+def test_tokens_holding_part_of_a_character(tokenizer: Any) -> None:
+    # A character split over several byte tokens: the server reports each piece as U+FFFD (bytes of the
+    # replacement character, not the raw bytes), so the text check cannot apply and must not refuse it.
+    from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats
+
+    choice = make_choice(tokenizer, "a 🙂")
+    assert any(e.token == "\ufffd" for e in choice.logprobs.content)
+    ok = Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, choice], reward=0.0)
+    check([TrajectoryGroup([ok])])
+    stats = TokenizeStats()
+    wire = groups_to_wire([TrajectoryGroup([ok])])[0]["trajectories"][0]
+    ChatTokenizer(tokenizer).tokenize_trajectory(wire, group=0, index=0, stats=stats)
+    assert stats.logprob_mismatch == 0
