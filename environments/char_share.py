@@ -17,8 +17,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import art_sglang as art
+from art_sglang.training.validation import content_entry_count
 
 PROMPTS = ("Write a short sentence.", "Say something.", "Describe the sea.", "Name a colour.")
+
+
+class MisalignedLogprobs(RuntimeError):
+    """A sampled answer whose logprob entries do not spell its text (see `rollout`)."""
+
+
+# Share of rollouts that may be dropped for MisalignedLogprobs before a step fails.
+MAX_DROPPED = 0.2
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,13 @@ async def rollout(model: Any, task: CharShareTask, prompt: str, seed: int) -> ar
         seed=seed,
     )
     choice = response.choices[0]
+    dumped = choice.model_dump()
+    entries = (dumped.get("logprobs") or {}).get("content")
+    if entries is not None and content_entry_count(dumped, entries) is None:
+        # Known issue (to be fixed in the trainer's validation): a sampled special token, or a byte token
+        # that is not a whole UTF-8 character, is in the logprobs but not spelled the same in the text,
+        # and the trainer refuses such a choice. Such rollouts are dropped (counted as exceptions).
+        raise MisalignedLogprobs(f"logprobs do not spell the answer {choice.message.content!r}")
     reward = task.reward(choice.message.content or "")
     return art.Trajectory(messages_and_choices=[*messages, choice], reward=reward, metrics={"share": reward})
 
@@ -92,6 +108,7 @@ async def train_loop(
                 for g in range(groups_per_step)
             ),
             pbar_desc=f"rollouts step {step}",
+            max_exceptions=MAX_DROPPED,
         )
         rollout_s = time.monotonic() - started
         mean = statistics.fmean(t.reward for g in groups for t in g.trajectories)

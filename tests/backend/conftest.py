@@ -13,7 +13,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # environments/ is a top-level folder of the checkout
 
 import art_sglang as art  # noqa: E402
-from environments.char_share import CharShareTask, rollout  # noqa: E402
+from environments.char_share import MAX_DROPPED, CharShareTask, rollout  # noqa: E402
 
 TASK = CharShareTask(max_tokens=6)
 
@@ -30,6 +30,7 @@ async def sample_groups(
             for g in range(groups)
         ),
         pbar_desc=None,
+        max_exceptions=MAX_DROPPED,
     )
 
 

@@ -1,0 +1,232 @@
+"""The whole loop on CPU: register -> rollouts through model.openai_client() -> three train steps with
+LoRA hot-loading, the adapter keep-count, history, log(), checkpoint deletion, the gateway's refusal of
+unloaded names, requests in flight during a hot-load, input errors that change nothing on disk, and a
+resume in a new process. One backend (reference engine + trainer worker) for the whole module; the tests
+run in order."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+import pytest_asyncio
+from conftest import REPO, chat, sample_groups, server_models, tree_snapshot
+
+import art_sglang as art
+from art_sglang import ConfigError, SGLangBackend, SGLangConfig, TrainingInputError
+from art_sglang.history import read_rows
+from art_sglang.model_store import ModelStore
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+KEEP = 2
+
+
+@dataclass
+class Loop:
+    backend: SGLangBackend
+    model: art.TrainableModel
+    store: ModelStore
+    path: Path
+
+    @property
+    def server_url(self) -> str:
+        assert self.backend.inference is not None
+        return self.backend.inference.process.base_url
+
+    @property
+    def gateway_url(self) -> str:
+        assert self.model.inference_base_url is not None
+        return self.model.inference_base_url.removesuffix("/v1")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def loop(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path):
+    path = tmp_path_factory.mktemp("loop") / ".art"
+    backend = SGLangBackend(path=str(path), sglang_config=SGLangConfig(adapters_to_keep=KEEP))
+    model = art.TrainableModel(name="agent", project="loop", base_model=str(tiny_model_path))
+    try:
+        await model.register(backend)
+        yield Loop(backend, model, ModelStore(path, "loop", "agent"), path)
+    finally:
+        await backend.close()
+
+
+async def test_register_serves_step_zero_and_writes_the_layout(loop: Loop) -> None:
+    assert loop.backend.layout.mode == "cpu" and loop.backend.layout.engine == "reference"
+    assert loop.model.get_inference_name() == "agent@0"
+    assert await loop.model.get_step() == 0
+    listed = {m.id for m in (await loop.model.openai_client().models.list()).data}
+    assert "agent@0" in listed
+    saved = json.loads(loop.store.model_json.read_text())
+    assert saved["name"] == "agent" and saved["base_model"] == loop.model.base_model
+    assert loop.store.checkpoint_steps() == [0]
+    assert loop.store.server_log.stat().st_size > 0 and loop.store.trainer_log.exists()
+    # Registering again changes nothing.
+    await loop.model.register(loop.backend)
+    assert loop.model.get_inference_name() == "agent@0"
+
+
+async def test_unloaded_name_is_404_through_the_gateway_but_base_model_200_on_the_server(loop: Loop) -> None:
+    direct = await chat(loop.server_url, "agent@7")
+    assert direct.status_code == 200 and direct.json()["model"] == "agent@7"  # the trap
+    refused = await chat(loop.gateway_url, "agent@7")
+    assert refused.status_code == 404
+    error = refused.json()["error"]
+    assert (
+        error["code"] == "model_not_found" and "agent@7" in error["message"] and "agent@0" in error["message"]
+    )
+    with pytest.raises(openai.NotFoundError, match="agent@7"):
+        await loop.model.openai_client().chat.completions.create(
+            model="agent@7", messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
+    # The base model stays reachable on purpose (asked for by its own id), streaming included.
+    base = await chat(loop.gateway_url, loop.model.base_model, stream=True)
+    assert base.status_code == 200 and b"data: [DONE]" in base.content
+
+
+async def test_three_steps_hot_load_and_keep_the_newest_adapters(loop: Loop) -> None:
+    for step in (1, 2, 3):
+        groups = await sample_groups(loop.model, seed=step)
+        result = await loop.backend.train(loop.model, groups, learning_rate=1e-3)
+        assert result.step == step and await loop.model.get_step() == step
+        assert loop.model.get_inference_name() == f"agent@{step}"
+        for key in ("time/train_s", "time/sync_s", "time/probe_s", "loss", "reward"):
+            assert key in result.metrics, key
+        on_server = {name for name in await server_models(loop.server_url) if name.startswith("agent@")}
+        assert on_server == {f"agent@{s}" for s in range(max(0, step - KEEP + 1), step + 1)}
+        assert (await chat(loop.gateway_url, f"agent@{step}")).status_code == 200
+        if step >= KEEP:
+            assert (await chat(loop.gateway_url, f"agent@{step - KEEP}")).status_code == 404
+    assert loop.store.checkpoint_steps() == [0, 1, 2, 3]
+    rows = [row for row in read_rows(loop.store.history) if "train/loss" in row]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert all(row["time/train_s"] > 0 for row in rows)
+
+
+async def test_requests_in_flight_during_a_hot_load_all_complete(loop: Loop) -> None:
+    before = await loop.model.get_step()
+    name = loop.model.get_inference_name()
+    groups = await sample_groups(loop.model, seed=11)
+
+    async def one(i: int) -> int:
+        await asyncio.sleep(0.02 * (i % 10))  # spread over the whole train() call
+        response = await chat(loop.gateway_url, name, max_tokens=24, stream=i % 2 == 0)
+        assert b"error" not in response.content[-200:], response.content[-200:]
+        return response.status_code
+
+    requests = [asyncio.create_task(one(i)) for i in range(16)]
+    result = await loop.backend.train(loop.model, groups, learning_rate=1e-3)
+    statuses = await asyncio.gather(*requests)
+    assert statuses == [200] * 16
+    assert result.step == before + 1
+    # The name the requests used is still served: it is within the keep-count.
+    assert (await chat(loop.gateway_url, name)).status_code == 200
+
+
+async def test_bad_input_fails_before_training_and_changes_nothing(loop: Loop) -> None:
+    step = await loop.model.get_step()
+    saved = tree_snapshot(loop.store.checkpoints_dir)
+    history = loop.store.history.read_text()
+    no_choice = art.TrajectoryGroup(
+        [
+            art.Trajectory(messages_and_choices=[{"role": "user", "content": "x"}], reward=r)
+            for r in (0.0, 1.0)
+        ]
+    )
+    with pytest.raises(TrainingInputError, match=r"group 0, trajectory 0: no assistant Choice"):
+        await loop.backend.train(loop.model, [no_choice])
+    with pytest.raises(TrainingInputError, match="no trajectory groups"):
+        await loop.backend.train(loop.model, [])
+    with pytest.raises(TrainingInputError, match="group 0 is a list"):
+        await loop.backend.train(loop.model, [[1, 2]])
+    good = await sample_groups(loop.model, seed=5, groups=1)
+    nan = good[0].trajectories[0].model_copy(update={"reward": float("nan")})
+    with pytest.raises(TrainingInputError, match="reward must be a finite number"):
+        await loop.backend.train(loop.model, [art.TrajectoryGroup([nan, *good[0].trajectories[1:]])])
+    with pytest.raises(ConfigError, match="advantage_balance"):
+        await loop.backend.train(loop.model, good, advantage_balance=0.3)
+    with pytest.raises(ConfigError, match="save_checkpoint=False"):
+        await loop.backend.train(loop.model, good, save_checkpoint=False)
+    assert await loop.model.get_step() == step
+    assert tree_snapshot(loop.store.checkpoints_dir) == saved
+    assert loop.store.history.read_text() == history
+    assert (await chat(loop.gateway_url, loop.model.get_inference_name())).status_code == 200
+
+
+async def test_equal_rewards_take_no_step(loop: Loop) -> None:
+    step = await loop.model.get_step()
+    groups = await sample_groups(loop.model, seed=7, groups=1)
+    flat = art.TrajectoryGroup([t.model_copy(update={"reward": 0.5}) for t in groups[0].trajectories])
+    result = await loop.backend.train(loop.model, [flat])
+    assert result.step == step and await loop.model.get_step() == step
+    assert result.metrics["groups_skipped"] == 1.0
+
+
+async def test_log_records_history_and_trajectories(loop: Loop) -> None:
+    groups = await sample_groups(loop.model, seed=21)
+    await loop.model.log(groups, split="val")
+    step = await loop.model.get_step()
+    rows = [row for row in read_rows(loop.store.history) if "val/reward" in row]
+    assert rows and rows[-1]["step"] == step
+    stored = loop.store.trajectories_file("val", step).read_text().splitlines()
+    assert len(stored) == len(groups)
+    assert art.TrajectoryGroup.model_validate_json(stored[0]).trajectories[0].reward == pytest.approx(
+        groups[0].trajectories[0].reward
+    )
+
+
+async def test_delete_checkpoints_keeps_latest_and_best_and_unloads_the_rest(loop: Loop) -> None:
+    current = await loop.model.get_step()
+    await loop.model.delete_checkpoints()  # best by val/reward: logged only at the current step
+    assert loop.store.checkpoint_steps() == [current]
+    on_server = {name for name in await server_models(loop.server_url) if name.startswith("agent@")}
+    assert on_server == {f"agent@{current}"}
+    assert (await chat(loop.gateway_url, f"agent@{current}")).status_code == 200
+
+
+RESUME = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    import art_sglang as art
+
+    async def main(path, base):
+        model = art.TrainableModel(name="agent", project="loop", base_model=base)
+        async with art.SGLangBackend(path=path) as backend:
+            await model.register(backend)
+            reply = await model.openai_client().chat.completions.create(
+                model=model.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+            served = [m.id for m in (await model.openai_client().models.list()).data]
+            print(json.dumps({"step": await model.get_step(), "name": model.get_inference_name(),
+                              "served": served, "answered_by": reply.model}))
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+async def test_a_new_process_resumes_at_the_latest_step(loop: Loop) -> None:
+    step = await loop.model.get_step()
+    await loop.backend.close()
+    await loop.backend.close()  # idempotent
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", RESUME, str(loop.path), loop.model.base_model],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert facts["step"] == step and facts["name"] == f"agent@{step}"
+    assert f"agent@{step}" in facts["served"] and facts["answered_by"] == f"agent@{step}"
