@@ -24,12 +24,14 @@ def tokenizer(tiny_model_path: Path) -> Any:
     return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
+ANSWERS = [("1 2 3 4 5 6 7 8", 1.0), ("a", 0.0), ("9 x", 0.5), ("the cat sat on the mat", 0.0)]
+
+
 def batch(tokenizer: Any) -> list[dict[str, Any]]:
     # Different lengths and token counts per trajectory, so a mean of micro-batch means would differ.
-    answers = [("1 2 3 4 5 6 7 8", 1.0), ("a", 0.0), ("9 x", 0.5), ("the cat sat on the mat", 0.0)]
     groups = [
         TrajectoryGroup(
-            [trajectory(f"prompt {g}", make_choice(tokenizer, a, [-7.5] * 20), r) for a, r in answers]
+            [trajectory(f"prompt {g}", make_choice(tokenizer, a, [-7.5] * 20), r) for a, r in ANSWERS]
         )
         for g in range(2)
     ]
@@ -60,6 +62,9 @@ def test_micro_batches_accumulate_to_the_full_batch_step(
         results.append((outcome, lora_weights(trainer)))
     (one, w_one), (many, w_many) = results
     assert one.metrics["micro_batches"] == 1 and many.metrics["micro_batches"] == 8
+    # Only the sampled answers and their end-of-turn tokens are trained (2 groups of the same answers).
+    sampled = 2 * sum(len(tokenizer.encode(a, add_special_tokens=False)) + 1 for a, _ in ANSWERS)
+    assert one.metrics["num_tokens"] == sampled
     for key in ("loss", "policy_loss", "kl", "grad_norm", "clip_fraction", "ratio_mean", "num_tokens"):
         assert many.metrics[key] == pytest.approx(one.metrics[key], rel=1e-5, abs=1e-7), key
     for name, value in w_one.items():
