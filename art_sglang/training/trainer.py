@@ -156,7 +156,14 @@ class Trainer:
             )
             metrics["seconds"] = time.perf_counter() - started
             return StepOutcome(self.step, metrics, None, trained=False, reason=reason)
-        metrics.update(self._optimize(sequences, options, progress))
+        try:
+            metrics.update(self._optimize(sequences, options, progress))
+        except BaseException:
+            # e.g. CUDA out of memory: drop the partial gradients so the next call starts clean.
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise
         self.step += 1
         metrics["seconds"] = time.perf_counter() - started
         path = self.save_checkpoint(metrics) if options.save_checkpoint else None
