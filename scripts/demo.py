@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # environments/ from a source checkout
 
-import art_sglang as art  # noqa: E402
-from art_sglang.config import DEFAULT_LORA_TARGETS, TrainerConfig  # noqa: E402
-from art_sglang.tiny_model import build_tiny_model  # noqa: E402
-from environments.char_share import CharShareTask, StepReport, print_report, train_loop  # noqa: E402
+import art_sglang as art
+from art_sglang.config import DEFAULT_LORA_TARGETS, TrainerConfig
+from art_sglang.tiny_model import build_tiny_model
+from environments.char_share import CharShareTask, StepReport, print_report, train_loop
 
 # A random tiny model's output head is fixed and nearly uniform: LoRA on the transformer layers alone
 # cannot move its logits much, so on the tiny model the head gets an adapter too, and a large rate.
@@ -44,13 +44,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--path", default=".art-demo", help="where models, checkpoints and logs go")
     parser.add_argument("--resume", action="store_true", help="continue an earlier demo run")
     parser.add_argument("--json", type=Path, help="write the per-step results here")
+    parser.add_argument(
+        "--tiny-model-dir", type=Path, help="where the tiny model is built (default PATH/tiny-model)"
+    )
     return parser.parse_args(argv)
 
 
 async def run(args: argparse.Namespace) -> list[StepReport]:
     root = Path(args.path)
     tiny = args.model is None
-    base_model = str(build_tiny_model(root / "tiny-model")) if tiny else args.model
+    tiny_dir = args.tiny_model_dir or root / "tiny-model"
+    base_model = str(build_tiny_model(tiny_dir)) if tiny else args.model
     learning_rate = args.learning_rate or (TINY_LEARNING_RATE if tiny else 1e-5)
     model = art.TrainableModel(name="char-share", project="demo", base_model=base_model)
     model_dir = root / model.project / "models" / model.name
@@ -59,7 +63,9 @@ async def run(args: argparse.Namespace) -> list[StepReport]:
         shutil.rmtree(model_dir)
     trainer_config = TrainerConfig(target_modules=TINY_TARGETS, seed=args.seed) if tiny else None
     started = time.monotonic()
-    async with art.SGLangBackend(path=str(root), engine=args.engine, trainer_config=trainer_config) as backend:
+    async with art.SGLangBackend(
+        path=str(root), engine=args.engine, trainer_config=trainer_config
+    ) as backend:
         await model.register(backend)
         print(f"{backend.layout.describe()}; serving {model.get_inference_name()}", flush=True)
         print(f"registered in {time.monotonic() - started:.1f} s", flush=True)
@@ -75,7 +81,9 @@ async def run(args: argparse.Namespace) -> list[StepReport]:
             on_step=print_report,
         )
     first, last = reports[0].mean_reward, reports[-1].mean_reward
-    print(f"mean reward {first:.3f} -> {last:.3f} in {len(reports)} steps, {time.monotonic() - started:.0f} s")
+    print(
+        f"mean reward {first:.3f} -> {last:.3f} in {len(reports)} steps, {time.monotonic() - started:.0f} s"
+    )
     if args.json is not None:
         rows = [
             {"step": r.step, "mean_reward": r.mean_reward, "rollout_s": r.rollout_s, "train_s": r.train_s}
