@@ -1,0 +1,101 @@
+"""Shared mode forced on CPU, both strategies: during training the server is released ("sleep", the
+reference engine reports it) or down ("restart"), requests sent meanwhile wait in the gateway instead of
+failing, and afterwards the new adapter is served (same server process for sleep, a new one for restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+from conftest import chat, sample_groups, server_models
+
+import art_sglang as art
+from art_sglang import SGLangBackend
+from art_sglang.devices import DeviceLayout
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CPU_SHARED = DeviceLayout("shared", "reference", (), (), "forced on CPU for tests")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["sleep", "restart"])
+async def shared(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
+):
+    path = tmp_path_factory.mktemp(f"shared-{request.param}") / ".art"
+    backend = SGLangBackend(path=str(path), layout=CPU_SHARED, shared_strategy=request.param)
+    model = art.TrainableModel(name="agent", project="shared", base_model=str(tiny_model_path))
+    try:
+        await model.register(backend)
+        yield backend, model
+    finally:
+        await backend.close()
+
+
+async def _server_state(backend: SGLangBackend) -> dict[str, Any]:
+    service = backend.inference
+    assert service is not None
+    if not service.process.is_alive():
+        return {"alive": False}
+    async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+        info = (await http.get(f"{service.process.base_url}/server_info")).json()
+    return {"alive": True, "released": info["internal_states"][0]["memory_released"]}
+
+
+async def test_training_takes_the_server_away_and_gives_it_back(shared) -> None:
+    backend, model = shared
+    service = backend.inference
+    assert service is not None and backend.layout.mode == "shared"
+    strategy = backend.handoff_strategy
+    pid_before = service.process.pid
+    gateway = model.inference_base_url.removesuffix("/v1")
+    groups = await sample_groups(model, seed=1)
+
+    # Observe the server from inside the trainer's turn (the real trainer still does the work).
+    entry = backend._models[(model.project, model.name)]
+    real_train = entry.trainer.train
+    seen: dict[str, Any] = {}
+
+    async def observed_train(*args: Any, **kwargs: Any):
+        seen.update(await _server_state(backend))
+        # A rollout sent now waits in the gateway until the server is back, then succeeds.
+        seen["waiting"] = asyncio.create_task(chat(gateway, "agent@0"))
+        await asyncio.sleep(0.3)
+        seen["done_while_training"] = seen["waiting"].done()
+        return await real_train(*args, **kwargs)
+
+    entry.trainer.train = observed_train  # type: ignore[method-assign]
+    try:
+        result = await backend.train(model, groups, learning_rate=1e-3)
+    finally:
+        del entry.trainer.train
+    if strategy == "sleep":
+        assert seen["alive"] and seen["released"] is True
+        assert service.process.pid == pid_before
+    else:
+        assert seen["alive"] is False
+        assert service.process.pid != pid_before
+    assert seen["done_while_training"] is False
+    assert (await seen["waiting"]).status_code == 200
+    assert await _server_state(backend) == {"alive": True, "released": False}
+    assert result.step == 1 and result.metrics["time/gpu_release_s"] >= 0
+    assert result.metrics["time/gpu_resume_s"] >= 0
+    assert "agent@1" in await server_models(service.process.base_url)
+    assert (await chat(gateway, "agent@1")).status_code == 200
+
+
+async def test_a_second_step_and_the_older_adapter_stays_loaded(shared) -> None:
+    backend, model = shared
+    groups = await sample_groups(model, seed=2)
+    result = await backend.train(model, groups, learning_rate=1e-3)
+    assert result.step == 2
+    service = backend.inference
+    assert service is not None
+    listed = {n for n in await server_models(service.process.base_url) if n.startswith("agent@")}
+    # After a restart only the adapters on the wanted list are loaded again: the keep-count still holds.
+    assert listed == {"agent@1", "agent@2"}
