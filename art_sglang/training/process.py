@@ -7,6 +7,7 @@ interpreter exit, when the handle is garbage collected, and (Linux) when the thr
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -55,7 +56,8 @@ class TrainerProcess:
         self.info: dict[str, Any] = {}  # the worker's answer to init: step, resumed, backend, device
         self._popen: Popen[bytes] | None = None
         self._finalizer: weakref.finalize | None = None
-        self._lines: asyncio.Queue[bytes | None] | None = None
+        self._lines: _Lines | None = None
+        self.step: int | None = None  # the newest step the worker reported
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
         self._log_start = 0
@@ -80,8 +82,8 @@ class TrainerProcess:
     async def start(self) -> int:
         """Start the worker; it loads the base model, resumes the newest complete checkpoint or writes
         step 0. Returns the step. TrainerError (with the log tail) if it fails."""
-        if self.is_alive():
-            return int(self.info["step"])
+        if self.is_alive() and self.step is not None:
+            return self.step
         await self.stop()  # the remains of a worker that died
         self._launch()
         try:
@@ -94,7 +96,8 @@ class TrainerProcess:
         except BaseException:
             await self.stop()
             raise
-        return int(self.info["step"])
+        self.step = int(self.info["step"])
+        return self.step
 
     def _launch(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,11 +120,8 @@ class TrainerProcess:
             )
         self._popen = popen
         self._finalizer = weakref.finalize(self, kill_process_tree, popen.pid, _EXIT_GRACE_SECONDS)
-        loop = asyncio.get_running_loop()
-        lines: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self._lines = lines
         assert popen.stdout is not None
-        threading.Thread(target=_pump, args=(popen.stdout, loop, lines), daemon=True).start()
+        self._lines = _Lines(popen.stdout)
 
     async def train(
         self,
@@ -140,6 +140,7 @@ class TrainerProcess:
             "train", on_progress=on_progress, groups=wire, options=options.model_dump()
         )
         path = data.get("checkpoint_path")
+        self.step = int(data["step"])
         return StepOutcome(
             step=int(data["step"]),
             metrics={k: float(v) for k, v in data["metrics"].items()},
@@ -200,10 +201,9 @@ class TrainerProcess:
             except (OSError, ValueError):
                 raise self._died(f"closed its input while receiving {cmd!r}") from None
             while True:
-                line = await lines.get()
+                line = await lines.next()
                 if line is None:
                     await asyncio.to_thread(_wait_quietly, popen)
-                    lines.put_nowait(None)  # later requests see the end too
                     raise self._died(f"died during {cmd!r}")
                 message = json.loads(line)
                 if message.get("id") != rid:
@@ -231,9 +231,45 @@ def _wait_quietly(popen: Popen[bytes]) -> None:
         popen.wait(_EXIT_GRACE_SECONDS)
 
 
-def _pump(stdout: IO[bytes], loop: asyncio.AbstractEventLoop, lines: asyncio.Queue[bytes | None]) -> None:
-    """Reader thread: every protocol line to the queue, then None at end of stream."""
-    with contextlib.suppress(RuntimeError, ValueError, OSError):  # the loop or the pipe closed first
-        for line in stdout:
-            loop.call_soon_threadsafe(lines.put_nowait, line)
-        loop.call_soon_threadsafe(lines.put_nowait, None)
+class _Lines:
+    """The worker's stdout lines, read by a thread and awaited from whichever event loop is running (a
+    handle started under one `asyncio.run` keeps working under the next). None marks the end."""
+
+    def __init__(self, stdout: IO[bytes]) -> None:
+        self._buffer: collections.deque[bytes] = collections.deque()
+        self._ended = False
+        self._guard = threading.Lock()
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        threading.Thread(target=self._pump, args=(stdout,), daemon=True).start()
+
+    def _pump(self, stdout: IO[bytes]) -> None:
+        with contextlib.suppress(ValueError, OSError):  # the pipe was closed by stop()
+            for line in stdout:
+                self._push(line)
+        self._push(None)
+
+    def _push(self, line: bytes | None) -> None:
+        with self._guard:
+            if line is None:
+                self._ended = True
+            else:
+                self._buffer.append(line)
+            if self._waiter is not None:
+                loop, event = self._waiter
+                with contextlib.suppress(RuntimeError):  # that loop is closed; nobody waits there
+                    loop.call_soon_threadsafe(event.set)
+
+    async def next(self) -> bytes | None:
+        while True:
+            event = asyncio.Event()
+            with self._guard:
+                if self._buffer:
+                    return self._buffer.popleft()
+                if self._ended:
+                    return None
+                self._waiter = (asyncio.get_running_loop(), event)
+            try:
+                await event.wait()
+            finally:
+                with self._guard:
+                    self._waiter = None

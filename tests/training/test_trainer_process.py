@@ -4,6 +4,7 @@ saved adapter gives the same greedy output in peft and in the reference engine."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -142,6 +143,18 @@ async def test_dead_worker_is_a_trainer_error(tiny_model_path: Path, tmp_path: P
     assert not proc.is_alive()
     with pytest.raises(TrainerError, match="not running"):
         await proc.train(groups(tokenizer, 1), OPTIONS)
+
+
+def test_handle_works_across_event_loops(tiny_model_path: Path, tmp_path: Path, tokenizer: Any) -> None:
+    # As with a sync fixture: started under one asyncio.run, used under the next ones.
+    proc = trainer(tiny_model_path, tmp_path)
+    try:
+        assert asyncio.run(proc.start()) == 0
+        assert asyncio.run(proc.train(groups(tokenizer, 1), OPTIONS)).step == 1
+        assert asyncio.run(proc.start()) == 1  # already running: the step it reached
+    finally:
+        asyncio.run(proc.stop())
+    assert not proc.is_alive()
 
 
 async def test_failing_start_reports_the_log(tmp_path: Path) -> None:
