@@ -1,0 +1,131 @@
+"""AdapterGateway in front of a real reference-engine server: which names pass, the error shapes, the
+alias rewrite used by disk sync, holding requests, an API key, and a server that is down."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from art_sglang import SGLangConfig
+from art_sglang.server.gateway import ANY, AdapterGateway
+from art_sglang.server.process import ServerProcess
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path):
+    log = tmp_path_factory.mktemp("gateway") / "server.log"
+    process = ServerProcess(SGLangConfig(), str(tiny_model_path), engine="reference", log_path=log)
+    await process.start()
+    try:
+        yield process
+    finally:
+        await process.stop()
+
+
+@pytest.fixture
+def gateway(server: ServerProcess):
+    gw = AdapterGateway(server.base_url)
+    gw.start()
+    gw.set_served(["agent@1"], [server.model_path])
+    yield gw
+    gw.close()
+
+
+async def _post(url: str, path: str, body: dict | bytes, headers: dict | None = None) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http:
+        if isinstance(body, bytes):
+            return await http.post(path, content=body, headers=headers)
+        return await http.post(path, json=body, headers=headers)
+
+
+def _chat(model: str) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+async def test_served_names_pass_and_others_are_refused_on_every_routed_path(gateway, server) -> None:
+    url = gateway.base_url
+    assert (await _post(url, "/v1/chat/completions", _chat("agent@1"))).status_code == 200
+    assert (
+        await _post(url, "/v1/chat/completions", _chat(f"{server.model_path}:agent@1"))
+    ).status_code == 200
+    for body, path in [
+        (_chat("agent@0"), "/v1/chat/completions"),
+        (_chat("other:agent@1"), "/v1/chat/completions"),
+        ({"model": "agent@0", "prompt": "hi", "max_tokens": 2}, "/v1/completions"),
+        ({"text": ["a", "b"], "lora_path": ["agent@1", "agent@9"]}, "/generate"),
+        ({**_chat(server.model_path), "lora_path": "agent@9"}, "/v1/chat/completions"),
+    ]:
+        refused = await _post(url, path, body)
+        assert refused.status_code == 404, (path, body, refused.text)
+        error = refused.json()["error"]
+        assert error["code"] == "model_not_found" and "Loaded adapters: agent@1" in error["message"]
+    plain = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    assert (await _post(url, "/generate", plain)).status_code == 200  # no adapter named: base model
+    assert gateway.in_flight(ANY) == 0
+
+
+async def test_other_paths_and_bodies_pass_through_unchanged(gateway) -> None:
+    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=30, trust_env=False) as http:
+        assert (await http.get("/health")).status_code == 200
+        assert (await http.get("/v1/models")).json()["data"]
+    malformed = await _post(
+        gateway.base_url, "/v1/chat/completions", b"{not json", {"content-type": "application/json"}
+    )
+    assert malformed.status_code == 400  # the server's own answer
+
+
+async def test_aliases_are_rewritten_to_the_base_model(gateway, server) -> None:
+    gateway.set_served([], aliases={"merged@3": server.model_path})
+    reply = await _post(gateway.base_url, "/v1/chat/completions", _chat("merged@3"))
+    assert reply.status_code == 200 and reply.json()["model"] == server.model_path
+    assert (await _post(gateway.base_url, "/v1/chat/completions", _chat("agent@1"))).status_code == 404
+
+
+async def test_held_requests_wait_and_time_out_with_503(server) -> None:
+    gw = AdapterGateway(server.base_url, hold_timeout=0.5)
+    gw.start()
+    try:
+        gw.set_served(["agent@1"], [server.model_path])
+        await gw.hold()
+        waiting = asyncio.create_task(_post(gw.base_url, "/v1/chat/completions", _chat("agent@1")))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await gw.release()
+        assert (await waiting).status_code == 200
+        await gw.hold()
+        late = await _post(gw.base_url, "/v1/chat/completions", _chat("agent@1"))
+        assert late.status_code == 503 and "did not come back" in late.json()["error"]["message"]
+    finally:
+        gw.close()
+
+
+async def test_api_key_is_checked_before_names_are_listed(server) -> None:
+    gw = AdapterGateway(server.base_url, api_key="secret")
+    gw.start()
+    try:
+        gw.set_served(["agent@1"], [server.model_path])
+        anonymous = await _post(gw.base_url, "/v1/chat/completions", _chat("agent@0"))
+        assert anonymous.status_code == 401 and "agent@1" not in anonymous.text
+        keyed = await _post(
+            gw.base_url, "/v1/chat/completions", _chat("agent@0"), {"Authorization": "Bearer secret"}
+        )
+        assert keyed.status_code == 404 and "agent@1" in keyed.text
+    finally:
+        gw.close()
+
+
+async def test_a_server_that_is_down_is_a_502(tmp_path: Path) -> None:
+    gw = AdapterGateway("http://127.0.0.1:9")  # discard port: nothing listens
+    gw.start()
+    try:
+        gw.set_served(["agent@1"])
+        down = await _post(gw.base_url, "/v1/chat/completions", _chat("agent@1"))
+        assert down.status_code == 502 and "not reachable" in down.json()["error"]["message"]
+    finally:
+        gw.close()
