@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 import sys
 from types import FrameType
 
@@ -17,6 +19,8 @@ def main(argv: list[str] | None = None) -> None:
         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
     )
     log_ignored(args)
+    # `kill -USR1 <pid>` writes every thread's stack to the log: the way to see what a stuck server does.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Heavy imports after argument parsing, so `--help` and flag errors are instant.
     import torch
     import uvicorn

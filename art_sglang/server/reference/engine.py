@@ -199,7 +199,9 @@ class ReferenceEngine:
         self._stats_lock = threading.Lock()
         # Fast tokenizers are not safe to use from two threads at once ("Already borrowed").
         self._tokenizer_lock = threading.Lock()
-        self._shutting_down = threading.Event()
+        # A plain flag, not a threading.Event: shutdown() runs in a signal handler, and Event.set() takes a
+        # lock that a second signal arriving inside the first handler would wait on forever.
+        self._shutting_down = False
         self._released = False
         self._backup: dict[str, torch.Tensor] | None = None
         # Shapes the served model needs, checked against new weights (also while released).
@@ -371,7 +373,7 @@ class ReferenceEngine:
                     break
                 if len(output_ids) >= max_new:
                     break
-                if self._shutting_down.is_set() or (request.abort is not None and request.abort.is_set()):
+                if self._shutting_down or (request.abort is not None and request.abort.is_set()):
                     finish = FinishReason("abort")
                     break
                 next_logits = model(
@@ -406,8 +408,8 @@ class ReferenceEngine:
         return self.decode([token_id], skip_special_tokens=False)
 
     def shutdown(self) -> None:
-        """Make generations in flight stop at their next token (the server is exiting)."""
-        self._shutting_down.set()
+        """Make generations in flight stop at their next token (the server is exiting). Signal-safe."""
+        self._shutting_down = True
 
     # --- adapters ----------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str) -> LoadedAdapter:
