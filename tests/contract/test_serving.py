@@ -5,6 +5,7 @@ flush, release/resume memory, weights from disk, metrics and the info endpoints.
 from __future__ import annotations
 
 import math
+import time
 
 import httpx
 import pytest
@@ -79,6 +80,20 @@ def test_completion_and_native_streams_equal_plain_answers(client: httpx.Client)
     assert events[-1] == "[DONE]"
     assert events[-2]["text"] == answer["text"]  # SGLang's native stream repeats the whole text so far
     assert events[-2]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+
+
+def test_closing_a_stream_frees_the_server(client: httpx.Client) -> None:
+    """A client that leaves mid-stream does not keep the model busy: the next request is served at once."""
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 3500, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        for number, _ in enumerate(response.iter_lines()):
+            if number > 4:
+                break
+    started = time.monotonic()
+    assert greedy(client)
+    # Finishing 3500 tokens would take several seconds on the reference engine (requests run one at a time).
+    assert time.monotonic() - started < 2.0
 
 
 def test_logprobs_are_the_models_log_softmax(client: httpx.Client, model_path: str, engine: str) -> None:
