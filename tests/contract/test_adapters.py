@@ -1,7 +1,8 @@
-"""LoRA adapters at run time: they change the output, are chosen per request (several loaded at once,
-concurrent requests included), unloading restores the base model, load/unload errors are 400 with a
-message and the server keeps serving; and SGLang's trap: a name that is not loaded is served by the base
-model with HTTP 200."""
+"""LoRA adapters at run time: they change the output, are chosen per request with `model="<base>:<name>"`
+or `lora_path` (several loaded at once, concurrent requests included), unloading restores the base model,
+load/unload errors are 400 with a message and the server keeps serving; and SGLang's trap: a bare model
+name is served by the base model with HTTP 200, even the name of a loaded adapter (the recorded SGLang
+0.5.17 answers show it)."""
 
 from __future__ import annotations
 
@@ -28,16 +29,20 @@ def base_answer(client: httpx.Client) -> str:
 
 
 def test_adapter_changes_output_and_unload_restores_base(
-    client: httpx.Client, adapters: dict[str, str], base_answer: str
+    client: httpx.Client, adapters: dict[str, str], model_path: str, base_answer: str
 ) -> None:
     loaded = _load(client, "agent@1", adapters["a"])
     assert loaded.status_code == 200, loaded.text
     assert loaded.json()["success"] is True
     assert loaded.json()["loaded_adapters"]["agent@1"] == adapters["a"]
 
-    with_adapter = greedy(client, "agent@1")
+    with_adapter = greedy(client, f"{model_path}:agent@1")
     assert with_adapter != base_answer
-    assert greedy(client, "agent@1") == with_adapter  # greedy is deterministic per adapter
+    assert greedy(client, lora_path="agent@1") == with_adapter
+    # The trap: the adapter's bare name does not select it; the base model answers, name echoed.
+    bare = chat(client, "agent@1", max_tokens=12, ignore_eos=True)
+    assert bare.status_code == 200 and bare.json()["model"] == "agent@1"
+    assert bare.json()["choices"][0]["message"]["content"] == base_answer
 
     unloaded = _unload(client, "agent@1")
     assert unloaded.status_code == 200, unloaded.text
@@ -48,7 +53,10 @@ def test_adapter_changes_output_and_unload_restores_base(
         "error_message": "",
         "loaded_adapters": {},
     }
-    # The unloaded name is still accepted and silently served by the base model (SGLang's behaviour).
+    # Naming the unloaded adapter is refused; its bare name is still silently served by the base model.
+    refused = chat(client, f"{model_path}:agent@1")
+    assert refused.status_code == 400 and "not loaded" in refused.json()["message"]
+    assert client.post("/generate", json={"text": "hi", "lora_path": "agent@1"}).status_code == 400
     response = chat(client, "agent@1", max_tokens=12, ignore_eos=True)
     assert response.status_code == 200
     assert response.json()["model"] == "agent@1"
@@ -68,7 +76,7 @@ def test_two_adapters_chosen_per_request(
     for name, key in (("m@1", "a"), ("m@2", "b")):
         assert _load(client, name, adapters[key]).status_code == 200
     try:
-        answers = {name: greedy(client, name) for name in ("m@1", "m@2")}
+        answers = {name: greedy(client, f"{model_path}:{name}") for name in ("m@1", "m@2")}
         assert len({base_answer, *answers.values()}) == 3, answers
         # /generate selects the adapter with lora_path.
         body = {
@@ -92,7 +100,7 @@ def test_two_adapters_chosen_per_request(
 
 
 def test_load_and_unload_errors_keep_the_server_serving(
-    client: httpx.Client, adapters: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+    client: httpx.Client, adapters: dict[str, str], model_path: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     assert _load(client, "e@1", adapters["a"]).status_code == 200
     try:
@@ -115,19 +123,19 @@ def test_load_and_unload_errors_keep_the_server_serving(
         assert unknown.json()["success"] is False and "zzz" in unknown.json()["error_message"]
         assert unknown.json()["loaded_adapters"] is None
 
-        assert chat(client, "e@1").status_code == 200
+        assert chat(client, f"{model_path}:e@1").status_code == 200
         assert [card["id"] for card in client.get("/v1/models").json()["data"][1:]] == ["e@1"]
     finally:
         _unload(client, "e@1")
 
 
 async def test_concurrent_requests_match_sequential_answers(
-    server: ServerProcess, client: httpx.Client, adapters: dict[str, str]
+    server: ServerProcess, client: httpx.Client, adapters: dict[str, str], model_path: str
 ) -> None:
     for name, key in (("c@1", "a"), ("c@2", "b")):
         assert _load(client, name, adapters[key]).status_code == 200
     try:
-        jobs = [(f"c@{1 + i % 2}", f"question number {i}") for i in range(8)]
+        jobs = [(f"{model_path}:c@{1 + i % 2}", f"question number {i}") for i in range(8)]
 
         def body(model: str, text: str) -> dict:
             messages = [*MESSAGES[:-1], {"role": "user", "content": text}]

@@ -105,3 +105,17 @@ def test_golden_file_is_the_shared_one() -> None:
     if not shared.exists():
         pytest.skip("no ../shared/device next to the repository")
     assert shared.read_text() == (Path(__file__).parent / "golden" / "sglang-0.5.17-golden.json").read_text()
+
+
+def test_bare_adapter_name_is_served_by_the_base_model(replayed: dict[str, httpx.Response]) -> None:
+    """What the recording shows: after loading `m@1`, `model="m@1"` got the base model's greedy answer
+    (identical logprobs), while /generate with `lora_path="m@1"` got a different one."""
+
+    def content(name: str) -> str:
+        return replayed[name].json()["choices"][0]["message"]["content"]
+
+    assert content("chat with adapter") == content("chat basic")
+    assert (
+        replayed["generate with adapter"].json()["output_ids"]
+        != replayed["generate text"].json()["output_ids"]
+    )

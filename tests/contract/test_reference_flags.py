@@ -82,7 +82,7 @@ def test_served_name_and_adapters_from_the_command_line(
     assert cards[0]["id"] == "tiny" and cards[0]["max_model_len"] == 256
     assert cards[1] == {**cards[1], "id": "boot", "root": adapters["a"], "parent": "tiny"}
     assert http.get("/get_model_info").json()["model_path"] == model_path
-    assert _greedy(http, "boot") != _greedy(http)
+    assert _greedy(http, "tiny:boot") != _greedy(http)
 
 
 def test_radix_cache_disabled_reports_no_cached_tokens(http: httpx.Client) -> None:
@@ -109,14 +109,14 @@ def test_release_without_cpu_backup_rereads_weights(http: httpx.Client) -> None:
     assert info["memory_released"] is True
     assert http.post("/resume_memory_occupation", json={}).status_code == 200
     assert _greedy(http) == before
-    assert _greedy(http, "boot") != before  # adapters survive a release
+    assert _greedy(http, "tiny:boot") != before  # adapters survive a release
 
 
 def test_log_has_one_line_per_request_and_names_ignored_flags(
     flagged_server: ServerProcess, http: httpx.Client
 ) -> None:
     http.get("/get_model_info")
-    _greedy(http, "boot")
+    _greedy(http, "tiny:boot")
     log = Path(flagged_server.log_path).read_text()
     assert "ignoring flags the reference engine does not know: --no-such-flag 7" in log
     assert "ignoring GPU-only flags" in log

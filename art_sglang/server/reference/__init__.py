@@ -5,8 +5,10 @@ It makes every orchestration path testable without a GPU; the contract tests (te
 assertions against it and against real SGLang, and replay SGLang's recorded answers (status codes, JSON
 shapes). Where SGLang's behaviour is kept on purpose, or where a CPU engine must differ:
 
-- A model name that is not loaded (unknown, or unloaded) is served by the base model with HTTP 200 and the
-  requested name echoed back, exactly as SGLang does. `<base>:<adapter>` and `lora_path` also pick adapters.
+- OpenAI routes pick an adapter only by `model="<base>:<adapter>"` or the `lora_path` field (/generate:
+  `lora_path`), as SGLang 0.5.17 does. A bare `model` name is always served by the base model with HTTP
+  200 and echoed back, even when an adapter of that name is loaded (the recorded SGLang answers show it).
+  A named adapter that is not loaded -> 400 "The following requested LoRA adapters are not loaded".
 - Adapters: any number loaded at once (`--max-loaded-loras` caps it if given; `--max-loras-per-batch` is a
   GPU pool size and is ignored); rank above `--max-lora-rank` or a target outside `--lora-target-modules`
   -> 400 with SGLang's message; a missing path -> 400 saying so (SGLang instead tries the model hub).

@@ -95,14 +95,22 @@ class AdapterRegistry:
         return list(self._adapters.values())
 
     def resolve(self, name: str | None) -> LoadedAdapter | None:
-        """The adapter a request names, or None for the base model. Like SGLang, a name that is not
-        loaded silently falls back to the base model; `<base>:<adapter>` names the adapter after ':'."""
+        """The loaded adapter called `name`; None (no name) means the base model. A name that is not
+        loaded is an error, with SGLang's message."""
         if not name:
             return None
-        if name in self._adapters:
-            return self._adapters[name]
-        _, sep, tail = name.rpartition(":")
-        return self._adapters.get(tail) if sep else None
+        if not self.enabled:
+            raise AdapterError(
+                f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the server "
+                "with --enable-lora flag or specify adapters with --lora-paths."
+            )
+        adapter = self._adapters.get(name)
+        if adapter is None:
+            raise AdapterError(
+                f"The following requested LoRA adapters are not loaded: {name}\n"
+                f"Loaded adapters: odict_keys({list(self._adapters)!r})."
+            )
+        return adapter
 
     def _incompatible(self, name: str, rank: int) -> AdapterError:
         return AdapterError(

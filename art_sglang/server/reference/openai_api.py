@@ -72,20 +72,30 @@ def _sampling(engine: ReferenceEngine, body: Any, max_new_tokens: int | None) ->
     )
 
 
+def requested_adapter(model: str, lora_path: str | None) -> str | None:
+    """The adapter an OpenAI request names, as SGLang 0.5.17 reads it: the part after the first ':' of
+    `model` (`"<base>:<adapter>"`), else the `lora_path` field. A bare `model` never selects an adapter,
+    even one loaded under that very name: it is served by the base model and echoed back (the recorded
+    SGLang answers show exactly this)."""
+    _, sep, adapter = model.partition(":")
+    if sep and adapter.strip():
+        return adapter.strip()
+    return lora_path or None
+
+
 def _choices(
-    prompt_ids: list[int], sampling: SamplingOptions, body: Any, top: int
+    engine: ReferenceEngine, prompt_ids: list[int], sampling: SamplingOptions, body: Any, top: int
 ) -> list[GenerationRequest]:
-    """n requests for one prompt; a seeded request gives choice i the seed `seed + i`."""
+    """n requests for one prompt; a seeded request gives choice i the seed `seed + i`. An adapter that is
+    not loaded is refused here, before anything streams."""
+    adapter = requested_adapter(body.model, body.lora_path)
+    engine.adapters.resolve(adapter)
     requests = []
     for i in range(body.n):
         options = SamplingOptions(**{**vars(sampling), "stop": list(sampling.stop)})
         if sampling.seed is not None:
             options.seed = sampling.seed + i
-        requests.append(
-            GenerationRequest(
-                prompt_ids, options, adapter_name=body.lora_path or body.model, top_logprobs=top
-            )
-        )
+        requests.append(GenerationRequest(prompt_ids, options, adapter_name=adapter, top_logprobs=top))
     return requests
 
 
@@ -149,7 +159,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         sampling.verify()
         engine.check_length(len(prompt_ids), sampling.max_new_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else 0
-        return _choices(prompt_ids, sampling, body, top)
+        return _choices(engine, prompt_ids, sampling, body, top)
 
     prepared = _prepare_errors(prepare)
     if isinstance(prepared, JSONResponse):
@@ -264,7 +274,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         requests = []
         for prompt_ids in _prompts(engine, body.prompt):
             engine.check_length(len(prompt_ids), sampling.max_new_tokens)
-            requests.extend(_choices(prompt_ids, sampling, body, body.logprobs or 0))
+            requests.extend(_choices(engine, prompt_ids, sampling, body, body.logprobs or 0))
         return requests
 
     prepared = _prepare_errors(prepare)
