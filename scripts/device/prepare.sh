@@ -7,10 +7,10 @@ test -d /tmp/site/sglang || { echo "COLD: SGLang stack not installed"; exit 3; }
 test -d /tmp/tsite/unsloth || { echo "COLD: trainer stack not installed"; exit 3; }
 # openai/fastapi/uvicorn come from the SGLang bundle's wheels (same interpreter), kept apart from its pins.
 wheels=()
-for name in openai jiter distro fastapi starlette uvicorn python_multipart; do
+for name in openai jiter distro sniffio fastapi starlette uvicorn python_multipart; do
   wheels+=(/root/b.wheels/"$name"-*.whl)
 done
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/usite "${wheels[@]}" .whl/*.whl 2>&1 \
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/usite "${wheels[@]}" .whl/*.whl 2>&1 \
   | grep -v '^WARNING' || true
 printf '#!/bin/sh\n# SGLang with its own stack only (the two venvs of setup_sglang.sh, on this machine)\nPYTHONPATH=/tmp/site exec python3 "$@"\n' \
   > /tmp/sglang-python

@@ -174,18 +174,23 @@ async def test_trained_adapter_changes_sglang_outputs(run: Run) -> None:
     step0 = run.facts["greedy_step0"]
     step1 = [await _greedy(client, "agent@1", p) for p in PROMPTS]
     assert step0 != step1, "the step-1 adapter gives the same greedy outputs as step 0"
-    # Step 0's adapter has B = 0: SGLang must answer exactly as the base model does.
+    # Step 0's adapter has B = 0: SGLang must answer exactly as the base model does. And SGLang's second
+    # trap: a bare adapter name as `model`, even a loaded one, is the base model (only "<base>:<name>" or
+    # `lora_path` select an adapter), so the gateway must add `lora_path`.
     base_id = run.model.base_model
+    base, bare = [], []
     async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
-        base = []
         for prompt in PROMPTS:
-            body = {"model": base_id, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
-                    "temperature": 0.0}  # fmt: skip
-            response = await http.post(f"{run.direct_url}/v1/chat/completions", json=body)
-            base.append(response.json()["choices"][0]["message"]["content"])
+            for name, out in ((base_id, base), ("agent@1", bare)):
+                body = {"model": name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
+                        "temperature": 0.0}  # fmt: skip
+                response = await http.post(f"{run.direct_url}/v1/chat/completions", json=body)
+                out.append(response.json()["choices"][0]["message"]["content"])
     assert base == step0
     record(f"shared-{run.strategy}/adapter-changes-outputs",
-           prompts_changed=sum(a != b for a, b in zip(step0, step1, strict=True)), prompts=len(PROMPTS))  # fmt: skip
+           prompts_changed=sum(a != b for a, b in zip(step0, step1, strict=True)), prompts=len(PROMPTS),
+           direct_bare_name_is_base=bare == base)  # fmt: skip
+    assert bare == base
 
 
 async def test_sglang_logprobs_agree_with_the_trainer(run: Run) -> None:
