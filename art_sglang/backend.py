@@ -168,7 +168,8 @@ class SGLangBackend:
         return self._service.openai_base_url, self._service.api_key
 
     def _model_inference_name(self, model: Any, step: int | None = None) -> str:
-        """`<name>@<step>`; the current step when `step` is None."""
+        """`<name>@<step>` (the current step when `step` is None), in the form the client sends (see
+        `InferenceService.client_name`)."""
         if not getattr(model, "trainable", False):
             return model.inference_model_name or model.name
         entry = self._models.get((model.project, model.name))
@@ -179,7 +180,8 @@ class SGLangBackend:
                     "call `await model.register(backend)` first"
                 )
             step = entry.step
-        return f"{model.name}@{step}"
+        name = f"{model.name}@{step}"
+        return self._service.client_name(name) if self._service is not None else name
 
     async def _get_step(self, model: Any) -> int:
         entry = self._models.get((model.project, model.name))

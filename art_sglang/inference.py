@@ -208,6 +208,16 @@ class InferenceService:
     def serves(self, name: str) -> bool:
         return name in self.adapters or name in self.aliases
 
+    def client_name(self, name: str) -> str:
+        """The `model` a client sends to be served `name`: the name itself through the gateway. Without
+        the gateway, SGLang's own `<base>:<adapter>` form (a bare adapter name is answered by the base
+        model) or, for an alias, the base id."""
+        if self.gateway is not None:
+            return name
+        if name in self.aliases:
+            return self.aliases[name]
+        return f"{self.base_ids[0] if self.base_ids else self.base_model}:{name}"
+
     # --- checks ----------------------------------------------------------------------------------------
     async def loaded_on_server(self) -> list[str]:
         """Adapter names the server itself lists in /v1/models."""
@@ -218,7 +228,7 @@ class InferenceService:
         `ServerRequestError` unless it answers 200."""
         headers = {"Authorization": f"Bearer {self.api_key}"}
         body = {
-            "model": name,
+            "model": self.client_name(name),
             "messages": [{"role": "user", "content": "ping"}],
             "max_tokens": 1,
             "temperature": 0.0,

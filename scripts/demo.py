@@ -28,7 +28,7 @@ from environments.char_share import CharShareTask, StepReport, print_report, tra
 
 # A random tiny model's output head is fixed and nearly uniform: LoRA on the transformer layers alone
 # cannot move its logits much, so on the tiny model the head gets an adapter too, and a large rate.
-TINY_LEARNING_RATE = 4e-2
+TINY_LEARNING_RATE = 5e-2
 TINY_TARGETS = [*DEFAULT_LORA_TARGETS, "lm_head"]
 
 
@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="base model (HF id or path); default: the tiny offline model")
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--groups", type=int, default=4, help="trajectory groups per step")
+    parser.add_argument("--groups", type=int, default=8, help="trajectory groups per step")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)

@@ -1,12 +1,14 @@
-"""`AdapterGateway`: a small HTTP reverse proxy in front of the inference server that refuses requests for
-model names the server does not have loaded.
+"""`AdapterGateway`: a small HTTP reverse proxy in front of the inference server that routes a model
+name to its adapter and refuses names the server does not have loaded.
 
-Why: SGLang (0.5.17, recorded in the golden file) answers a request naming an unknown or unloaded adapter
-with HTTP 200 *from the base model*, echoing the requested name, so a rollout on a stale or missing
-adapter looks like success. The gateway reads the `model` (and `lora_path`) field of
-`/v1/chat/completions`, `/v1/completions` and `/generate`, forwards only names the backend has loaded
-(plus the base model's ids), and answers any other name with HTTP 404 in OpenAI's error shape, listing
-the names that are served. Every other path is passed through unchanged; responses are streamed.
+Why: SGLang 0.5.17 selects an adapter only by `model="<base>:<adapter>"` or the `lora_path` field; a bare
+`model="<adapter>"` is answered with HTTP 200 *by the base model*, the requested name echoed back, whether
+or not an adapter of that name is loaded (the golden recording shows both). A rollout on the wrong weights
+would look like success. The gateway reads the `model` (and `lora_path`) field of `/v1/chat/completions`,
+`/v1/completions` and `/generate`; a name the backend has loaded is forwarded with `lora_path` set to it
+(the response still echoes the name the client sent), the base model's ids pass as they are, and any other
+name is answered with HTTP 404 in OpenAI's error shape, listing the names that are served. Every other path
+is passed through unchanged; responses are streamed.
 
 It also lets the backend take the server away safely: `hold()` makes new requests wait (instead of
 failing) while the server is released or restarted, and `wait_idle()` waits for requests in flight on a
@@ -251,14 +253,14 @@ class AdapterGateway:
         path = target.split("?", 1)[0]
         names: list[str] = []
         if request.method == b"POST" and path in ROUTED_PATHS:
-            names = _requested_names(body)
+            payload = _json_object(body)
+            names = _requested_names(payload)
             refusal = self._refusal(request, names)
             if refusal is not None:
                 await _send_json(conn, writer, *refusal)
                 return
-            aliases = self._aliases
-            if any(name in aliases for name in names):
-                body = _rewrite(body, aliases)
+            if payload is not None and self._route(payload):
+                body = json.dumps(payload).encode()
         keys = names or [""]
         for key in (*keys, ANY):
             self._in_flight[key] += 1
@@ -282,6 +284,29 @@ class AdapterGateway:
             "Use model.get_inference_name() for the current step."
         )
         return 404, _error(message, "model_not_found", "model")
+
+    def _route(self, payload: dict) -> bool:
+        """Make the server use the adapter the client named; True if `payload` was changed.
+
+        A loaded adapter named by `model` gets `lora_path` (a bare name alone would be the base model); an
+        alias is replaced by its base id, in `model` and in `lora_path`."""
+        changed = False
+        model = payload.get("model")
+        if isinstance(model, str):
+            if model in self._aliases:
+                payload["model"] = self._aliases[model]
+                changed = True
+            elif model in self._adapters and not payload.get("lora_path"):
+                payload["lora_path"] = model
+                changed = True
+        lora = payload.get("lora_path")
+        if isinstance(lora, str) and lora in self._aliases:
+            del payload["lora_path"]
+            changed = True
+        elif isinstance(lora, list) and any(item in self._aliases for item in lora):
+            payload["lora_path"] = [None if item in self._aliases else item for item in lora]
+            changed = True
+        return changed
 
     def _is_served(self, name: str) -> bool:
         if name in self._adapters or name in self._base_ids or name in self._aliases:
@@ -353,37 +378,26 @@ async def _read_request(
             return None
 
 
-def _requested_names(body: bytes) -> list[str]:
-    """Model/adapter names a request body asks for: `model` and `lora_path` (a string or, for batched
-    /generate, a list). A body that is not a JSON object names nothing; the server rejects it itself."""
+def _json_object(body: bytes) -> dict | None:
+    """The request body as a JSON object; None for anything else (the server rejects it itself)."""
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError):
-        return []
-    if not isinstance(payload, dict):
-        return []
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+def _requested_names(payload: dict | None) -> list[str]:
+    """Model/adapter names a request asks for: `model` and `lora_path` (a string or, for batched
+    /generate, a list)."""
     names: list[str] = []
     for key in ("model", "lora_path"):
-        value = payload.get(key)
+        value = (payload or {}).get(key)
         if isinstance(value, str):
             names.append(value)
         elif isinstance(value, list):
             names.extend(item for item in value if isinstance(item, str))
     return names
-
-
-def _rewrite(body: bytes, aliases: dict[str, str]) -> bytes:
-    """The body with aliased names replaced: `model` by the base id, an aliased `lora_path` dropped (no
-    adapter means the base model)."""
-    payload = json.loads(body)
-    if payload.get("model") in aliases:
-        payload["model"] = aliases[payload["model"]]
-    lora = payload.get("lora_path")
-    if isinstance(lora, str) and lora in aliases:
-        del payload["lora_path"]
-    elif isinstance(lora, list):
-        payload["lora_path"] = [None if item in aliases else item for item in lora]
-    return json.dumps(payload).encode()
 
 
 def _bearer(request: h11.Request) -> str | None:

@@ -13,7 +13,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # environments/ is a top-level folder of the checkout
 
 import art_sglang as art  # noqa: E402
-from environments.char_share import MAX_DROPPED, CharShareTask, rollout  # noqa: E402
+from environments.char_share import CharShareTask, rollout  # noqa: E402
 
 TASK = CharShareTask(max_tokens=6)
 
@@ -21,7 +21,9 @@ TASK = CharShareTask(max_tokens=6)
 async def sample_groups(
     model: Any, *, groups: int = 2, size: int = 4, seed: int = 0
 ) -> list[art.TrajectoryGroup]:
-    """Rollouts of the character-share task on the model's current step, through model.openai_client()."""
+    """Rollouts of the character-share task on the model's current step, through model.openai_client().
+    A few choices may come without logprobs (see environments.char_share.rollout): train them with
+    allow_training_without_logprobs=True."""
     return await art.gather_trajectory_groups(
         (
             art.TrajectoryGroup(
@@ -30,7 +32,6 @@ async def sample_groups(
             for g in range(groups)
         ),
         pbar_desc=None,
-        max_exceptions=MAX_DROPPED,
     )
 
 

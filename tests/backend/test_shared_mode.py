@@ -71,7 +71,7 @@ async def test_training_takes_the_server_away_and_gives_it_back(shared) -> None:
 
     entry.trainer.train = observed_train  # type: ignore[method-assign]
     try:
-        result = await backend.train(model, groups, learning_rate=1e-3)
+        result = await backend.train(model, groups, learning_rate=1e-3, allow_training_without_logprobs=True)
     finally:
         del entry.trainer.train
     if strategy == "sleep":
@@ -92,7 +92,7 @@ async def test_training_takes_the_server_away_and_gives_it_back(shared) -> None:
 async def test_a_second_step_and_the_older_adapter_stays_loaded(shared) -> None:
     backend, model = shared
     groups = await sample_groups(model, seed=2)
-    result = await backend.train(model, groups, learning_rate=1e-3)
+    result = await backend.train(model, groups, learning_rate=1e-3, allow_training_without_logprobs=True)
     assert result.step == 2
     service = backend.inference
     assert service is not None

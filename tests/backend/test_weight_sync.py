@@ -42,7 +42,7 @@ async def test_disk_sync_serves_merged_weights_under_the_step_name(
         assert (await chat(gateway, "merged@0")).status_code == 200  # step 0 is the base weights
         before = await _greedy(gateway, "merged@0")
         groups = await sample_groups(model, seed=3)
-        result = await backend.train(model, groups, learning_rate=5e-2)
+        result = await backend.train(model, groups, learning_rate=5e-2, allow_training_without_logprobs=True)
         assert result.step == 1
         store = ModelStore(path, "sync", "merged")
         merged = store.merged_dir(1)
@@ -76,7 +76,12 @@ async def test_restart_sync_preloads_the_adapter_in_a_new_server(
         service = backend.inference
         assert service is not None
         pid = service.process.pid
-        result = await backend.train(model, await sample_groups(model, seed=4), learning_rate=1e-3)
+        result = await backend.train(
+            model,
+            await sample_groups(model, seed=4),
+            learning_rate=1e-3,
+            allow_training_without_logprobs=True,
+        )
         assert result.step == 1 and service.process.pid != pid
         listed = {n for n in await server_models(service.process.base_url) if n.startswith("fresh@")}
         assert listed == {"fresh@1"}
