@@ -10,6 +10,7 @@ keywords) and `training.process` (the trainer worker).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -36,6 +37,7 @@ from .weight_sync import SyncTarget, make_weight_sync
 logger = logging.getLogger(__name__)
 
 SharedStrategy = Literal["sleep", "restart"]
+WATCHDOG_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -100,6 +102,7 @@ class SGLangBackend:
         self._handoff: GpuHandoff | None = None
         self._models: dict[tuple[str, str], _Registered] = {}
         self._lock = asyncio.Lock()
+        self._watchdog: asyncio.Task[None] | None = None
         self._closed = False
         logger.info(
             "SGLangBackend: %s; weight sync %r%s",
@@ -113,11 +116,10 @@ class SGLangBackend:
         """Write model.json; for a trainable model start the trainer (resuming its newest checkpoint) and
         the server, and load the current step's adapter as `<name>@<step>`. Registering again is a no-op."""
         self._check_open()
-        model.base_path = self._path
         store = ModelStore(self._path, model.project, model.name)
-        await asyncio.to_thread(store.create)
-        await asyncio.to_thread(store.write_model_json, _model_json(model))
         if not model.trainable:
+            model.base_path = self._path
+            await asyncio.to_thread(_write_model_files, store, model)
             return
         async with self._lock:
             key = (model.project, model.name)
@@ -129,8 +131,11 @@ class SGLangBackend:
                         f"{existing.model.base_model!r}; use another name for {model.base_model!r}"
                     )
                 existing.model = model
+                model.base_path = self._path
                 return
-            self._check_can_add(model)
+            self._check_can_add(model)  # before anything is written
+            model.base_path = self._path  # as ART's LocalBackend: model.log() writes where we do
+            await asyncio.to_thread(_write_model_files, store, model)
             service = self._ensure_service(model.base_model, store)
             assert self._handoff is not None
             trainer = TrainerProcess(
@@ -155,6 +160,7 @@ class SGLangBackend:
                 raise
             self._models[key] = entry
             logger.info("registered %s at step %d (%s)", model.name, step, store.dir)
+        self._ensure_watchdog()
 
     async def _prepare_backend_for_training(self, model: Any, config: Any | None = None) -> tuple[str, str]:
         """(OpenAI base URL ending in /v1, API key) for the model's rollouts."""
@@ -251,6 +257,7 @@ class SGLangBackend:
             )
         groups = _as_groups(trajectory_groups)
         entry = self._entry(model)
+        self._ensure_watchdog()
         async with self._lock:
             service, handoff = self._service, self._handoff
             assert service is not None and handoff is not None
@@ -303,6 +310,10 @@ class SGLangBackend:
         if self._closed:
             return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RuntimeError):
+                await self._watchdog
         for entry in self._models.values():
             await entry.trainer.stop()
         if self._service is not None:
@@ -313,6 +324,33 @@ class SGLangBackend:
 
     async def __aexit__(self, *_: object) -> None:
         await self.close()
+
+    # --- crash recovery --------------------------------------------------------------------------------
+    def _ensure_watchdog(self) -> None:
+        """Run the watchdog in the current event loop (again, if an earlier loop ended)."""
+        if self._service is None or (self._watchdog is not None and not self._watchdog.done()):
+            return
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="art-sglang-watchdog")
+
+    async def _watch(self) -> None:
+        """Restart a server that died between backend calls, with every adapter loaded again before it
+        serves; requests meanwhile fail loudly (502) or wait in the gateway while the restart runs."""
+        service = self._service
+        assert service is not None
+        while not self._closed:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            if service.process.is_alive() or self._lock.locked():
+                continue
+            async with self._lock:
+                if self._closed or service.process.is_alive():
+                    continue
+                await service.hold()
+                try:
+                    await service.ensure_running()
+                except Exception:  # the next train() or register() raises it to the user
+                    logger.exception("restarting the inference server failed")
+                finally:
+                    await service.unhold()
 
     # --- helpers ---------------------------------------------------------------------------------------
     @property
@@ -426,6 +464,11 @@ def _as_groups(groups: Iterable[Any]) -> list[TrajectoryGroup]:
 def _model_json(model: Any) -> dict[str, Any]:
     # ART's model_dump includes its private config; whatever is not JSON becomes its repr.
     return json.loads(json.dumps(model.model_dump(), default=str))
+
+
+def _write_model_files(store: ModelStore, model: Any) -> None:
+    store.create()
+    store.write_model_json(_model_json(model))
 
 
 def _append_lines(path: Any, lines: list[str]) -> None:

@@ -105,3 +105,25 @@ def test_other_loss_functions_and_bad_values_are_errors():
         _options(loss_fn="cispo")
     with pytest.raises(ConfigError, match=r"invalid train\(\) option: learning_rate=-1.0"):
         _options(learning_rate=-1.0)
+
+
+def test_adapter_directories_are_checked_locally_before_loading(tmp_path):
+    from art_sglang.errors import AdapterLoadError
+    from art_sglang.model_store import check_adapter
+
+    missing = tmp_path / "missing"
+    with pytest.raises(AdapterLoadError, match=f"{missing} is not a directory"):
+        check_adapter(missing, 64)
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    with pytest.raises(AdapterLoadError, match=r"has no adapter_config\.json"):
+        check_adapter(folder, 64)
+    (folder / "adapter_config.json").write_text('{"r": 128}')
+    with pytest.raises(AdapterLoadError, match=r"has no adapter_model\.safetensors or adapter_model\.bin"):
+        check_adapter(folder, 64)
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(
+        AdapterLoadError, match=r"rank 128, above the server's max_lora_rank=64.*at least 128"
+    ):
+        check_adapter(folder, 64)
+    check_adapter(folder, 128)

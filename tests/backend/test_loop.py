@@ -12,10 +12,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import openai
+import psutil
 import pytest
 import pytest_asyncio
 from conftest import REPO, chat, sample_groups, server_models, tree_snapshot
@@ -195,6 +197,42 @@ async def test_delete_checkpoints_keeps_latest_and_best_and_unloads_the_rest(loo
     on_server = {name for name in await server_models(loop.server_url) if name.startswith("agent@")}
     assert on_server == {f"agent@{current}"}
     assert (await chat(loop.gateway_url, f"agent@{current}")).status_code == 200
+
+
+async def test_a_second_model_shares_the_server_with_its_own_trainer(loop: Loop) -> None:
+    mine = {n for n in await server_models(loop.server_url) if n.startswith("agent@")}
+    other = art.TrainableModel(name="other", project="loop", base_model=loop.model.base_model)
+    await other.register(loop.backend)
+    assert (
+        other.get_inference_name() == "other@0" and other.inference_base_url == loop.model.inference_base_url
+    )
+    result = await loop.backend.train(
+        other, await sample_groups(other, seed=31), learning_rate=1e-3, allow_training_without_logprobs=True
+    )
+    assert result.step == 1 and other.get_inference_name() == "other@1"
+    listed = await server_models(loop.server_url)
+    assert {"other@0", "other@1"} <= listed and mine <= listed  # the keep-count is per model
+    elsewhere = art.TrainableModel(name="third", project="loop", base_model="Qwen/Qwen2.5-0.5B-Instruct")
+    with pytest.raises(ConfigError, match="one server serves one base model"):
+        await elsewhere.register(loop.backend)
+    assert not (loop.path / "loop" / "models" / "third").exists()  # refused before anything was written
+
+
+async def test_a_crashed_server_comes_back_with_its_adapters(loop: Loop) -> None:
+    service = loop.backend.inference
+    assert service is not None
+    name = loop.model.get_inference_name()
+    crashed = service.process.pid
+    assert crashed is not None
+    for proc in [psutil.Process(crashed), *psutil.Process(crashed).children(recursive=True)]:
+        proc.kill()
+    deadline = time.monotonic() + 120
+    while not (service.process.is_alive() and service.process.pid != crashed):
+        assert time.monotonic() < deadline, "the watchdog did not restart the server"
+        await asyncio.sleep(0.2)
+    # Ready means the current adapter is loaded: the first request on it succeeds.
+    assert (await chat(loop.gateway_url, name)).status_code == 200
+    assert name in await server_models(loop.server_url)
 
 
 RESUME = textwrap.dedent(
