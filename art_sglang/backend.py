@@ -30,6 +30,7 @@ from .model_store import ModelStore
 from .shared_mode import GpuHandoff, HandoffStrategy
 from .train_args import build_train_options
 from .training.process import TrainerProcess
+from .training.validation import groups_to_wire, validate_groups
 from .trajectories import TrajectoryGroup
 from .types import TrainResult
 from .weight_sync import SyncTarget, make_weight_sync
@@ -256,6 +257,10 @@ class SGLangBackend:
                 "checkpoint; delete old ones with model.delete_checkpoints() instead"
             )
         groups = _as_groups(trajectory_groups)
+        # Checked here, before the GPU handoff, so bad input never takes the server away.
+        validate_groups(
+            groups_to_wire(groups), allow_training_without_logprobs=options.allow_training_without_logprobs
+        )
         entry = self._entry(model)
         self._ensure_watchdog()
         async with self._lock:

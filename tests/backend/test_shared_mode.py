@@ -89,6 +89,23 @@ async def test_training_takes_the_server_away_and_gives_it_back(shared) -> None:
     assert (await chat(gateway, "agent@1")).status_code == 200
 
 
+async def test_bad_input_never_takes_the_server_away(shared) -> None:
+    backend, model = shared
+    service = backend.inference
+    assert service is not None
+    pid = service.process.pid
+    no_choice = art.TrajectoryGroup(
+        [
+            art.Trajectory(messages_and_choices=[{"role": "user", "content": "x"}], reward=r)
+            for r in (0.0, 1.0)
+        ]
+    )
+    with pytest.raises(art.TrainingInputError, match="no assistant Choice"):
+        await backend.train(model, [no_choice])
+    assert service.process.pid == pid and service.starts == 1 + (backend.handoff_strategy == "restart")
+    assert await _server_state(backend) == {"alive": True, "released": False}
+
+
 async def test_a_second_step_and_the_older_adapter_stays_loaded(shared) -> None:
     backend, model = shared
     groups = await sample_groups(model, seed=2)
