@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from tqdm import tqdm
 
-from .config import SGLangConfig, TrainerConfig
+from .config import DeviceConfig, SGLangConfig, TrainerConfig
 from .devices import DeviceLayout, EngineChoice, choose_layout
 from .errors import ConfigError, ModelNotRegisteredError, TrainingInputError
 from .history import append_row
@@ -71,7 +71,7 @@ class SGLangBackend:
         *,
         inference_device: int | None = None,
         training_devices: list[int] | None = None,
-        device_config: Any | None = None,
+        device_config: DeviceConfig | None = None,
         sglang_config: SGLangConfig | None = None,
         trainer_config: TrainerConfig | None = None,
         engine: EngineChoice = "auto",
