@@ -15,8 +15,8 @@ failing) while the server is released or restarted, and `wait_idle()` waits for 
 name (or on any name) to finish before an adapter is unloaded or memory is released.
 
 The gateway runs its own event loop in a daemon thread, so a user's event loop that blocks (e.g. a
-synchronous OpenAI call inside async code) cannot stall it. HTTP/1.1 is parsed with h11 (a dependency of
-httpx) and the upstream side is an `httpx.AsyncClient`.
+synchronous OpenAI call inside async code) cannot stall it. HTTP/1.1 is spoken with h11 (a dependency of
+httpx) on both sides, over a small pool of keep-alive connections to the server.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from urllib.parse import urlsplit
 
 import h11
-import httpx
 
 logger = logging.getLogger(__name__)
 
 ROUTED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
-# Hop-by-hop headers (RFC 9110 7.6.1) are not forwarded; h11 and httpx frame each side themselves.
+# Hop-by-hop headers (RFC 9110 7.6.1) are not forwarded; h11 frames each side itself.
 _HOP_BY_HOP = frozenset(
     {
         b"connection",
@@ -52,6 +52,7 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _READ_SIZE = 65536
+_MAX_IDLE = 256  # idle upstream connections kept for reuse
 ANY = "*"  # wait_idle() on every name
 
 
@@ -89,7 +90,7 @@ class AdapterGateway:
         self._stop: asyncio.Event | None = None
         self._open: asyncio.Event | None = None  # cleared while held
         self._ready = threading.Event()
-        self._client: httpx.AsyncClient | None = None
+        self._pool: _UpstreamPool | None = None
         self._start_error: BaseException | None = None
 
     # --- lifecycle (called from any thread) -------------------------------------------------------------
@@ -146,6 +147,16 @@ class AdapterGateway:
 
     def set_upstream(self, upstream: str) -> None:
         self.upstream = upstream.rstrip("/")
+        if self._pool is not None and self._loop is not None:
+            # Connections to an earlier server are useless; the new pool is swapped in on the gateway's loop.
+            pool = _UpstreamPool(self.upstream)
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._swap_pool, pool)
+
+    def _swap_pool(self, pool: _UpstreamPool) -> None:
+        old, self._pool = self._pool, pool
+        if old is not None:
+            old.close()
 
     def in_flight(self, name: str = ANY) -> int:
         """Requests being forwarded for `name` (adapter or base id), or for any name with `ANY`."""
@@ -205,12 +216,12 @@ class AdapterGateway:
             self._ready.set()
             return
         self.port = server.sockets[0].getsockname()[1]
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
-        async with server, httpx.AsyncClient(timeout=None, limits=limits) as client:
-            self._client = client
+        self._pool = _UpstreamPool(self.upstream)
+        async with server:
             self._ready.set()
             await self._stop.wait()
             server.close()
+            self._pool.close()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h11.Connection(h11.SERVER)
@@ -323,36 +334,126 @@ class AdapterGateway:
         target: str,
         body: bytes,
     ) -> None:
+        assert self._pool is not None
+        pool = self._pool
         headers = [(k, v) for k, v in request.headers if k.lower() not in _HOP_BY_HOP]
-        upstream = self._client.build_request(
-            request.method.decode(), self.upstream + target, headers=headers, content=body
+        head = h11.Request(
+            method=request.method,
+            target=target,
+            headers=[("host", pool.authority), *headers, ("content-length", str(len(body)))],
         )
+        upstream: _Exchange | None = None
         try:
-            response = await self._client.send(upstream, stream=True)
-        except httpx.HTTPError as exc:
+            upstream = await pool.exchange(head, body)
+        except (OSError, asyncio.IncompleteReadError, h11.ProtocolError) as exc:
             message = f"the inference server at {self.upstream} is not reachable: {exc!r}"
             await _send_json(conn, writer, 502, _error(message, "bad_gateway", None))
             return
+        reusable = False
         try:
+            response = upstream.response
             out_headers = [
-                (k, v)
-                for k, v in response.headers.raw
-                if k.lower() not in _HOP_BY_HOP or k.lower() == b"content-length"
+                (k, v) for k, v in response.headers if k not in _HOP_BY_HOP or k == b"content-length"
             ]
             writer.write(
                 conn.send(h11.Response(status_code=response.status_code, headers=out_headers)) or b""
             )
-            async for chunk in response.aiter_raw():
-                writer.write(conn.send(h11.Data(data=chunk)) or b"")
-                await writer.drain()
+            try:
+                async for chunk in upstream.body():
+                    writer.write(conn.send(h11.Data(data=chunk)) or b"")
+                    await writer.drain()
+            except (OSError, asyncio.IncompleteReadError, h11.ProtocolError):
+                # The server died mid-response: the client sees a truncated response and an error.
+                conn.send_failed()
+                raise ConnectionError("upstream failed mid-response") from None
             writer.write(conn.send(h11.EndOfMessage()) or b"")
             await writer.drain()
-        except httpx.HTTPError:
-            # The server died mid-response: the client sees a truncated response and an error.
-            conn.send_failed()
-            raise ConnectionError("upstream failed mid-response") from None
+            reusable = upstream.reusable()
         finally:
-            await response.aclose()
+            # A response not read to its end (the client left) closes its connection, which also tells the
+            # server to stop generating.
+            pool.release(upstream, reusable)
+
+
+class _Exchange:
+    """One request/response on an upstream connection; `body()` yields the response body as it comes."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, client: h11.Connection):
+        self.reader, self.writer, self.client = reader, writer, client
+        self.response: h11.Response
+
+    async def next_event(self) -> h11.Event:
+        while True:
+            event = self.client.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            data = await self.reader.read(_READ_SIZE)
+            if not data and self.client.their_state is h11.SEND_RESPONSE:
+                raise asyncio.IncompleteReadError(b"", None)  # closed before answering
+            self.client.receive_data(data)
+
+    async def body(self) -> AsyncIterator[bytes]:
+        while True:
+            event = await self.next_event()
+            if isinstance(event, h11.Data):
+                yield bytes(event.data)
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                return
+
+    def reusable(self) -> bool:
+        return self.client.our_state is h11.DONE and self.client.their_state is h11.DONE
+
+
+class _UpstreamPool:
+    """Keep-alive HTTP/1.1 connections to the server (h11 over asyncio streams: far less work per request
+    than a general-purpose client)."""
+
+    def __init__(self, url: str):
+        parsed = urlsplit(url)
+        self.host = parsed.hostname or "127.0.0.1"
+        self.port = parsed.port or 80
+        self.authority = parsed.netloc
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def exchange(self, head: h11.Request, body: bytes) -> _Exchange:
+        """Send a request and read the response head; a pooled connection the server already closed is
+        replaced by a fresh one once (nothing reached the server on it)."""
+        while True:
+            pooled = bool(self._idle)
+            reader, writer = (
+                self._idle.pop() if pooled else await asyncio.open_connection(self.host, self.port)
+            )
+            client = h11.Connection(h11.CLIENT)
+            exchange = _Exchange(reader, writer, client)
+            try:
+                writer.write(
+                    client.send(head) + client.send(h11.Data(data=body)) + client.send(h11.EndOfMessage())
+                )
+                await writer.drain()
+                event = await exchange.next_event()
+            except (OSError, asyncio.IncompleteReadError):
+                writer.close()
+                if pooled:
+                    continue
+                raise
+            if not isinstance(event, h11.Response):
+                writer.close()
+                raise h11.RemoteProtocolError(f"unexpected {type(event).__name__} from the server")
+            exchange.response = event
+            return exchange
+
+    def release(self, exchange: _Exchange | None, reusable: bool) -> None:
+        if exchange is None:
+            return
+        if reusable and len(self._idle) < _MAX_IDLE:
+            self._idle.append((exchange.reader, exchange.writer))
+        else:
+            exchange.writer.close()
+
+    def close(self) -> None:
+        for _, writer in self._idle:
+            writer.close()
+        self._idle.clear()
 
 
 async def _read_request(
