@@ -183,3 +183,22 @@ async def test_without_the_gateway_names_use_sglangs_own_adapter_form(
             model=model.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
         assert reply.choices[0].message.content is not None
+
+
+async def test_a_stream_the_client_leaves_stops_on_the_server(gateway, server) -> None:
+    body = {**_chat("agent@1"), "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=gateway.base_url, timeout=60, trust_env=False) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        async for _ in response.aiter_bytes():
+            break  # leave after the first chunk
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30, trust_env=False) as http:
+        for _ in range(20):  # 3000 tokens would take far longer than these 2 s
+            running = (await http.get("/server_info")).json()["internal_states"][0]["running_requests"]
+            if running == 0:
+                break
+            await asyncio.sleep(0.1)
+    assert running == 0
+    assert await gateway.wait_idle(ANY, timeout=5)
