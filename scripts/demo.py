@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", choices=["auto", "sglang", "reference"], default="auto")
-    parser.add_argument("--path", default=".art-demo", help="where models, checkpoints and logs go")
+    parser.add_argument("--path", default=".art", help="where models, checkpoints and logs go")
     parser.add_argument("--resume", action="store_true", help="continue an earlier demo run")
     parser.add_argument("--json", type=Path, help="write the per-step results here")
     parser.add_argument(
