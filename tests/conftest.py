@@ -30,6 +30,27 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+@pytest.fixture
+def openpipe_art(monkeypatch: pytest.MonkeyPatch):
+    """The real `art` package (openpipe-art), imported without leaving its side effects on this process.
+
+    Importing `art` replaces `transformers.masking_utils._preprocess_mask_arguments` with a wrapper whose
+    signature no longer matches transformers 5.2x, which breaks every later forward pass in this process;
+    the original is put back after the test. (Our trainer runs in its own process, so ART programs are not
+    affected.)
+    """
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # ART's import would go to the network
+    from transformers import masking_utils
+
+    original = masking_utils._preprocess_mask_arguments
+    import art
+
+    try:
+        yield art
+    finally:
+        masking_utils._preprocess_mask_arguments = original
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _no_leftover_processes():
     """Fail a test module that leaves a child process alive, after killing the whole tree.

@@ -44,9 +44,8 @@ def test_import_is_light():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_names_and_fields_match_openpipe_art(monkeypatch):
-    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # ART's import would go to the network
-    ART = pytest.importorskip("art")
+def test_names_and_fields_match_openpipe_art(openpipe_art):
+    ART = openpipe_art
     assert set(art.Trajectory.model_fields) == set(ART.Trajectory.model_fields)
     assert set(art.TrajectoryGroup.model_fields) == set(ART.TrajectoryGroup.model_fields)
     assert [f.name for f in dataclasses.fields(art.TrainResult)] == ["step", "metrics"]
@@ -67,9 +66,8 @@ def test_names_and_fields_match_openpipe_art(monkeypatch):
         assert callable(getattr(art.TrainableModel, method)) and hasattr(ART.TrainableModel, method)
 
 
-def test_art_groups_convert_to_ours_with_choices_kept(monkeypatch):
-    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    ART = pytest.importorskip("art")
+def test_art_groups_convert_to_ours_with_choices_kept(openpipe_art):
+    ART = openpipe_art
     choice = {
         "index": 0,
         "finish_reason": "stop",

@@ -13,9 +13,8 @@ from art_sglang import SGLangBackend
 
 
 @pytest.fixture
-def ART(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
-    return pytest.importorskip("art")
+def ART(openpipe_art):
+    return openpipe_art
 
 
 def _client(model) -> AsyncOpenAI:
