@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -239,13 +240,12 @@ async def test_adapter_round_trip_peft_and_reference_engine(
     try:
         async with ServerClient(server.base_url) as client:
             await client.load_lora_adapter("m@3", str(adapter))
-            import httpx
-
             async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
                 response = await http.post(
                     "/v1/chat/completions",
                     json={
                         "model": "m@3",
+                        "lora_path": "m@3",  # SGLang 0.5.17 serves a bare model name with the base model
                         "messages": [{"role": "user", "content": prompt}],
                         "max_tokens": len(peft_ids),
                         "temperature": 0,
