@@ -407,12 +407,12 @@ class SGLangBackend:
             )
         return self._service
 
-    def _gpu_ids(self, role: Literal["inference", "training"]) -> list[int]:
-        """GPU ids for a child's CUDA_VISIBLE_DEVICES: none on CPU (hides every GPU)."""
+    def _gpu_ids(self, role: Literal["inference", "training"]) -> list[str]:
+        """GPU ids (indices or UUIDs, as the user's CUDA_VISIBLE_DEVICES names them) for a child's
+        CUDA_VISIBLE_DEVICES: none on CPU (hides every GPU)."""
         if self.layout.engine == "reference":
             return []
-        value = self.layout.cuda_visible_devices(role)
-        return [int(part) for part in value.split(",") if part]
+        return [part for part in self.layout.cuda_visible_devices(role).split(",") if part]
 
 
 def _check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -39,7 +40,7 @@ class InferenceService:
         *,
         engine: Literal["sglang", "reference"],
         log_path: Path,
-        gpu_ids: list[int] | None,
+        gpu_ids: Sequence[int | str] | None,
         use_gateway: bool = True,
         drain_timeout: float = 600.0,
     ):

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from subprocess import DEVNULL, STDOUT, Popen
@@ -130,7 +131,7 @@ class ServerProcess:
         *,
         engine: Engine,
         log_path: Path,
-        gpu_ids: list[int] | None = None,
+        gpu_ids: Sequence[int | str] | None = None,
     ) -> None:
         self.config = config
         self.model_path = model_path

@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from subprocess import PIPE, Popen
@@ -45,7 +45,7 @@ class TrainerProcess:
         checkpoint_dir: Path,
         config: TrainerConfig,
         *,
-        gpu_ids: list[int] | None,
+        gpu_ids: Sequence[int | str] | None,
         log_path: Path,
     ) -> None:
         self.base_model = base_model

@@ -127,3 +127,22 @@ def test_adapter_directories_are_checked_locally_before_loading(tmp_path):
     ):
         check_adapter(folder, 64)
     check_adapter(folder, 128)
+
+
+def test_gpu_uuids_reach_the_children_unchanged(tmp_path):
+    # CUDA_VISIBLE_DEVICES may name GPUs by UUID; the server and trainer must get the same names.
+    from art_sglang.server.process import ServerProcess
+    from art_sglang.training.process import TrainerProcess
+
+    split = DeviceLayout("split", "sglang", (0,), (1,), "test", cuda_ids=("GPU-aa11", "GPU-bb22"))
+    backend = SGLangBackend(layout=split)
+    inference, training = backend._gpu_ids("inference"), backend._gpu_ids("training")
+    assert (inference, training) == (["GPU-aa11"], ["GPU-bb22"])
+    server = ServerProcess(
+        SGLangConfig(), "m", engine="sglang", log_path=tmp_path / "s.log", gpu_ids=inference
+    )
+    trainer = TrainerProcess(
+        "m", tmp_path / "ckpt", TrainerConfig(), gpu_ids=training, log_path=tmp_path / "t.log"
+    )
+    assert server.environment()["CUDA_VISIBLE_DEVICES"] == "GPU-aa11"
+    assert trainer.environment()["CUDA_VISIBLE_DEVICES"] == "GPU-bb22"
