@@ -194,10 +194,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             choice["prompt_token_ids"] = result.prompt_ids
             choice["token_ids"] = result.output_ids
         choices.append(choice)
+    return _response("chat.completion", engine, body, choices, results)
+
+
+def _response(
+    kind: str,
+    engine: ReferenceEngine,
+    body: ChatCompletionRequest | CompletionRequest,
+    choices: list[dict[str, Any]],
+    results: list[GenerationResult],
+) -> JSONResponse:
+    """The non-streaming envelope SGLang puts around chat and text completion choices."""
     return JSONResponse(
         {
             "id": uuid.uuid4().hex,
-            "object": "chat.completion",
+            "object": kind,
             "created": int(time.time()),
             "model": body.model,
             "choices": choices,
@@ -303,17 +314,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 "matched_stop": matched,
             }
         )
-    return JSONResponse(
-        {
-            "id": uuid.uuid4().hex,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": body.model,
-            "choices": choices,
-            "usage": _usage(results, body.n, engine.args.enable_cache_report),
-            "metadata": {"weight_version": engine.weight_version},
-        }
-    )
+    return _response("text_completion", engine, body, choices, results)
 
 
 async def _completion_stream(
