@@ -10,6 +10,12 @@ would look like success. The gateway reads the `model` (and `lora_path`) field o
 name is answered with HTTP 404 in OpenAI's error shape, listing the names that are served. Every other path
 is passed through unchanged; responses are streamed.
 
+A non-streaming chat or text completion on an adapter (or an alias) also gets `return_token_ids: true`
+unless the client set the field itself, so each Choice carries the ids the server sampled (`token_ids`)
+and the trainer trains on exactly those instead of re-tokenizing the text. Streaming requests are left
+alone: SGLang 0.5.17's stream chunks are not recorded carrying the ids, so a rollout that needs exact ids
+should not stream.
+
 It also lets the backend take the server away safely: `hold()` makes new requests wait (instead of
 failing) while the server is released or restarted, and `wait_idle()` waits for requests in flight on a
 name (or on any name) to finish before an adapter is unloaded or memory is released.
@@ -36,6 +42,8 @@ import h11
 logger = logging.getLogger(__name__)
 
 ROUTED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+# Paths whose Choices can carry the sampled ids (`return_token_ids`).
+TOKEN_ID_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # Hop-by-hop headers (RFC 9110 7.6.1) are not forwarded; h11 frames each side itself.
 _HOP_BY_HOP = frozenset(
     {
@@ -270,7 +278,7 @@ class AdapterGateway:
             if refusal is not None:
                 await _send_json(conn, writer, *refusal)
                 return
-            if payload is not None and self._route(payload):
+            if payload is not None and self._route(payload, path in TOKEN_ID_PATHS):
                 body = json.dumps(payload).encode()
         keys = names or [""]
         for key in (*keys, ANY):
@@ -296,13 +304,23 @@ class AdapterGateway:
         )
         return 404, _error(message, "model_not_found", "model")
 
-    def _route(self, payload: dict) -> bool:
+    def _route(self, payload: dict, token_ids: bool) -> bool:
         """Make the server use the adapter the client named; True if `payload` was changed.
 
         A loaded adapter named by `model` gets `lora_path` (a bare name alone would be the base model); an
-        alias is replaced by its base id, in `model` and in `lora_path`."""
+        alias is replaced by its base id, in `model` and in `lora_path`. With `token_ids`, a non-streaming
+        request on an adapter or alias asks for the sampled ids unless the client decided itself."""
         changed = False
         model = payload.get("model")
+        lora = payload.get("lora_path")
+        if (
+            token_ids
+            and "return_token_ids" not in payload
+            and not payload.get("stream")
+            and any(self._is_trained(name) for name in (model, lora))
+        ):
+            payload["return_token_ids"] = True
+            changed = True
         if isinstance(model, str):
             if model in self._aliases:
                 payload["model"] = self._aliases[model]
@@ -319,12 +337,18 @@ class AdapterGateway:
             changed = True
         return changed
 
-    def _is_served(self, name: str) -> bool:
-        if name in self._adapters or name in self._base_ids or name in self._aliases:
+    def _is_trained(self, name: object) -> bool:
+        """Whether `name` selects a trained model: an adapter, an alias, or "<base>:<adapter>"."""
+        if not isinstance(name, str):
+            return False
+        if name in self._adapters or name in self._aliases:
             return True
-        # SGLang also accepts "<base>:<adapter>".
         base, sep, adapter = name.partition(":")
         return bool(sep) and base in self._base_ids and adapter in self._adapters
+
+    def _is_served(self, name: str) -> bool:
+        # SGLang also accepts "<base>:<adapter>" (see _is_trained).
+        return name in self._base_ids or self._is_trained(name)
 
     async def _forward(
         self,

@@ -10,6 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
+from openai import AsyncOpenAI
+from transformers import AutoTokenizer
 
 from art_sglang import SGLangConfig
 from art_sglang.server.client import ServerClient
@@ -85,6 +87,31 @@ async def test_a_bare_adapter_name_is_routed_to_the_adapter(gateway, server) -> 
     assert _text(routed) == adapter and routed.json()["model"] == "agent@1"
     prefixed = {**greedy, "model": f"{server.model_path}:agent@1"}
     assert _text(await _post(gateway.base_url, "/v1/chat/completions", prefixed)) == adapter
+
+
+async def test_rollouts_on_an_adapter_carry_the_sampled_token_ids(gateway, server) -> None:
+    client = AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    reply = await client.chat.completions.create(
+        model="agent@1", messages=messages, max_tokens=5, logprobs=True, temperature=0
+    )
+    choice = reply.choices[0]
+    ids = getattr(choice, "token_ids", None)
+    assert choice.model_extra is not None and "prompt_token_ids" in choice.model_extra
+    assert isinstance(ids, list) and ids and len(choice.logprobs.content) == len(ids)
+    # The ids are what the adapter sampled: they decode to the same text.
+    tokenizer = AutoTokenizer.from_pretrained(server.model_path)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == choice.message.content
+    # The client's own choice is kept, and the base model and streams are left as they are.
+    declined = await client.chat.completions.create(
+        model="agent@1", messages=messages, max_tokens=2, extra_body={"return_token_ids": False}
+    )
+    base = await client.chat.completions.create(model=server.model_path, messages=messages, max_tokens=2)
+    assert getattr(declined.choices[0], "token_ids", None) is None
+    assert getattr(base.choices[0], "token_ids", None) is None
+    text = await client.completions.create(model="agent@1", prompt="hi", max_tokens=2)
+    assert text.choices[0].text is not None
+    await client.close()
 
 
 async def test_names_not_loaded_are_refused_on_every_routed_path(gateway, server) -> None:
