@@ -13,7 +13,14 @@ How a conversation becomes tokens (tools included, via the tokenizer's chat temp
 - A multi-turn conversation is one sequence while each prompt extends the previous rendering; a
   template that rewrites history (e.g. drops earlier reasoning) starts a new sequence at that choice.
 
-Sampler logprobs (validation.py has already checked that they spell the content). Let N be the number
+Exact ids: a Choice that carries `token_ids` (the ids the server sampled; the gateway asks SGLang for
+them with `return_token_ids`) is trained on exactly those ids, not on a re-tokenization of its text; the
+template still renders the prompt, the end-of-turn token (appended by the rule above unless the ids
+already end with one) and the trailer. Its logprob entries align 1:1 with the ids, a further entry being
+the end-of-turn token's (validation.py has checked the count). Counted in `tokenize/exact_ids`. Choices
+without ids (servers that do not return them) take the re-tokenization path below.
+
+Sampler logprobs of a choice without ids (validation.py has already checked that they spell the content). Let N be the number
 of entries that spell the content and M the number of re-tokenized content tokens:
 - N == M: the entries are the old logprobs of the content tokens; a trailing stop-token entry, when
   present, is the old logprob of the end-of-turn token.
@@ -36,7 +43,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TrainingInputError
-from .validation import WireGroup, content_entry_count, histories, is_choice, logprob_entries, text_checkable
+from .validation import (
+    WireGroup,
+    content_entry_count,
+    histories,
+    is_choice,
+    logprob_entries,
+    sampled_ids,
+    text_checkable,
+)
 
 NAN = float("nan")
 _STOPPED = ("stop", "tool_calls")
@@ -64,10 +79,13 @@ class TokenizeStats:
     logprob_mismatch: int = 0
     no_logprobs: int = 0
     choices: int = 0
+    exact_ids: int = 0
 
     def metrics(self) -> dict[str, float]:
         return {
             "tokenize/choices": float(self.choices),
+            "tokenize/exact_ids": float(self.exact_ids),
+            "tokenize/retokenized": float(self.choices - self.exact_ids),
             "tokenize/logprob_mismatch": float(self.logprob_mismatch),
             "tokenize/no_logprobs": float(self.no_logprobs),
         }
@@ -147,6 +165,10 @@ class ChatTokenizer:
         self, builder: _Builder, choice: WireGroup, completion: str | None, stats: TokenizeStats
     ) -> None:
         content, eot, trailer = self._split_completion(choice, completion)
+        exact = sampled_ids(choice)
+        if exact is not None:
+            self._add_exact(builder, choice, exact, eot, trailer, stats)
+            return
         content_ids = self._encode(content)
         entries = logprob_entries(choice)
         content_lps: list[float] | None = None
@@ -165,6 +187,28 @@ class ChatTokenizer:
         if eot is not None:
             stopped = choice.get("finish_reason") in _STOPPED
             builder.add([eot], sampled=stopped, logprobs=[eot_lp if stopped else NAN])
+        builder.add(self._encode(trailer), sampled=False)
+
+    def _add_exact(
+        self,
+        builder: _Builder,
+        choice: WireGroup,
+        ids: list[int],
+        eot: int | None,
+        trailer: str,
+        stats: TokenizeStats,
+    ) -> None:
+        """The sampled ids as they are, their logprob entries 1:1 (a further entry is the stop token's)."""
+        stats.exact_ids += 1
+        entries = logprob_entries(choice)
+        if entries is None:
+            stats.no_logprobs += 1
+        lps = [float(e["logprob"]) for e in entries] if entries is not None else [NAN] * (len(ids) + 1)
+        builder.add(ids, sampled=True, logprobs=lps[: len(ids)])
+        if eot is not None and not (ids and ids[-1] in self.end_of_turn.values()):
+            stopped = choice.get("finish_reason") in _STOPPED
+            eot_lp = lps[len(ids)] if stopped and len(lps) > len(ids) else NAN
+            builder.add([eot], sampled=stopped, logprobs=[eot_lp])
         builder.add(self._encode(trailer), sampled=False)
 
     @staticmethod

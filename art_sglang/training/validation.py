@@ -2,8 +2,11 @@
 trainer (and again in the worker). Groups travel as plain dicts (`groups_to_wire`): a dict with "role"
 is a chat message (context), a dict with "message" and "finish_reason" is a sampled Choice (trained).
 
-A Choice's `logprobs.content` must spell out exactly its `message.content` (the entries' bytes, joined),
-optionally followed by one trailing entry for the stop token. Entries that spell anything else (one too
+A Choice that carries the ids the server sampled (`token_ids`, asked for with `return_token_ids`; the
+gateway asks for them) is trained on exactly those ids: its logprob entries must number len(token_ids), or
+one more for the stop token; its text is not checked. Otherwise a Choice's `logprobs.content` must spell
+out exactly its `message.content` (the entries' bytes, joined), optionally followed by one trailing entry
+for the stop token. Entries that spell anything else (one too
 few, one too many, another completion's) are "logprobs of the wrong length" and an error. The check is
 skipped where the text cannot be compared (tool calls or `reasoning_content` split off, tokens holding
 part of a character): there only the number of entries is compared later, by the tokenizer (see
@@ -42,6 +45,13 @@ def histories(trajectory: WireGroup) -> list[tuple[list[Any], list[Any] | None]]
         for h in trajectory.get("additional_histories") or []
     ]
     return [main, *extra]
+
+
+def sampled_ids(choice: WireGroup) -> list[int] | None:
+    """The completion token ids the server sampled for this choice (`token_ids`), or None when the
+    server did not return them."""
+    ids = choice.get("token_ids")
+    return list(ids) if ids is not None else None
 
 
 def logprob_entries(choice: WireGroup) -> list[dict[str, Any]] | None:
@@ -117,6 +127,9 @@ def _validate_trajectory(trajectory: WireGroup, where: str, allow_without_logpro
 
 
 def _validate_choice(choice: WireGroup, where: str, allow_without_logprobs: bool) -> None:
+    ids = sampled_ids(choice)
+    if ids is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise TrainingInputError(f"{where}: token_ids must be a list of token ids, got {ids!r}")
     entries = logprob_entries(choice)
     if entries is None:
         if not allow_without_logprobs:
@@ -129,7 +142,13 @@ def _validate_choice(choice: WireGroup, where: str, allow_without_logprobs: bool
         value = entry.get("logprob") if isinstance(entry, dict) else None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise TrainingInputError(f"{where}: logprob {ei} must be a finite number, got {value!r}")
-    if text_checkable(choice) and content_entry_count(choice, entries) is None:
+    if ids is not None:
+        if len(entries) not in (len(ids), len(ids) + 1):
+            raise TrainingInputError(
+                f"{where}: logprobs of the wrong length: {len(entries)} logprob entries for "
+                f"{len(ids)} sampled token_ids (expected {len(ids)}, or one more for the stop token)"
+            )
+    elif text_checkable(choice) and content_entry_count(choice, entries) is None:
         content = (choice.get("message") or {}).get("content") or ""
         raise TrainingInputError(
             f"{where}: logprobs of the wrong length: {len(entries)} logprob entries do not spell the "

@@ -1,0 +1,134 @@
+"""Choices that carry the ids the server sampled (`token_ids`) are trained on exactly those ids, with the
+sampler's logprobs 1:1, whatever a re-tokenization of their text would give."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai.types.chat.chat_completion import Choice
+from transformers import AutoTokenizer
+
+from art_sglang.errors import TrainingInputError
+from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats
+from art_sglang.training.validation import groups_to_wire, validate_groups
+from art_sglang.trajectories import Trajectory, TrajectoryGroup
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def chat(tokenizer: Any, tiny_model_path: Path) -> ChatTokenizer:
+    return ChatTokenizer.for_model(tokenizer, tiny_model_path)
+
+
+def sampled(tokenizer: Any, ids: list[int], logprobs: list[float], finish_reason: str = "stop") -> Choice:
+    """A Choice as SGLang returns it with return_token_ids: text, one logprob entry per id, the ids."""
+    entries = [
+        {"token": (t := tokenizer.decode([i])), "bytes": list(t.encode()), "logprob": lp, "top_logprobs": []}
+        for i, lp in zip(ids, logprobs, strict=False)
+    ]
+    return Choice.model_validate(
+        {
+            "index": 0,
+            "finish_reason": finish_reason,
+            "message": {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)},
+            "logprobs": {"content": entries},
+            "token_ids": ids,
+            "prompt_token_ids": [1],
+        }
+    )
+
+
+def wire(choice: Choice) -> dict[str, Any]:
+    trajectory = Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}, choice], reward=0.0)
+    return groups_to_wire([TrajectoryGroup([trajectory])])[0]["trajectories"][0]
+
+
+def choice_trajectory(choice: Choice) -> Trajectory:
+    return Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, choice], reward=0.0)
+
+
+def check(*groups: list[Choice]) -> None:
+    wire_groups = groups_to_wire([TrajectoryGroup([choice_trajectory(c) for c in g]) for g in groups])
+    validate_groups(wire_groups, allow_training_without_logprobs=False)
+
+
+def trained(seq: Any) -> tuple[list[int], list[float]]:
+    pairs = [(t, lp) for t, lp, m in zip(seq.input_ids, seq.old_logprobs, seq.sampled_mask, strict=True) if m]
+    return [t for t, _ in pairs], [lp for _, lp in pairs]
+
+
+@pytest.mark.parametrize("eot_in_ids", [False, True])
+def test_the_sampled_ids_are_trained_not_a_retokenization(
+    chat: ChatTokenizer, tokenizer: Any, eot_in_ids: bool
+) -> None:
+    ids = tokenizer.encode("h", add_special_tokens=False) + tokenizer.encode("ello", add_special_tokens=False)
+    assert tokenizer.decode(ids) == "hello" and ids != tokenizer.encode("hello", add_special_tokens=False)
+    eot = tokenizer.eos_token_id
+    # The stop token's logprob comes as one entry more, or with the stop token inside the ids.
+    choice = sampled(tokenizer, [*ids, eot] if eot_in_ids else ids, [-0.1, -0.2, -0.3, -0.9])
+    if not eot_in_ids:
+        choice.logprobs.content.append(choice.logprobs.content[0].model_copy(update={"logprob": -0.9}))
+    check([choice])
+    stats = TokenizeStats()
+    [seq] = chat.tokenize_trajectory(wire(choice), group=0, index=0, stats=stats)
+    assert trained(seq) == ([*ids, eot], pytest.approx([-0.1, -0.2, -0.3, -0.9]))
+    # Around them: the template's prompt and trailer, untrained and without sampler logprobs.
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    head = tokenizer.encode(prompt, add_special_tokens=False)
+    assert seq.input_ids[: len(head)] == head and seq.input_ids[len(head) : len(head) + 4] == [*ids, eot]
+    assert seq.sampled_mask == [0] * len(head) + [1] * 4 + [0] * (len(seq.input_ids) - len(head) - 4)
+    assert all(math.isnan(lp) for lp, m in zip(seq.old_logprobs, seq.sampled_mask, strict=True) if not m)
+    assert stats.exact_ids == 1 and stats.logprob_mismatch == 0
+    assert stats.metrics()["tokenize/exact_ids"] == 1.0 and stats.metrics()["tokenize/retokenized"] == 0.0
+
+
+def test_a_length_cut_choice_does_not_train_the_end_of_turn_token(
+    chat: ChatTokenizer, tokenizer: Any
+) -> None:
+    ids = tokenizer.encode("ab 12", add_special_tokens=False)
+    choice = sampled(tokenizer, ids, [-1.0] * len(ids), finish_reason="length")
+    [seq] = chat.tokenize_trajectory(wire(choice), group=0, index=0, stats=TokenizeStats())
+    assert trained(seq) == (ids, [-1.0] * len(ids))
+
+
+@pytest.mark.parametrize("entries", [2, 5])
+def test_logprobs_not_one_per_id_are_an_input_error(tokenizer: Any, entries: int) -> None:
+    ids = tokenizer.encode("ab 1", add_special_tokens=False)
+    assert len(ids) == 3
+    choice = sampled(tokenizer, ids, [-1.0] * 3)
+    choice.logprobs.content = (choice.logprobs.content * 2)[:entries]
+    good = sampled(tokenizer, ids, [-1.0] * 3)
+    with pytest.raises(
+        TrainingInputError,
+        match=r"group 1, trajectory 1, choice 0: logprobs of the wrong length: "
+        rf"{entries} logprob entries for 3 sampled token_ids",
+    ):
+        check([good], [good, choice])
+
+
+def test_a_choice_holding_part_of_a_character_is_accepted_with_its_ids(
+    chat: ChatTokenizer, tokenizer: Any
+) -> None:
+    # As in the golden recording: the text starts with U+FFFD (the ids hold only part of a character) and
+    # two byte tokens are each reported as U+FFFD, so the entries do not spell the text.
+    ids = tokenizer.encode("🙂", add_special_tokens=False)[:2] + tokenizer.encode(
+        "30", add_special_tokens=False
+    )
+    choice = sampled(tokenizer, ids, [-0.5] * len(ids), finish_reason="length")
+    choice.message.content = "\ufffd30"
+    assert [e.token for e in choice.logprobs.content[:2]] == ["\ufffd", "\ufffd"]
+    without_ids = choice.model_copy(update={"token_ids": None})
+    with pytest.raises(TrainingInputError, match="logprobs of the wrong length"):
+        check([without_ids])
+    check([choice])
+    [seq] = chat.tokenize_trajectory(wire(choice), group=0, index=0, stats=TokenizeStats())
+    assert trained(seq) == (ids, [-0.5] * len(ids))
