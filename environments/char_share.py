@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import art_sglang as art
-from art_sglang.errors import TrainingInputError
-from art_sglang.training.validation import validate_groups
 
 PROMPTS = ("Write a short sentence.", "Say something.", "Describe the sea.", "Name a colour.")
 
@@ -50,27 +48,18 @@ async def rollout(model: Any, task: CharShareTask, prompt: str, seed: int) -> ar
         temperature=task.temperature,
         logprobs=True,
         seed=seed,
+        # The ids the server sampled, so the trainer trains on exactly them (the gateway asks for them on
+        # its own; asking here too keeps a rollout without the gateway exact).
+        extra_body={"return_token_ids": True},
     )
     choice = response.choices[0]
     reward = task.reward(choice.message.content or "")
-    trajectory = art.Trajectory(
+    return art.Trajectory(
         messages_and_choices=[*messages, choice],
         reward=reward,
         metrics={"share": reward},
         metadata={"seed": seed},
     )
-    try:
-        validate_groups(
-            [{"trajectories": [trajectory.model_dump(mode="python")]}], allow_training_without_logprobs=False
-        )
-    except TrainingInputError:
-        # Known issue (to be fixed in the trainer's validation): when an answer holds a token that is only
-        # part of a UTF-8 character, its logprob entries do not spell its text the way the trainer checks,
-        # and the trainer would refuse the whole step. Such a choice is trained without the sampler's
-        # logprobs instead (the trainer's own stand in; train_loop allows it), so its reward still counts.
-        choice.logprobs = None
-        trajectory.metrics["no_logprobs"] = 1.0
-    return trajectory
 
 
 @dataclass
@@ -82,7 +71,6 @@ class StepReport:
     rollout_s: float
     train_s: float
     metrics: dict[str, float] = field(default_factory=dict)
-    without_logprobs: int = 0  # choices trained without sampler logprobs (see `rollout`)
 
 
 async def train_loop(
@@ -117,12 +105,9 @@ async def train_loop(
         for group in groups:  # completion order varies from run to run; the seed order does not
             group.trajectories.sort(key=lambda t: t.metadata["seed"])
         mean = statistics.fmean(t.reward for g in groups for t in g.trajectories)
-        result = await backend.train(
-            model, groups, learning_rate=learning_rate, allow_training_without_logprobs=True
-        )
-        without = sum(int(t.metrics.get("no_logprobs", 0)) for g in groups for t in g.trajectories)
+        result = await backend.train(model, groups, learning_rate=learning_rate)
         train_s = result.metrics.get("time/step_s", 0.0)
-        report = StepReport(served, mean, rollout_s, train_s, result.metrics, without)
+        report = StepReport(served, mean, rollout_s, train_s, result.metrics)
         reports.append(report)
         if on_step is not None:
             on_step(report)
@@ -136,8 +121,7 @@ def _seed(seed: int, step: int, group: int, index: int) -> int:
 def print_report(report: StepReport) -> None:
     print(
         f"step {report.step:3d}  mean reward {report.mean_reward:.3f}  "
-        f"rollouts {report.rollout_s:5.2f} s  train+sync {report.train_s:5.2f} s"
-        + (f"  ({report.without_logprobs} without logprobs)" if report.without_logprobs else ""),
+        f"rollouts {report.rollout_s:5.2f} s  train+sync {report.train_s:5.2f} s",
         flush=True,
     )
 

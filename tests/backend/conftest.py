@@ -21,9 +21,8 @@ TASK = CharShareTask(max_tokens=6)
 async def sample_groups(
     model: Any, *, groups: int = 2, size: int = 4, seed: int = 0
 ) -> list[art.TrajectoryGroup]:
-    """Rollouts of the character-share task on the model's current step, through model.openai_client().
-    A few choices may come without logprobs (see environments.char_share.rollout): train them with
-    allow_training_without_logprobs=True."""
+    """Rollouts of the character-share task on the model's current step, through model.openai_client(),
+    each Choice with its logprobs and sampled token ids."""
     return await art.gather_trajectory_groups(
         (
             art.TrajectoryGroup(
