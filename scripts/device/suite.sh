@@ -25,7 +25,7 @@ for name in "$@"; do
                       --json "$OUT/bench_cycle.json" --markdown "$OUT/bench_cycle.md") ;;
     bench-inference) cmd=(python3 scripts/benchmark_inference.py --engine sglang --model "$big" "${kernels[@]}"
                           --json "$OUT/bench_inference.json" --markdown "$OUT/bench_inference.md") ;;
-    bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --json "$OUT/bench_trainer.json") ;;
+    bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
     *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
   esac
   echo "=== $name: ${cmd[*]}" | tee "$OUT/$name.log"

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from conftest import chat, sample_groups, server_models
+from backend_helpers import chat, sample_groups, server_models
 
 import art_sglang as art
 from art_sglang import SGLangBackend

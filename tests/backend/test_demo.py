@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from backend_helpers import REPO
 
 
 def test_demo_reward_rises(tmp_path: Path, tiny_model_path: Path) -> None:

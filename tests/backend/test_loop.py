@@ -20,7 +20,7 @@ import openai
 import psutil
 import pytest
 import pytest_asyncio
-from conftest import REPO, chat, sample_groups, server_models, tree_snapshot
+from backend_helpers import REPO, chat, sample_groups, server_models, tree_snapshot
 
 import art_sglang as art
 from art_sglang import ConfigError, SGLangBackend, SGLangConfig, TrainingInputError

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import chat, sample_groups, server_models
+from backend_helpers import chat, sample_groups, server_models
 
 import art_sglang as art
 from art_sglang import ConfigError, SGLangBackend, SGLangConfig

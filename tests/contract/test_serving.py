@@ -32,7 +32,9 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(client: httpx.Client)
         client.post("/v1/chat/completions", json={"model": "default", "max_tokens": 4})
     )
     assert _error(chat(client, max_tokens=-3)) == "max_new_tokens must be at least 0, got -3."
-    assert "at least 0" in _error(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": -1}))
+    for max_tokens in (-1, 0):  # text completions refuse 0 as well, unlike chat
+        refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": max_tokens})
+        assert "max_tokens must be positive" in _error(refused)
     generate = client.post("/generate", json={"sampling_params": {"max_new_tokens": 2}})
     assert generate.status_code == 400
 

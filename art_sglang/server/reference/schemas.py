@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Body(BaseModel):
@@ -64,6 +64,14 @@ class CompletionRequest(_OpenAISampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive_max_tokens(cls, value: int | None) -> int | None:
+        # SGLang 0.5.17 refuses 0 here too (chat allows 0): same check, same words.
+        if value is not None and value <= 0:
+            raise ValueError("max_tokens must be positive")
+        return value
 
 
 class GenerateRequest(_Body):
