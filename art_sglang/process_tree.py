@@ -86,9 +86,11 @@ def _signal_all(pid: int, procs: list[psutil.Process], sig: signal.Signals) -> N
     # The process group reaches descendants that already left the tree (e.g. a daemonised worker).
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
+    # Members of the group got it already: a second SIGTERM can re-enter a server's shutdown handler.
     for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            proc.send_signal(sig)
+        if _pgid(proc.pid) != pid:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                proc.send_signal(sig)
 
 
 def peek_exit_code(popen: subprocess.Popen[Any]) -> int | None:
