@@ -4,7 +4,8 @@
 # pytest-asyncio + pytest-timeout wheels).
 set -euo pipefail
 test -d /tmp/site/sglang || { echo "COLD: SGLang stack not installed"; exit 3; }
-test -d /tmp/tsite/unsloth || { echo "COLD: trainer stack not installed"; exit 3; }
+# The contract suite needs only SGLang; the trainer suites check for their stack themselves.
+test -d /tmp/tsite/unsloth || echo "note: trainer stack not installed (stage.sh train 0..1): trainer suites will fail"
 # openai/fastapi/uvicorn come from the SGLang bundle's wheels (same interpreter), kept apart from its pins.
 wheels=()
 for name in openai jiter distro sniffio fastapi starlette uvicorn python_multipart; do

@@ -1,12 +1,15 @@
 """LoRA adapters at run time: they change the output, are chosen per request with `model="<base>:<name>"`
-or `lora_path` (several loaded at once, concurrent requests included), unloading restores the base model,
-load/unload errors are 400 with a message and the server keeps serving; and SGLang's trap: a bare model
+or `lora_path` (several loaded at once, concurrent requests included), an unloaded adapter that a request
+names is loaded again from its path (SGLang 0.5.17 keeps every name it loaded), load/unload errors are 400
+with a message and the server keeps serving; and SGLang's trap: a bare model
 name is served by the base model with HTTP 200, even the name of a loaded adapter (the recorded SGLang
 0.5.17 answers show it)."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
+from pathlib import Path
 
 import httpx
 import pytest
@@ -33,34 +36,65 @@ def test_adapter_changes_output_and_unload_restores_base(
 ) -> None:
     loaded = _load(client, "agent@1", adapters["a"])
     assert loaded.status_code == 200, loaded.text
-    assert loaded.json()["success"] is True
-    assert loaded.json()["loaded_adapters"]["agent@1"] == adapters["a"]
+    try:
+        assert loaded.json()["success"] is True
+        assert loaded.json()["loaded_adapters"]["agent@1"] == adapters["a"]
 
-    with_adapter = greedy(client, f"{model_path}:agent@1")
-    assert with_adapter != base_answer
-    assert greedy(client, lora_path="agent@1") == with_adapter
-    # The trap: the adapter's bare name does not select it; the base model answers, name echoed.
-    bare = chat(client, "agent@1", max_tokens=12, ignore_eos=True)
-    assert bare.status_code == 200 and bare.json()["model"] == "agent@1"
-    assert bare.json()["choices"][0]["message"]["content"] == base_answer
+        with_adapter = greedy(client, f"{model_path}:agent@1")
+        assert with_adapter != base_answer
+        assert greedy(client, lora_path="agent@1") == with_adapter
+        # The trap: the adapter's bare name does not select it; the base model answers, name echoed.
+        bare = chat(client, "agent@1", max_tokens=12, ignore_eos=True)
+        assert bare.status_code == 200 and bare.json()["model"] == "agent@1"
+        assert bare.json()["choices"][0]["message"]["content"] == base_answer
 
-    unloaded = _unload(client, "agent@1")
-    assert unloaded.status_code == 200, unloaded.text
-    assert unloaded.json() == {
-        "rid": None,
-        "http_worker_ipc": None,
-        "success": True,
-        "error_message": "",
-        "loaded_adapters": {},
-    }
-    # Naming the unloaded adapter is refused; its bare name is still silently served by the base model.
-    refused = chat(client, f"{model_path}:agent@1")
-    assert refused.status_code == 400 and "not loaded" in refused.json()["message"]
-    assert client.post("/generate", json={"text": "hi", "lora_path": "agent@1"}).status_code == 400
-    response = chat(client, "agent@1", max_tokens=12, ignore_eos=True)
-    assert response.status_code == 200
-    assert response.json()["model"] == "agent@1"
-    assert response.json()["choices"][0]["message"]["content"] == base_answer
+        unloaded = _unload(client, "agent@1")
+        assert unloaded.status_code == 200, unloaded.text
+        assert unloaded.json() == {
+            "rid": None,
+            "http_worker_ipc": None,
+            "success": True,
+            "error_message": "",
+            "loaded_adapters": {},
+        }
+        assert [card["id"] for card in client.get("/v1/models").json()["data"]] == [model_path]
+        # Its bare name is still served by the base model.
+        response = chat(client, "agent@1", max_tokens=12, ignore_eos=True)
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == "agent@1"
+        assert response.json()["choices"][0]["message"]["content"] == base_answer
+        # SGLang remembers every adapter it loaded: naming the unloaded one loads it again from its path.
+        assert greedy(client, f"{model_path}:agent@1") == with_adapter
+        assert [card["id"] for card in client.get("/v1/models").json()["data"][1:]] == ["agent@1"]
+        assert _unload(client, "agent@1").status_code == 200
+        native = client.post("/generate", json={"text": "hi", "lora_path": "agent@1"})
+        assert native.status_code == 200, native.text
+        assert [card["id"] for card in client.get("/v1/models").json()["data"][1:]] == ["agent@1"]
+    finally:
+        _unload(client, "agent@1")
+
+
+def test_a_never_loaded_adapter_is_refused(client: httpx.Client, model_path: str) -> None:
+    refused = chat(client, f"{model_path}:never@1")
+    assert refused.status_code == 400, refused.text
+    assert "never been loaded: never@1" in refused.json()["message"]
+    native = client.post("/generate", json={"text": "hi", "lora_path": "never@1"})
+    assert native.status_code == 400, native.text
+    assert "never been loaded: never@1" in native.text
+
+
+def test_an_unloaded_adapter_whose_files_are_gone_is_refused(
+    client: httpx.Client, adapters: dict[str, str], model_path: str, tmp_path: Path
+) -> None:
+    copy = tmp_path / "gone"
+    shutil.copytree(adapters["a"], copy)
+    assert _load(client, "gone@1", str(copy)).status_code == 200
+    assert _unload(client, "gone@1").status_code == 200
+    shutil.rmtree(copy)
+    refused = chat(client, f"{model_path}:gone@1")
+    assert refused.status_code == 400, refused.text
+    assert "Failed to implicitly load LoRA adapter gone@1" in refused.json()["message"]
+    assert [card["id"] for card in client.get("/v1/models").json()["data"]] == [model_path]
 
 
 def test_unknown_model_name_is_served_by_base_model(client: httpx.Client, base_answer: str) -> None:

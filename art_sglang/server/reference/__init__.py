@@ -8,7 +8,8 @@ shapes). Where SGLang's behaviour is kept on purpose, or where a CPU engine must
 - OpenAI routes pick an adapter only by `model="<base>:<adapter>"` or the `lora_path` field (/generate:
   `lora_path`), as SGLang 0.5.17 does. A bare `model` name is always served by the base model with HTTP
   200 and echoed back, even when an adapter of that name is loaded (the recorded SGLang answers show it).
-  A named adapter that is not loaded -> 400 "The following requested LoRA adapters are not loaded".
+  A named adapter that was unloaded is loaded again from its path (SGLang keeps every name it ever
+  loaded); one never loaded -> 400 "Got LoRA adapter that has never been loaded".
 - Adapters: any number loaded at once (`--max-loaded-loras` caps it if given; `--max-loras-per-batch` is a
   GPU pool size and is ignored); rank above `--max-lora-rank` or a target outside `--lora-target-modules`
   -> 400 with SGLang's message; a missing path -> 400 saying so (SGLang instead tries the model hub).

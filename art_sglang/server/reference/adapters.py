@@ -74,6 +74,8 @@ class AdapterRegistry:
         self.max_loaded = max_loaded
         self._peft: PeftModel | None = None
         self._adapters: dict[str, LoadedAdapter] = {}
+        # Every name ever loaded -> its path: SGLang reloads an unloaded adapter a request names.
+        self._known: dict[str, str] = {}
         self._keys = itertools.count()
 
     @staticmethod
@@ -95,8 +97,11 @@ class AdapterRegistry:
         return list(self._adapters.values())
 
     def resolve(self, name: str | None) -> LoadedAdapter | None:
-        """The loaded adapter called `name`; None (no name) means the base model. A name that is not
-        loaded is an error, with SGLang's message."""
+        """The adapter called `name`; None (no name) means the base model.
+
+        As SGLang 0.5.17 does, a name that was loaded once and unloaded since is loaded again from its
+        path; a name never loaded is an error, with SGLang's message.
+        """
         if not name:
             return None
         if not self.enabled:
@@ -105,12 +110,17 @@ class AdapterRegistry:
                 "with --enable-lora flag or specify adapters with --lora-paths."
             )
         adapter = self._adapters.get(name)
-        if adapter is None:
+        if adapter is not None:
+            return adapter
+        if name not in self._known:
             raise AdapterError(
-                f"The following requested LoRA adapters are not loaded: {name}\n"
-                f"Loaded adapters: odict_keys({list(self._adapters)!r})."
+                f"Got LoRA adapter that has never been loaded: {name}\n"
+                f"All loaded adapters: dict_keys({list(self._known)!r})."
             )
-        return adapter
+        try:
+            return self.load(name, self._known[name])
+        except AdapterError as exc:
+            raise AdapterError(f"Failed to implicitly load LoRA adapter {name}: {exc}") from exc
 
     def _incompatible(self, name: str, rank: int) -> AdapterError:
         return AdapterError(
@@ -148,6 +158,7 @@ class AdapterRegistry:
             raise AdapterError(f"Failed to load LoRA adapter {name} from {path!r}: {exc}") from exc
         self._peft.eval()
         self._adapters[name] = adapter
+        self._known[name] = path
         return adapter
 
     def unload(self, name: str) -> LoadedAdapter:

@@ -257,7 +257,7 @@ def create_app(args: ServerArgs, engine: ReferenceEngine) -> FastAPI:
             sampling.verify()
             for prompt_ids in prompts:
                 engine.check_length(len(prompt_ids), sampling.max_new_tokens)
-            engine.adapters.resolve(body.lora_path)
+            await asyncio.to_thread(engine.resolve_adapter, body.lora_path)
         except (TypeError, ValueError) as exc:
             return error_response(str(exc))
         start = body.logprob_start_len if body.return_logprob and body.logprob_start_len >= 0 else None

@@ -416,6 +416,11 @@ class ReferenceEngine:
         with self._lock:
             return self.adapters.load(name, path)
 
+    def resolve_adapter(self, name: str | None) -> LoadedAdapter | None:
+        """The adapter a request names, reloaded if it was unloaded (see `AdapterRegistry.resolve`)."""
+        with self._lock:
+            return self.adapters.resolve(name)
+
     def unload_adapter(self, name: str) -> None:
         with self._lock:
             adapter = self.adapters.unload(name)

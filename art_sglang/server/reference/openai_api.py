@@ -4,6 +4,7 @@ shapes: `matched_stop`, `reasoning_content`, `usage.prompt_tokens_details` only 
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -87,9 +88,9 @@ def _choices(
     engine: ReferenceEngine, prompt_ids: list[int], sampling: SamplingOptions, body: Any, top: int
 ) -> list[GenerationRequest]:
     """n requests for one prompt; a seeded request gives choice i the seed `seed + i`. An adapter that is
-    not loaded is refused here, before anything streams."""
+    not loaded is reloaded or refused here, before anything streams."""
     adapter = requested_adapter(body.model, body.lora_path)
-    engine.adapters.resolve(adapter)
+    engine.resolve_adapter(adapter)
     requests = []
     for i in range(body.n):
         options = SamplingOptions(**{**vars(sampling), "stop": list(sampling.stop)})
@@ -139,10 +140,11 @@ def _completion_logprobs(engine: ReferenceEngine, entries: list[TokenLogprob]) -
     }
 
 
-def _prepare_errors(fn: Callable[[], Any]) -> Any:
-    """Run a request's preparation; a bad request becomes SGLang's 400 body."""
+async def _prepare_errors(fn: Callable[[], Any]) -> Any:
+    """Run a request's preparation in a worker thread (it may wait for the model, to reload an adapter);
+    a bad request becomes SGLang's 400 body."""
     try:
-        return fn()
+        return await asyncio.to_thread(fn)
     except ValueError as exc:
         return error_response(str(exc))
 
@@ -161,7 +163,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         top = (body.top_logprobs or 0) if body.logprobs else 0
         return _choices(engine, prompt_ids, sampling, body, top)
 
-    prepared = _prepare_errors(prepare)
+    prepared = await _prepare_errors(prepare)
     if isinstance(prepared, JSONResponse):
         return prepared
     if body.stream:
@@ -288,7 +290,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             requests.extend(_choices(engine, prompt_ids, sampling, body, body.logprobs or 0))
         return requests
 
-    prepared = _prepare_errors(prepare)
+    prepared = await _prepare_errors(prepare)
     if isinstance(prepared, JSONResponse):
         return prepared
     if body.stream:
