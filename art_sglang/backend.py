@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from tqdm import tqdm
 
-from .config import DeviceConfig, SGLangConfig, TrainerConfig
+from .config import DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
 from .devices import DeviceLayout, EngineChoice, choose_layout
 from .errors import ConfigError, ModelNotRegisteredError, TrainingInputError
 from .history import append_row
@@ -37,7 +37,6 @@ from .weight_sync import SyncTarget, make_weight_sync
 
 logger = logging.getLogger(__name__)
 
-SharedStrategy = Literal["sleep", "restart"]
 WATCHDOG_INTERVAL_S = 1.0
 
 

@@ -1,5 +1,5 @@
-"""Process-tree helpers shared by the server and trainer handles: kill a whole tree reliably, and ask
-Linux to kill a child when its parent dies."""
+"""Process-tree helpers shared by the server and trainer handles: start a logged child in its own
+session, kill a whole tree reliably, and ask Linux to kill a child when its parent dies."""
 
 from __future__ import annotations
 
@@ -11,11 +11,40 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from subprocess import DEVNULL, PIPE, STDOUT, Popen
 from typing import Any
 
 import psutil
 
 _PR_SET_PDEATHSIG = 1
+
+
+def spawn_logged(
+    command: list[str], log_path: Path, *, header: str, env: dict[str, str], pipes: bool
+) -> tuple[Popen[bytes], int]:
+    """Start `command` in its own session (its own process group), SIGKILLed when we die (Linux), with a
+    stamped `header` line and the child's output appended to `log_path`. With `pipes`, the child's stdin
+    and stdout are pipes to us and only its stderr goes to the log. Returns the process and the log offset
+    where this launch begins. Call it on a long-lived thread (see `parent_death_preexec`)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        start = log.tell()
+        stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        log.write(f"=== {stamp} {header}\n".encode())
+        log.flush()
+        # The child keeps its own copy of the file descriptor, so ours can close right away.
+        popen = Popen(
+            command,
+            stdin=PIPE if pipes else DEVNULL,
+            stdout=PIPE if pipes else log,
+            stderr=log if pipes else STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=parent_death_preexec(),
+        )
+    return popen, start
 
 
 def collect_tree(pid: int) -> list[psutil.Process]:

@@ -13,9 +13,8 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from datetime import datetime, timezone
 from pathlib import Path
-from subprocess import DEVNULL, STDOUT, Popen
+from subprocess import Popen
 from typing import Literal
 
 import httpx
@@ -23,7 +22,7 @@ from tqdm import tqdm
 
 from art_sglang.config import SGLANG_ENV_DEFAULTS, SGLangConfig
 from art_sglang.errors import ServerCrashedError, ServerStartError
-from art_sglang.process_tree import kill_process_tree, parent_death_preexec, peek_exit_code
+from art_sglang.process_tree import kill_process_tree, peek_exit_code, spawn_logged
 
 Engine = Literal["sglang", "reference"]
 
@@ -192,7 +191,13 @@ class ServerProcess:
         # Popen runs on the event loop's thread on purpose: the parent-death signal is tied to the forking
         # thread, and an executor thread may exit while the server still runs.
         try:
-            self._popen = self._launch(command)
+            self._popen, self._log_start = spawn_logged(
+                command,
+                self.log_path,
+                header=f"starting: {display_command(command)}",
+                env=self.environment(),
+                pipes=False,
+            )
         except OSError as exc:  # e.g. the server venv's python does not exist
             self._release_auto_port()
             raise ServerStartError(f"Could not run {display_command(command)}: {exc}") from exc
@@ -203,24 +208,6 @@ class ServerProcess:
             # Timeout, early exit, or the caller gave up (cancellation, Ctrl-C): never leave it running.
             await self.stop(timeout=_EXIT_GRACE_SECONDS)
             raise
-
-    def _launch(self, command: list[str]) -> Popen[bytes]:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self._log_start = log.tell()
-            stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            log.write(f"=== {stamp} starting: {display_command(command)}\n".encode())
-            log.flush()
-            # The child keeps its own copy of the file descriptor, so ours can close right away.
-            return Popen(
-                command,
-                stdin=DEVNULL,
-                stdout=log,
-                stderr=STDOUT,
-                env=self.environment(),
-                start_new_session=True,
-                preexec_fn=parent_death_preexec(),
-            )
 
     async def _wait_healthy(self, command: list[str]) -> None:
         assert self._popen is not None

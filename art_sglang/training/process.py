@@ -16,15 +16,14 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
 from pathlib import Path
-from subprocess import PIPE, Popen
+from subprocess import Popen
 from typing import IO, Any
 
 from ..config import TrainerConfig
 from ..errors import TrainerError, TrainingInputError
-from ..process_tree import kill_process_tree, parent_death_preexec
-from ..server.process import read_log_tail
+from ..process_tree import kill_process_tree, spawn_logged
+from ..server.process import display_command, read_log_tail
 from ..trajectories import TrajectoryGroup
 from .options import StepOutcome, TrainOptions
 from .validation import WireGroup, groups_to_wire, validate_groups
@@ -100,24 +99,15 @@ class TrainerProcess:
         return self.step
 
     def _launch(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self._log_start = log.tell()
-            stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            log.write(
-                f"=== {stamp} starting trainer: {' '.join(self.command())} gpus={self.gpu_ids}\n".encode()
-            )
-            log.flush()
-            # Popen on the event loop's thread on purpose: the parent-death signal follows the forking thread.
-            popen = Popen(
-                self.command(),
-                stdin=PIPE,
-                stdout=PIPE,
-                stderr=log,
-                env=self.environment(),
-                start_new_session=True,
-                preexec_fn=parent_death_preexec(),
-            )
+        # Popen on the event loop's thread on purpose: the parent-death signal follows the forking thread.
+        command = self.command()
+        popen, self._log_start = spawn_logged(
+            command,
+            self.log_path,
+            header=f"starting trainer: {display_command(command)} gpus={self.gpu_ids}",
+            env=self.environment(),
+            pipes=True,
+        )
         self._popen = popen
         self._finalizer = weakref.finalize(self, kill_process_tree, popen.pid, _EXIT_GRACE_SECONDS)
         assert popen.stdout is not None

@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .engine import GenerationRequest, GenerationResult, ReferenceEngine, TokenLogprob
 from .http_common import (
@@ -140,13 +140,27 @@ def _completion_logprobs(engine: ReferenceEngine, entries: list[TokenLogprob]) -
     }
 
 
-async def _prepare_errors(fn: Callable[[], Any]) -> Any:
-    """Run a request's preparation in a worker thread (it may wait for the model, to reload an adapter);
-    a bad request becomes SGLang's 400 body."""
+async def _run(
+    engine: ReferenceEngine,
+    request: Request,
+    prepare: Callable[[], list[GenerationRequest]],
+    stream: Callable[[list[GenerationRequest]], AsyncIterator[str]] | None,
+) -> list[GenerationResult] | Response:
+    """Prepare a request in a worker thread (it may wait for the model, to reload an adapter), then stream
+    it (`stream` given) or run it to the end. A bad request becomes SGLang's 400 body, an engine failure
+    its error response."""
     try:
-        return await asyncio.to_thread(fn)
+        prepared = await asyncio.to_thread(prepare)
     except ValueError as exc:
         return error_response(str(exc))
+    if stream is not None:
+        return StreamingResponse(stream(prepared), media_type="text/event-stream")
+    try:
+        results = await run_generations(engine, prepared)
+    except Exception as exc:
+        return engine_error_response(exc)
+    note_results(request, results)
+    return results
 
 
 # --- chat -----------------------------------------------------------------------------------------------
@@ -163,18 +177,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         top = (body.top_logprobs or 0) if body.logprobs else 0
         return _choices(engine, prompt_ids, sampling, body, top)
 
-    prepared = await _prepare_errors(prepare)
-    if isinstance(prepared, JSONResponse):
-        return prepared
-    if body.stream:
-        return StreamingResponse(
-            _chat_stream(engine, body, prepared, request), media_type="text/event-stream"
-        )
-    try:
-        results = await run_generations(engine, prepared)
-    except Exception as exc:
-        return engine_error_response(exc)
-    note_results(request, results)
+    stream = (lambda prepared: _chat_stream(engine, body, prepared, request)) if body.stream else None
+    results = await _run(engine, request, prepare, stream)
+    if isinstance(results, Response):
+        return results
     choices = []
     for index, result in enumerate(results):
         finish, matched = _finish(result)
@@ -220,18 +226,12 @@ def _response(
     )
 
 
-async def _chat_stream(
+def _chat_stream(
     engine: ReferenceEngine, body: ChatCompletionRequest, requests: list[GenerationRequest], request: Request
 ) -> AsyncIterator[str]:
-    rid, created = uuid.uuid4().hex, int(time.time())
-
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model}
-        return sse({**head, "choices": choices, **extra})
-
     def choice(
         index: int, delta: dict[str, Any], logprobs: Any = None, finish: Any = None, matched: Any = None
-    ):
+    ) -> dict[str, Any]:
         return {
             "index": index,
             "delta": {"reasoning_content": None, **delta},
@@ -240,23 +240,64 @@ async def _chat_stream(
             "matched_stop": matched,
         }
 
+    def piece(item: Delta) -> dict[str, Any] | None:
+        logprobs = None
+        if body.logprobs and item.logprob is not None:
+            logprobs = {"content": [_chat_logprob(engine, item.logprob)]}
+        if not item.text and logprobs is None:
+            return None
+        return choice(item.index, {"content": item.text}, logprobs)
+
+    def last(index: int, result: GenerationResult) -> dict[str, Any]:
+        finish, matched = _finish(result)
+        return choice(index, {}, finish=finish, matched=matched)
+
+    return _stream(
+        engine,
+        body,
+        requests,
+        request,
+        kind="chat.completion.chunk",
+        first=lambda index: choice(index, {"role": "assistant", "content": ""}),
+        piece=piece,
+        last=last,
+    )
+
+
+async def _stream(
+    engine: ReferenceEngine,
+    body: ChatCompletionRequest | CompletionRequest,
+    requests: list[GenerationRequest],
+    request: Request,
+    *,
+    kind: str,
+    first: Callable[[int], dict[str, Any]] | None,
+    piece: Callable[[Delta], dict[str, Any] | None],
+    last: Callable[[int, GenerationResult], dict[str, Any]],
+) -> AsyncIterator[str]:
+    """SGLang's OpenAI event stream: per choice an optional `first` chunk, one per streamed `piece` (None:
+    nothing to send), and a `last` one with the finish reason; then usage if asked, and [DONE]. An engine
+    failure mid-stream is sent as an error event."""
+    rid, created = uuid.uuid4().hex, int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        head = {"id": rid, "object": kind, "created": created, "model": body.model}
+        return sse({**head, "choices": choices, **extra})
+
     results: list[GenerationResult] = []
     opened: set[int] = set()
     try:
         async for item in stream_generations(engine, requests):
-            if item.index not in opened:
+            if first is not None and item.index not in opened:
                 opened.add(item.index)
-                yield chunk([choice(item.index, {"role": "assistant", "content": ""})])
+                yield chunk([first(item.index)])
             if isinstance(item, Delta):
-                logprobs = None
-                if body.logprobs and item.logprob is not None:
-                    logprobs = {"content": [_chat_logprob(engine, item.logprob)]}
-                if item.text or logprobs is not None:
-                    yield chunk([choice(item.index, {"content": item.text}, logprobs)])
+                choice = piece(item)
+                if choice is not None:
+                    yield chunk([choice])
                 continue
             results.append(item.result)
-            finish, matched = _finish(item.result)
-            yield chunk([choice(item.index, {}, finish=finish, matched=matched)])
+            yield chunk([last(item.index, item.result)])
         if body.include_usage:
             yield chunk([], usage=_usage(results, body.n, engine.args.enable_cache_report))
     except Exception as exc:
@@ -290,18 +331,10 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             requests.extend(_choices(engine, prompt_ids, sampling, body, body.logprobs or 0))
         return requests
 
-    prepared = await _prepare_errors(prepare)
-    if isinstance(prepared, JSONResponse):
-        return prepared
-    if body.stream:
-        return StreamingResponse(
-            _completion_stream(engine, body, prepared, request), media_type="text/event-stream"
-        )
-    try:
-        results = await run_generations(engine, prepared)
-    except Exception as exc:
-        return engine_error_response(exc)
-    note_results(request, results)
+    stream = (lambda prepared: _completion_stream(engine, body, prepared, request)) if body.stream else None
+    results = await _run(engine, request, prepare, stream)
+    if isinstance(results, Response):
+        return results
     choices = []
     for index, result in enumerate(results):
         finish, matched = _finish(result)
@@ -319,36 +352,36 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     return _response("text_completion", engine, body, choices, results)
 
 
-async def _completion_stream(
+def _completion_stream(
     engine: ReferenceEngine, body: CompletionRequest, requests: list[GenerationRequest], request: Request
 ) -> AsyncIterator[str]:
-    rid, created = uuid.uuid4().hex, int(time.time())
+    def piece(item: Delta) -> dict[str, Any] | None:
+        logprobs = None
+        if body.logprobs is not None and item.logprob is not None:
+            logprobs = _completion_logprobs(engine, [item.logprob])
+        if not item.text and logprobs is None:
+            return None
+        return {
+            "index": item.index,
+            "text": item.text,
+            "logprobs": logprobs,
+            "finish_reason": None,
+            "matched_stop": None,
+        }
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
-        return sse({**head, "choices": choices, **extra})
+    def last(index: int, result: GenerationResult) -> dict[str, Any]:
+        finish, matched = _finish(result)
+        return {
+            "index": index,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": finish,
+            "matched_stop": matched,
+        }
 
-    results: list[GenerationResult] = []
-    try:
-        async for item in stream_generations(engine, requests):
-            if isinstance(item, Delta):
-                logprobs = None
-                if body.logprobs is not None and item.logprob is not None:
-                    logprobs = _completion_logprobs(engine, [item.logprob])
-                if item.text or logprobs is not None:
-                    piece = {"index": item.index, "text": item.text, "logprobs": logprobs}
-                    yield chunk([{**piece, "finish_reason": None, "matched_stop": None}])
-                continue
-            results.append(item.result)
-            finish, matched = _finish(item.result)
-            piece = {"index": item.index, "text": "", "logprobs": None}
-            yield chunk([{**piece, "finish_reason": finish, "matched_stop": matched}])
-        if body.include_usage:
-            yield chunk([], usage=_usage(results, body.n, engine.args.enable_cache_report))
-    except Exception as exc:
-        yield sse({"error": engine_error_body(exc)})
-    note_results(request, results)
-    yield "data: [DONE]\n\n"
+    return _stream(
+        engine, body, requests, request, kind="text_completion", first=None, piece=piece, last=last
+    )
 
 
 # --- models -------------------------------------------------------------------------------------------
