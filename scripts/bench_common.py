@@ -73,18 +73,24 @@ def make_random_adapter(model_path: str, out: Path, *, rank: int = 8, seed: int 
     return out
 
 
-def gpu_memory_used_mib() -> int | None:
-    """Memory in use on all GPUs together, or None without nvidia-smi."""
+def _nvidia_smi(query: str) -> list[str] | None:
+    """One line per GPU for an nvidia-smi `--query-gpu` field, or None without nvidia-smi."""
     try:
         done = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             check=True,
         )
     except (OSError, subprocess.CalledProcessError):
         return None
-    return sum(int(v) for v in done.stdout.split())
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()]
+
+
+def gpu_memory_used_mib() -> int | None:
+    """Memory in use on all GPUs together, or None without nvidia-smi."""
+    used = _nvidia_smi("memory.used")
+    return None if used is None else sum(int(v) for v in used)
 
 
 def environment() -> dict[str, Any]:
@@ -97,20 +103,12 @@ def environment() -> dict[str, Any]:
         except PackageNotFoundError:
             return None
 
-    try:
-        gpus = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split("\n")
-    except (OSError, subprocess.CalledProcessError):
-        gpus = []
+    packages = ("art-sglang", "torch", "transformers", "peft", "unsloth", "trl", "openai")
     return {
         "date": time.strftime("%Y-%m-%d"),
-        "gpus": [g for g in gpus if g],
+        "gpus": _nvidia_smi("name") or [],
         "cpu": platform.processor() or platform.machine(),
-        "versions": {name: v(name) for name in ("art-sglang", "torch", "transformers", "peft", "openai")},
+        "versions": {name: v(name) for name in packages},
     }
 
 

@@ -4,6 +4,7 @@ Texts are not compared: they depend on the model's weights."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -99,12 +100,18 @@ def test_matches_sglang(case: dict[str, Any], replayed: dict[str, httpx.Response
     assert not shape_mismatches(answer.json(), golden)
 
 
-def test_golden_file_is_the_shared_one() -> None:
-    """The copy in tests/contract/golden/ (for a fresh clone) equals the recorded original when present."""
+# SHA-256 of ../shared/device/sglang-0.5.17-golden.json, the recording made on SGLang 0.5.17.
+RECORDED_SHA256 = "e56052963fa0d564bb603e0cc73aaf269ddf3f33f6936ffad12318c77853e468"
+
+
+def test_golden_file_is_the_recorded_one() -> None:
+    """The copy in tests/contract/golden/ (for a fresh clone) is byte for byte the recording, and so is
+    ../shared/device's original where it sits next to the repository."""
+    copy = Path(__file__).parent / "golden" / "sglang-0.5.17-golden.json"
+    assert hashlib.sha256(copy.read_bytes()).hexdigest() == RECORDED_SHA256
     shared = Path(__file__).resolve().parents[2] / "../shared/device/sglang-0.5.17-golden.json"
-    if not shared.exists():
-        pytest.skip("no ../shared/device next to the repository")
-    assert shared.read_text() == (Path(__file__).parent / "golden" / "sglang-0.5.17-golden.json").read_text()
+    if shared.exists():
+        assert hashlib.sha256(shared.read_bytes()).hexdigest() == RECORDED_SHA256
 
 
 def test_bare_adapter_name_is_served_by_the_base_model(replayed: dict[str, httpx.Response]) -> None:

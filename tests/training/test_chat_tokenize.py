@@ -9,22 +9,11 @@ from typing import Any
 
 import pytest
 from training_helpers import make_choice
-from transformers import AutoTokenizer
 
 from art_sglang.errors import TrainingInputError
 from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats, tokenize_groups
 from art_sglang.training.validation import groups_to_wire
 from art_sglang.trajectories import Trajectory, TrajectoryGroup
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def chat(tokenizer: Any, tiny_model_path: Path) -> ChatTokenizer:
-    return ChatTokenizer.for_model(tokenizer, tiny_model_path)
 
 
 def wire(trajectory: Trajectory) -> dict[str, Any]:

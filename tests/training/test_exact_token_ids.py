@@ -4,27 +4,15 @@ sampler's logprobs 1:1, whatever a re-tokenization of their text would give."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
 from openai.types.chat.chat_completion import Choice
-from transformers import AutoTokenizer
 
 from art_sglang.errors import TrainingInputError
 from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats
 from art_sglang.training.validation import groups_to_wire, validate_groups
 from art_sglang.trajectories import Trajectory, TrajectoryGroup
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def chat(tokenizer: Any, tiny_model_path: Path) -> ChatTokenizer:
-    return ChatTokenizer.for_model(tokenizer, tiny_model_path)
 
 
 def sampled(tokenizer: Any, ids: list[int], logprobs: list[float], finish_reason: str = "stop") -> Choice:

@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
 from training_helpers import make_choice
-from transformers import AutoTokenizer
 
 from art_sglang.errors import TrainingInputError
 from art_sglang.training.validation import groups_to_wire, validate_groups
 from art_sglang.trajectories import Trajectory, TrajectoryGroup
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
 def good(tokenizer: Any, reward: float = 1.0) -> Trajectory:

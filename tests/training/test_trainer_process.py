@@ -18,7 +18,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from training_helpers import Scorer, make_choice, trajectory
-from transformers import AutoTokenizer
 
 from art_sglang.config import SGLangConfig, TrainerConfig
 from art_sglang.errors import TrainerError, TrainingInputError
@@ -30,11 +29,6 @@ from art_sglang.training.process import TrainerProcess
 from art_sglang.trajectories import TrajectoryGroup
 
 OPTIONS = TrainOptions(learning_rate=5e-2)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
 def groups(tokenizer: Any, seed: int) -> list[TrajectoryGroup]:

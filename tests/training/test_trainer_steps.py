@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 from training_helpers import make_choice, trajectory
-from transformers import AutoTokenizer
 
 from art_sglang.config import TrainerConfig
 from art_sglang.training.options import TrainOptions
@@ -17,12 +16,6 @@ from art_sglang.training.tokenize import TokenizedSequence
 from art_sglang.training.trainer import Trainer, plan_micro_batches
 from art_sglang.training.validation import groups_to_wire
 from art_sglang.trajectories import TrajectoryGroup
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
 
 ANSWERS = [("1 2 3 4 5 6 7 8", 1.0), ("a", 0.0), ("9 x", 0.5), ("the cat sat on the mat", 0.0)]
 
