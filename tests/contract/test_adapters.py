@@ -1,9 +1,8 @@
 """LoRA adapters at run time: they change the output, are chosen per request with `model="<base>:<name>"`
 or `lora_path` (several loaded at once, concurrent requests included), an unloaded adapter that a request
 names is loaded again from its path (SGLang 0.5.17 keeps every name it loaded), load/unload errors are 400
-with a message and the server keeps serving; and SGLang's trap: a bare model
-name is served by the base model with HTTP 200, even the name of a loaded adapter (the recorded SGLang
-0.5.17 answers show it)."""
+with a message and the server keeps serving; and SGLang's trap: a bare model name is served by the base
+model with HTTP 200, even the name of a loaded adapter (the recorded SGLang 0.5.17 answers show it)."""
 
 from __future__ import annotations
 
@@ -24,6 +23,11 @@ def _load(client: httpx.Client, name: str, path: str) -> httpx.Response:
 
 def _unload(client: httpx.Client, name: str) -> httpx.Response:
     return client.post("/unload_lora_adapter", json={"lora_name": name})
+
+
+def _served(client: httpx.Client) -> list[str]:
+    """The ids `/v1/models` lists: the base model first, then the loaded adapters."""
+    return [card["id"] for card in client.get("/v1/models").json()["data"]]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +61,7 @@ def test_adapter_changes_output_and_unload_restores_base(
             "error_message": "",
             "loaded_adapters": {},
         }
-        assert [card["id"] for card in client.get("/v1/models").json()["data"]] == [model_path]
+        assert _served(client) == [model_path]
         # Its bare name is still served by the base model.
         response = chat(client, "agent@1", max_tokens=12, ignore_eos=True)
         assert response.status_code == 200, response.text
@@ -65,11 +69,11 @@ def test_adapter_changes_output_and_unload_restores_base(
         assert response.json()["choices"][0]["message"]["content"] == base_answer
         # SGLang remembers every adapter it loaded: naming the unloaded one loads it again from its path.
         assert greedy(client, f"{model_path}:agent@1") == with_adapter
-        assert [card["id"] for card in client.get("/v1/models").json()["data"][1:]] == ["agent@1"]
+        assert _served(client) == [model_path, "agent@1"]
         assert _unload(client, "agent@1").status_code == 200
         native = client.post("/generate", json={"text": "hi", "lora_path": "agent@1"})
         assert native.status_code == 200, native.text
-        assert [card["id"] for card in client.get("/v1/models").json()["data"][1:]] == ["agent@1"]
+        assert _served(client) == [model_path, "agent@1"]
     finally:
         _unload(client, "agent@1")
 
@@ -94,7 +98,7 @@ def test_an_unloaded_adapter_whose_files_are_gone_is_refused(
     refused = chat(client, f"{model_path}:gone@1")
     assert refused.status_code == 400, refused.text
     assert "Failed to implicitly load LoRA adapter gone@1" in refused.json()["message"]
-    assert [card["id"] for card in client.get("/v1/models").json()["data"]] == [model_path]
+    assert _served(client) == [model_path]
 
 
 def test_unknown_model_name_is_served_by_base_model(client: httpx.Client, base_answer: str) -> None:
@@ -158,7 +162,7 @@ def test_load_and_unload_errors_keep_the_server_serving(
         assert unknown.json()["loaded_adapters"] is None
 
         assert chat(client, f"{model_path}:e@1").status_code == 200
-        assert [card["id"] for card in client.get("/v1/models").json()["data"][1:]] == ["e@1"]
+        assert _served(client) == [model_path, "e@1"]
     finally:
         _unload(client, "e@1")
 
