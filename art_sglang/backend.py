@@ -26,6 +26,7 @@ from .devices import DeviceLayout, EngineChoice, choose_layout
 from .errors import ConfigError, ModelNotRegisteredError, TrainingInputError
 from .history import append_row
 from .inference import InferenceService
+from .model import Model
 from .model_store import ModelStore
 from .shared_mode import GpuHandoff, HandoffStrategy
 from .train_args import build_train_options
@@ -296,7 +297,9 @@ class SGLangBackend:
             timings["time/step_s"] = time.monotonic() - started
             metrics = {**outcome.metrics, **timings}
             row = {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
-            await asyncio.to_thread(append_row, entry.store.history, entry.step, row)
+            written = await asyncio.to_thread(append_row, entry.store.history, entry.step, row)
+            if isinstance(model, Model):  # ART's own models report to W&B themselves, from model.log
+                await model._report(entry.step, written)
             if verbose:
                 logger.info("%s step %d: %s", model.name, entry.step, json.dumps(metrics, default=str))
             return TrainResult(step=entry.step, metrics=metrics)

@@ -55,7 +55,9 @@ async def test_arithmetic_rollouts_are_scored_by_exact_match(served) -> None:
 async def test_tictactoe_games_reuse_the_prefix_cache_and_train_as_multi_turn(served) -> None:
     backend, model = served
     task = TicTacToeTask(max_tokens=16)
-    games = [await task.play(model, opponent_seed, seed) for opponent_seed, seed in ((1, 10), (2, 20), (3, 30))]
+    games = [
+        await task.play(model, opponent_seed, seed) for opponent_seed, seed in ((1, 10), (2, 20), (3, 30))
+    ]
     for game in games:
         trajectory, turns = game.trajectory, game.turns
         choices = [item for item in trajectory.messages_and_choices if not isinstance(item, dict)]
