@@ -4,6 +4,7 @@
 # A failing suite does not stop the next; the exit status is the number of failed suites.
 #   bash scripts/device/suite.sh contract shared-sleep
 # Suites: contract shared-sleep shared-restart sync split bench-cycle bench-inference bench-trainer
+#         bench-multiturn
 set -uo pipefail
 # shellcheck source=scripts/device/env.sh
 source scripts/device/env.sh
@@ -26,6 +27,8 @@ for name in "$@"; do
     bench-inference) cmd=(python3 scripts/benchmark_inference.py --engine sglang --model "$big" "${kernels[@]}"
                           --json "$OUT/bench_inference.json" --markdown "$OUT/bench_inference.md") ;;
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
+    bench-multiturn) cmd=(python3 scripts/bench_multiturn.py --model "$big" "${kernels[@]}"
+                          --json "$OUT/bench_multiturn.json" --markdown "$OUT/bench_multiturn.md") ;;
     *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
   esac
   echo "=== $name: ${cmd[*]}" | tee "$OUT/$name.log"
