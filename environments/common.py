@@ -75,6 +75,24 @@ class StepReport:
         }
 
 
+async def complete(
+    model: Any, messages: list[Any], *, max_tokens: int, temperature: float, seed: int, **options: Any
+) -> Any:
+    """One chat completion on the model's current step with what training needs: logprobs, and the ids
+    the server sampled, so the trainer trains on exactly them (the gateway asks for them on its own;
+    asking here too keeps a rollout without the gateway exact). `options` go to the request as given."""
+    return await model.openai_client().chat.completions.create(
+        model=model.get_inference_name(),
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        logprobs=True,
+        seed=seed,
+        extra_body={"return_token_ids": True},
+        **options,
+    )
+
+
 def rollout_seed(seed: int, step: int, group: int, index: int) -> int:
     """The sampling seed of one rollout: a function of its position only, so a run is reproducible."""
     return ((seed * 1000 + step) * 100 + group) * 100 + index

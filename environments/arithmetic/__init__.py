@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import art_sglang as art
+from environments.common import complete
 
 NAMES = ("Ana", "Bo", "Chen", "Dara", "Emil", "Fatima", "Goran", "Hana", "Ivo", "June")
 ITEMS = ("apples", "stamps", "marbles", "books", "coins", "shells", "stickers", "pencils")
@@ -88,14 +89,8 @@ class ArithmeticTask:
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": problem.question},
         ]
-        response = await model.openai_client().chat.completions.create(
-            model=model.get_inference_name(),
-            messages=messages,
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            logprobs=True,
-            seed=seed,
-            extra_body={"return_token_ids": True},  # train on exactly the sampled ids
+        response = await complete(
+            model, messages, max_tokens=self.max_tokens, temperature=self.temperature, seed=seed
         )
         choice = response.choices[0]
         text = choice.message.content or ""

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import art_sglang as art
 from environments.arithmetic import final_answer
+from environments.common import complete
 
 CALCULATOR = {
     "type": "function",
@@ -116,16 +117,14 @@ class CalculatorTask:
         )
         calls = good_calls = 0
         for turn in range(self.max_turns):
-            response = await model.openai_client().chat.completions.create(
-                model=model.get_inference_name(),
-                messages=trajectory.messages(),
-                tools=trajectory.tools,
-                tool_choice=self.first_tool_choice if turn == 0 else "auto",
+            response = await complete(
+                model,
+                trajectory.messages(),
                 max_tokens=self.max_tokens,
                 temperature=self.temperature,
-                logprobs=True,
                 seed=seed * 10 + turn,
-                extra_body={"return_token_ids": True},  # train on exactly the sampled ids
+                tools=trajectory.tools,
+                tool_choice=self.first_tool_choice if turn == 0 else "auto",
             )
             choice = response.choices[0]
             trajectory.messages_and_choices.append(choice)

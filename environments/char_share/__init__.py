@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import art_sglang as art
+from environments.common import complete
 
 PROMPTS = ("Write a short sentence.", "Say something.", "Describe the sea.", "Name a colour.")
 
@@ -39,16 +40,8 @@ class CharShareTask:
     async def rollout(self, model: Any, prompt: str, seed: int) -> art.Trajectory:
         """One chat completion on the model's current step, scored by the task."""
         messages = [{"role": "user", "content": prompt}]
-        response = await model.openai_client().chat.completions.create(
-            model=model.get_inference_name(),
-            messages=messages,
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            logprobs=True,
-            seed=seed,
-            # The ids the server sampled, so the trainer trains on exactly them (the gateway asks for them
-            # on its own; asking here too keeps a rollout without the gateway exact).
-            extra_body={"return_token_ids": True},
+        response = await complete(
+            model, messages, max_tokens=self.max_tokens, temperature=self.temperature, seed=seed
         )
         choice = response.choices[0]
         reward = self.reward(choice.message.content or "")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import art_sglang as art
+from environments.common import complete
 
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
 SYSTEM_PROMPT = (
@@ -106,14 +107,12 @@ class TicTacToeTask:
         turns: list[TurnUsage] = []
         legal = 0
         while True:
-            response = await model.openai_client().chat.completions.create(
-                model=model.get_inference_name(),
-                messages=trajectory.messages(),
+            response = await complete(
+                model,
+                trajectory.messages(),
                 max_tokens=self.max_tokens,
                 temperature=self.temperature,
-                logprobs=True,
                 seed=seed * 10 + len(turns),
-                extra_body={"return_token_ids": True},  # train on exactly the sampled ids
             )
             turns.append(_usage(response))
             choice = response.choices[0]
