@@ -216,9 +216,22 @@ class TrainerConfig(BaseModel):
         "auto", description="'auto' = bfloat16 on GPU, float32 on CPU."
     )
     max_seq_length: int = Field(
-        4096, ge=16, description="Longest sequence trained; longer ones are an error."
+        32768,
+        ge=16,
+        description="Longest packed row (ART's default); longer sequences are dropped with a warning, "
+        "counted in the step's `sequences_dropped_too_long`.",
     )
     micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one forward/backward pass.")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; None = off.")
+    max_grad_norm: float | None = Field(
+        0.1,
+        gt=0,
+        allow_inf_nan=False,
+        description="Gradient clipping per optimizer step (ART: 0.1); None = off.",
+    )
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1 (ART: 0.9).")
+    adam_beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2 (ART: 0.99).")
+    weight_decay: float = Field(
+        0.1, ge=0, allow_inf_nan=False, description="AdamW decoupled weight decay (ART: 0.1)."
+    )
     seed: int = Field(0, description="Seed for LoRA init and any sampling in the trainer.")
     trainer_python: str | None = Field(None, description="Python that runs the trainer; None = this one.")

@@ -18,7 +18,7 @@ import traceback
 from typing import IO, Any
 
 PROGRESS, RESULT, ERROR = "progress", "result", "error"
-INPUT_ERROR, TRAINER_ERROR = "TrainingInputError", "TrainerError"
+INPUT_ERROR, STEP_ERROR, TRAINER_ERROR = "TrainingInputError", "TrainingError", "TrainerError"
 
 
 class _Channel:
@@ -45,7 +45,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Imported after the redirect: Unsloth and transformers print banners on import.
     from ..config import TrainerConfig
-    from ..errors import TrainingInputError
+    from ..errors import TrainingError, TrainingInputError
     from .options import TrainOptions
     from .trainer import Trainer
 
@@ -84,6 +84,9 @@ def main() -> None:
                 raise RuntimeError(f"unknown command {cmd!r}")
         except TrainingInputError as exc:
             channel.send(request.get("id"), ERROR, error_type=INPUT_ERROR, message=str(exc))
+        except TrainingError as exc:  # a refused step: the trainer is back at its last checkpoint
+            traceback.print_exc()
+            channel.send(request.get("id"), ERROR, error_type=STEP_ERROR, message=str(exc))
         except Exception as exc:
             traceback.print_exc()
             message = f"{type(exc).__name__}: {exc}"
