@@ -1,6 +1,6 @@
 """What the benchmark scripts share: launch settings from the command line, a random LoRA adapter of a
-model's shape (a serving benchmark needs no trained one), GPU memory in use, and result output (JSON plus
-a markdown table)."""
+model's shape (a serving benchmark needs no trained one), GPU memory in use, versions, and result output
+(JSON plus a markdown table)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import argparse
 import json
 import platform
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -91,6 +92,55 @@ def gpu_memory_used_mib() -> int | None:
     """Memory in use on all GPUs together, or None without nvidia-smi."""
     used = _nvidia_smi("memory.used")
     return None if used is None else sum(int(v) for v in used)
+
+
+class GpuMemorySampler:
+    """The lowest and highest GPU memory in use (all GPUs together, MiB) while the `with` block runs,
+    sampled every `interval` seconds in a thread; both stay None without nvidia-smi."""
+
+    def __init__(self, interval: float = 0.5):
+        self.interval = interval
+        self.low: int | None = None
+        self.high: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> GpuMemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            used = gpu_memory_used_mib()
+            if used is None:
+                return
+            self.low = used if self.low is None else min(self.low, used)
+            self.high = used if self.high is None else max(self.high, used)
+            if self._stop.wait(self.interval):
+                return
+
+
+def version_in(python: str, package: str) -> str | None:
+    """`package`'s version as the interpreter `python` sees it (a server's own stack), or None."""
+    done = subprocess.run(
+        [python, "-c", f"from importlib.metadata import version; print(version({package!r}))"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def device_name(env: dict[str, Any]) -> str:
+    """The GPU(s) of `environment()` in one phrase, or "CPU"."""
+    gpus = env["gpus"]
+    if not gpus:
+        return "CPU"
+    return gpus[0] if len(gpus) == 1 else f"{len(gpus)}x {gpus[0]}"
 
 
 def environment() -> dict[str, Any]:
