@@ -19,7 +19,7 @@ import bench_cycle  # noqa: E402
 @pytest.mark.parametrize("strategy", bench_cycle.STRATEGIES)
 def test_each_strategy_builds_its_backend(strategy: str, tmp_path: Path) -> None:
     args = argparse.Namespace(
-        engine="reference", mem_fraction_static=0.5, cuda_graph=False, attention_backend=None,
+        engine="reference", model="/m", mem_fraction_static=0.5, cuda_graph=False, attention_backend=None,
         sampling_backend=None, lora_rank=16,
     )  # fmt: skip
     backend = bench_cycle.make_backend(args, strategy, tmp_path / ".art")
