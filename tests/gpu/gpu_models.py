@@ -7,6 +7,7 @@ real model's 151k. Serving and training cost do not depend on the weights' value
 the dtype both SGLang and the trainer run it in.
 
     python tests/gpu/gpu_models.py OUT_DIR      # writes OUT_DIR/tiny and OUT_DIR/qwen2.5-1.5b-shape
+    python tests/gpu/gpu_models.py OUT_DIR qwen2.5-7b-shape
 """
 
 from __future__ import annotations
@@ -25,7 +26,18 @@ SHAPES: dict[str, dict[str, int | bool]] = {
         "intermediate": 8960,
         "tie": True,
     },
+    # Qwen2.5-7B's layer shapes (hidden 3584, 28 layers, 28 query / 4 KV heads, MLP 18944): ~7B parameters
+    # less the real vocabulary's share (~15 GB in bf16); built only when asked for.
+    "qwen2.5-7b-shape": {
+        "hidden": 3584,
+        "layers": 28,
+        "heads": 28,
+        "kv_heads": 4,
+        "intermediate": 18944,
+        "tie": False,
+    },
 }
+DEFAULT_SHAPES = ("tiny", "qwen2.5-1.5b-shape")
 _MARKER = "gpu_model.json"
 
 
@@ -71,7 +83,7 @@ def build_gpu_model(out: str | Path, shape: str = "tiny") -> Path:
 
 def main() -> None:
     root = Path(sys.argv[1])
-    for shape in SHAPES:
+    for shape in sys.argv[2:] or DEFAULT_SHAPES:
         path = build_gpu_model(root / shape, shape)
         print(f"{shape}: {path}")
 
