@@ -3,14 +3,15 @@ reference engine) and a LoRA trainer in its own process.
 
 The backend orchestrates; the parts live in their own modules: `devices` (split/shared/cpu layout),
 `inference` (server + gateway + loaded adapters), `shared_mode` (GPU handoff around training),
-`weight_sync` (lora/disk/restart), `model_store` (files on disk), `history`, `train_args` (ART's train()
-keywords) and `training.process` (the trainer worker).
+`weight_sync` (lora/disk/restart), `model_store` (files on disk), `history` and `training` (the
+trainer worker and `TrainOptions`, ART's train() keywords).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import sys
@@ -28,7 +29,7 @@ from .history import append_row
 from .inference import InferenceService
 from .model_store import ModelStore
 from .shared_mode import GpuHandoff, HandoffStrategy
-from .train_args import build_train_options
+from .training.options import TrainOptions
 from .training.process import TrainerProcess
 from .training.validation import groups_to_wire, validate_groups
 from .trajectories import TrajectoryGroup
@@ -38,6 +39,7 @@ from .weight_sync import SyncTarget, make_weight_sync
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 1.0
+WATCHDOG_MAX_PAUSE_S = 60.0
 
 
 @dataclass
@@ -146,15 +148,11 @@ class SGLangBackend:
                 log_path=store.trainer_log,
             )
             try:
-                async with self._handoff.trainer_turn(None):
+                async with self._handoff.trainer_turn(trainer):
                     step = await trainer.start()
-                    if self.handoff_strategy != "none":
-                        await trainer.offload()
+                await service.start()
                 entry = _Registered(model, store, trainer, step)
-                if not service.process.is_alive():
-                    await service.start()
-                await self._sync.publish(entry.target(step))
-                await service.probe(f"{model.name}@{step}")
+                await self._serve_step(entry, step, may_restart=False)
             except BaseException:
                 await trainer.stop()
                 raise
@@ -209,97 +207,75 @@ class SGLangBackend:
             doomed = [s for s in entry.store.checkpoint_steps() if s not in keep]
             assert self._service is not None
             for step in doomed:
-                await self._service.unload(f"{model.name}@{step}")
+                await self._service.remove_adapter(f"{model.name}@{step}")
             await asyncio.to_thread(entry.store.delete_checkpoints, doomed)
 
-    async def train(
-        self,
-        model: Any,
-        trajectory_groups: Iterable[Any],
-        *,
-        learning_rate: float = 5e-6,
-        loss_fn: str = "ppo",
-        epsilon: float | None = None,
-        epsilon_high: float | None = None,
-        scale_rewards: bool = True,
-        normalize_advantages: bool = True,
-        kl_penalty_coef: float = 0.0,
-        max_grad_norm: float | None = None,
-        allow_training_without_logprobs: bool = False,
-        save_checkpoint: bool = True,
-        verbose: bool = False,
-        **unsupported: Any,
-    ) -> TrainResult:
+    async def train(self, model: Any, trajectory_groups: Iterable[Any], **options: Any) -> TrainResult:
         """One RL step on `trajectory_groups`; returns once `<name>@<new step>` answers requests.
 
-        Options and groups are checked before anything starts (`ConfigError`, `TrainingInputError`). In
-        shared mode the server gives the GPU to the trainer for the step. Options ART's LocalBackend
-        takes that this backend does not implement are refused unless left at ART's default.
+        Keywords are ART 0.5.18 `LocalBackend.train`'s, with its defaults (loss_fn="cispo",
+        learning_rate=5e-6, ...): see `TrainOptions` (docs/configuration.md lists them). Options and groups
+        are checked before anything starts (`ConfigError`, `TrainingInputError`). In shared mode the server
+        gives the GPU to the trainer for the step. The step number advances on every call, as in ART (a
+        batch without learning signal gets a copy of the last checkpoint), and the new step is served. A
+        step the trainer refuses (non-finite values, a checkpoint that cannot be written) raises
+        `TrainingError`; the trainer and the served step stay where they were.
         """
         self._check_open()
-        options = build_train_options(
-            learning_rate=learning_rate,
-            loss_fn=loss_fn,
-            epsilon=epsilon,
-            epsilon_high=epsilon_high,
-            scale_rewards=scale_rewards,
-            normalize_advantages=normalize_advantages,
-            kl_penalty_coef=kl_penalty_coef,
-            max_grad_norm=max_grad_norm,
-            allow_training_without_logprobs=allow_training_without_logprobs,
-            save_checkpoint=save_checkpoint,
-            extra=unsupported,
-        )
-        if not save_checkpoint:
-            raise ConfigError(
-                "save_checkpoint=False is not supported: the server loads each step's adapter from its "
-                "checkpoint; delete old ones with model.delete_checkpoints() instead"
-            )
+        train_options = TrainOptions.from_keywords(options)
         groups = _as_groups(trajectory_groups)
         # Checked here, before the GPU handoff, so bad input never takes the server away.
         validate_groups(
-            groups_to_wire(groups), allow_training_without_logprobs=options.allow_training_without_logprobs
+            groups_to_wire(groups),
+            allow_training_without_logprobs=train_options.allow_training_without_logprobs,
         )
+        _check_row_length(train_options, self.trainer_config)
         entry = self._entry(model)
         self._ensure_watchdog()
         async with self._lock:
             service, handoff = self._service, self._handoff
             assert service is not None and handoff is not None
             started = time.monotonic()
-            await service.ensure_running()
-            if not entry.trainer.is_alive():
-                logger.warning("trainer of %s is not running; restarting it from its checkpoint", model.name)
-                entry.step = await entry.trainer.start()
+            await service.recover()
+            verbose = train_options.verbose
             with _progress(
                 model.name, entry.step + 1, disable=not verbose and not sys.stderr.isatty()
             ) as bar:
-                async with handoff.trainer_turn(entry.trainer) as timings:
+                async with handoff.trainer_turn(entry.trainer) as turn:
+                    if not entry.trainer.is_alive():
+                        logger.warning(
+                            "trainer of %s is not running; restarting it from its checkpoint", model.name
+                        )
+                        await entry.trainer.start()
                     trained_at = time.monotonic()
-                    outcome = await entry.trainer.train(groups, options, on_progress=bar)
-                    timings["time/train_s"] = time.monotonic() - trained_at
-                    target = entry.target(outcome.step)
-                    if outcome.trained:
-                        await self._sync.prepare(target)
-            if outcome.trained:
-                synced_at = time.monotonic()
-                await service.ensure_running()
-                await self._sync.apply(target)
-                if self.sglang_config.flush_cache_on_sync:
-                    await service.flush_cache()
-                timings["time/sync_s"] = time.monotonic() - synced_at
-                probed_at = time.monotonic()
-                await service.probe(target.inference_name)
-                timings["time/probe_s"] = time.monotonic() - probed_at
-                entry.step = outcome.step
-            elif outcome.reason:
-                logger.warning("%s: step not taken: %s", model.name, outcome.reason)
+                    outcome = await entry.trainer.train(groups, train_options, on_progress=bar)
+                    turn.timings["time/train_s"] = time.monotonic() - trained_at
+                    if outcome.step != entry.step:
+                        # Work that needs no server overlaps the handoff (merging, for disk sync).
+                        await self._sync.prepare(entry.target(outcome.step))
+            timings = turn.timings
+            if outcome.step != entry.step:
+                # Also a step a restarted trainer resumed at without training now (it died after
+                # writing that checkpoint): it becomes the current step only once it is served.
+                timings.update(
+                    await self._serve_step(entry, outcome.step, may_restart=not turn.restarted_server)
+                )
+            if outcome.reason:
+                logger.warning("%s step %d: %s", model.name, outcome.step, outcome.reason)
+            dropped = int(outcome.metrics.get("sequences_dropped_too_long", 0))
+            if dropped:
+                logger.warning(
+                    "%s step %d: dropped %d sequences longer than the packed row length (max_seq_length=%d)",
+                    model.name, outcome.step, dropped, self.trainer_config.max_seq_length,
+                )  # fmt: skip
             timings["time/step_s"] = time.monotonic() - started
             metrics = {**outcome.metrics, **timings}
             row = {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
             await asyncio.to_thread(append_row, entry.store.history, entry.step, row)
             if verbose:
                 logger.info("%s step %d: %s", model.name, entry.step, json.dumps(metrics, default=str))
-            return TrainResult(step=entry.step, metrics=metrics)
+            path = outcome.checkpoint_path if train_options.save_checkpoint else None
+            return TrainResult(step=entry.step, metrics=metrics, checkpoint_path=str(path) if path else None)
 
     async def _log(self, model: Any, trajectory_groups: list[Any], split: str = "val") -> None:
         """Store the groups that `model.log()` recorded under `trajectories/<split>/<step>.jsonl`."""
@@ -337,24 +313,37 @@ class SGLangBackend:
         self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="art-sglang-watchdog")
 
     async def _watch(self) -> None:
-        """Restart a server that died between backend calls, with every adapter loaded again before it
-        serves; requests meanwhile fail loudly (502) or wait in the gateway while the restart runs."""
+        """Restart a server that died, at any time (during train() too), with every adapter loaded again
+        before it serves: new requests wait in the gateway meanwhile. Failed restarts are retried with a
+        growing pause and raised to the user by the next train() or register()."""
         service = self._service
         assert service is not None
+        pause = WATCHDOG_INTERVAL_S
         while not self._closed:
-            await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            if service.process.is_alive() or self._lock.locked():
-                continue
-            async with self._lock:
-                if self._closed or service.process.is_alive():
-                    continue
-                await service.hold()
-                try:
-                    await service.ensure_running()
-                except Exception:  # the next train() or register() raises it to the user
-                    logger.exception("restarting the inference server failed")
-                finally:
-                    await service.unhold()
+            await asyncio.sleep(pause)
+            try:
+                await service.recover()
+                pause = WATCHDOG_INTERVAL_S
+            except Exception:
+                logger.exception("restarting the inference server failed")
+                pause = min(pause * 2, WATCHDOG_MAX_PAUSE_S)
+
+    async def _serve_step(self, entry: _Registered, step: int, *, may_restart: bool) -> dict[str, float]:
+        """Make `<name>@<step>` servable and answering, then make it the model's current step. The one place
+        the current step changes, so a name the backend hands out is always loaded. Returns timings."""
+        service = self._service
+        assert service is not None
+        target = entry.target(step)
+        synced_at = time.monotonic()
+        await self._sync.prepare(target)
+        await service.recover()
+        await self._sync.apply(target, may_restart=may_restart)
+        if self.sglang_config.flush_cache_on_sync:
+            await service.flush_cache()
+        probed_at = time.monotonic()
+        await service.probe(target.inference_name)
+        entry.step = step
+        return {"time/sync_s": probed_at - synced_at, "time/probe_s": time.monotonic() - probed_at}
 
     # --- helpers ---------------------------------------------------------------------------------------
     @property
@@ -436,6 +425,14 @@ def _check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
             )
 
 
+def _check_row_length(options: TrainOptions, trainer: TrainerConfig) -> None:
+    if options.packed_sequence_length is not None and options.packed_sequence_length > trainer.max_seq_length:
+        raise ConfigError(
+            f"packed_sequence_length={options.packed_sequence_length} exceeds TrainerConfig(max_seq_length="
+            f"{trainer.max_seq_length}): lower it, or raise max_seq_length"
+        )
+
+
 def _with_memory_saver(config: SGLangConfig) -> SGLangConfig:
     """Shared mode with "sleep" needs SGLang's memory saver and CPU weight backup: without them
     release_memory_occupation answers 200 and frees nothing."""
@@ -479,6 +476,10 @@ def _append_lines(path: Any, lines: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as handle:
         handle.write("".join(line + "\n" for line in lines))
+
+
+# help(SGLangBackend.train) and editors that read __signature__ show every option with its default.
+SGLangBackend.train.__signature__ = TrainOptions.signature(inspect.signature(SGLangBackend.train))  # type: ignore[attr-defined]
 
 
 class _progress:
