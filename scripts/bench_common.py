@@ -1,5 +1,5 @@
 """What the benchmark scripts share: launch settings from the command line, a random LoRA adapter of a
-model's shape (a serving benchmark needs no trained one), GPU memory in use, versions, and result output
+model's shape (a serving benchmark needs no trained one), the device and versions, and result output
 (JSON plus a markdown table)."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import argparse
 import json
 import platform
 import subprocess
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -131,42 +130,6 @@ def _nvidia_smi(query: str) -> list[str] | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return [line.strip() for line in done.stdout.splitlines() if line.strip()]
-
-
-def gpu_memory_used_mib() -> int | None:
-    """Memory in use on all GPUs together, or None without nvidia-smi."""
-    used = _nvidia_smi("memory.used")
-    return None if used is None else sum(int(v) for v in used)
-
-
-class GpuMemorySampler:
-    """The lowest and highest GPU memory in use (all GPUs together, MiB) while the `with` block runs,
-    sampled every `interval` seconds in a thread; both stay None without nvidia-smi."""
-
-    def __init__(self, interval: float = 0.5):
-        self.interval = interval
-        self.low: int | None = None
-        self.high: int | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> GpuMemorySampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            used = gpu_memory_used_mib()
-            if used is None:
-                return
-            self.low = used if self.low is None else min(self.low, used)
-            self.high = used if self.high is None else max(self.high, used)
-            if self._stop.wait(self.interval):
-                return
 
 
 def version_in(python: str, package: str) -> str | None:

@@ -10,7 +10,8 @@ groups x 8 rollouts of ~96 tokens with logprobs, LoRA r=16), for each way of sha
 Each strategy gets its own backend (register, N steps, close). Per step: `overhead_s` = `time/step_s` -
 `time/train_s` of the step's TrainResult (what the step costs beyond the trainer's own work: releasing
 and resuming the GPU, the weight sync, the probe), the trainer's `time/train_s`, `time/gpu_release_s`,
-`time/gpu_resume_s`, `time/sync_s`; the lowest GPU memory in use during the step; and whether the
+`time/gpu_resume_s`, `time/sync_s`; GPU memory during the step (the server's while the trainer held
+the GPU, the trainer's peak, the lowest total, from nvidia-smi); and whether the
 previous step's adapter answers the same greedy output before and after the step. Per strategy: the wall
 times of `register()` and `close()`.
 
@@ -24,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -33,8 +36,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # environments/ from a source checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))  # gpu_helpers
 from bench_common import (
-    GpuMemorySampler,
     add_server_args,
     device_name,
     environment,
@@ -43,6 +46,7 @@ from bench_common import (
     version_in,
     write_results,
 )
+from gpu_helpers import MemorySampler
 
 import art_sglang as art
 from art_sglang import SGLangBackend, TrainerConfig
@@ -89,14 +93,15 @@ async def run_strategy(args: argparse.Namespace, strategy: str, steps: int) -> d
         for index in range(steps):
             previous = model.get_inference_name()  # the adapter serving now; it stays loaded after the step
             before = await greedy(model, previous, args.greedy_tokens)
-            with GpuMemorySampler() as memory:
+            sampler = MemorySampler() if shutil.which("nvidia-smi") else None
+            with sampler or contextlib.nullcontext():
                 [report] = await train_loop(
                     backend, model, task, steps=1, groups_per_step=args.groups,
                     group_size=args.group_size, learning_rate=args.learning_rate, seed=index,
                 )  # fmt: skip
             after = await greedy(model, previous, args.greedy_tokens)
             rows.append({"report": report, "step": await model.get_step(), "same": before == after,
-                         "gpu_low": memory.low, "gpu_high": memory.high})  # fmt: skip
+                         "memory": gpu_memory(sampler)})  # fmt: skip
             print(f"{strategy} step {index + 1}/{steps}: {json.dumps(report.metrics)}", flush=True)
     finally:
         closing = time.perf_counter()
@@ -105,6 +110,18 @@ async def run_strategy(args: argparse.Namespace, strategy: str, steps: int) -> d
     return {
         **summarize(rows, register_s=register_s, close_s=close_s),
         "sglang_config": backend.sglang_config.model_dump(),
+    }
+
+
+def gpu_memory(sampler: MemorySampler | None) -> dict[str, int | None]:
+    """GPU memory (MiB) during a step, from nvidia-smi samples: the lowest total in use, the server's
+    lowest while the trainer held the GPU, the trainer's peak. None without a GPU."""
+    samples = sampler.samples if sampler is not None else []
+    training = sampler.while_training() if sampler is not None else []
+    return {
+        "lowest_total": min((sum(s.total.values()) for s in samples), default=None),
+        "server_while_training": min((s.server_mib() for s in training), default=None),
+        "trainer_peak": max((s.trainer_mib() for s in samples), default=None),
     }
 
 
@@ -128,8 +145,7 @@ def summarize(rows: list[dict[str, Any]], *, register_s: float, close_s: float) 
         "mean_reward": [row["report"].mean_reward for row in rows],
         "step_reached": [row["step"] for row in rows],
         "greedy_same_after_step": [row["same"] for row in rows],
-        "gpu_mib_lowest_during_step": [row["gpu_low"] for row in rows],
-        "gpu_mib_highest_during_step": [row["gpu_high"] for row in rows],
+        **{f"gpu_mib_{key}": [row["memory"][key] for row in rows] for key in rows[0]["memory"]},
         "register_s": register_s,
         "close_s": close_s,
     }
@@ -172,7 +188,7 @@ def _median(values: list[Any]) -> float | None:
 def table(result: dict[str, Any]) -> str:
     headers = ["strategy", "steps", "overhead s/step (median)", "overhead s (min-max)", "train s (median)",
                "release s", "resume s", "sync s", "register s", "close s", "greedy output kept",
-               "lowest GPU MiB in step"]  # fmt: skip
+               "server GPU MiB while training"]  # fmt: skip
     rows = []
     for name, s in result["strategies"].items():
         overhead = s["overhead_s"]
@@ -180,7 +196,7 @@ def table(result: dict[str, Any]) -> str:
             name, s["steps"], _median(overhead), f"{min(overhead):.2f}-{max(overhead):.2f}",
             _median(s["train_s"]), _median(s["gpu_release_s"]), _median(s["gpu_resume_s"]),
             _median(s["sync_s"]), s["register_s"], s["close_s"], all(s["greedy_same_after_step"]),
-            _median(s["gpu_mib_lowest_during_step"]),
+            _median(s["gpu_mib_server_while_training"]),
         ])  # fmt: skip
     w = result["workload"]
     head = (

@@ -53,7 +53,7 @@ def test_one_step_per_strategy_through_the_backend(tmp_path: Path, tiny_model_pa
         assert s["gpu_release_s"][0] >= 0 and s["gpu_resume_s"][0] >= 0 and s["sync_s"][0] >= 0
         assert s["register_s"] > 0 and s["close_s"] > 0
         assert s["greedy_same_after_step"] == [True]
-        assert s["gpu_mib_lowest_during_step"] == [None]  # no nvidia-smi here
+        assert s["gpu_mib_server_while_training"] == [None]  # no nvidia-smi here
     assert result["strategies"]["sleep/kv_cache"]["sglang_config"]["sleep_release"] == "kv_cache"
     assert result["strategies"]["sleep/kv_cache"]["sglang_config"]["enable_memory_saver"] is True
     rows = [line for line in table.read_text().splitlines() if line.startswith("| ")]
