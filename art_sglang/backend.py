@@ -39,6 +39,7 @@ from .weight_sync import SyncTarget, make_weight_sync
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 1.0
+WATCHDOG_MAX_PAUSE_S = 60.0
 
 
 @dataclass
@@ -147,15 +148,11 @@ class SGLangBackend:
                 log_path=store.trainer_log,
             )
             try:
-                async with self._handoff.trainer_turn(None):
+                async with self._handoff.trainer_turn(trainer):
                     step = await trainer.start()
-                    if self.handoff_strategy != "none":
-                        await trainer.offload()
+                await service.start()
                 entry = _Registered(model, store, trainer, step)
-                if not service.process.is_alive():
-                    await service.start()
-                await self._sync.publish(entry.target(step))
-                await service.probe(f"{model.name}@{step}")
+                await self._serve_step(entry, step, may_restart=False)
             except BaseException:
                 await trainer.stop()
                 raise
@@ -210,7 +207,7 @@ class SGLangBackend:
             doomed = [s for s in entry.store.checkpoint_steps() if s not in keep]
             assert self._service is not None
             for step in doomed:
-                await self._service.unload(f"{model.name}@{step}")
+                await self._service.remove_adapter(f"{model.name}@{step}")
             await asyncio.to_thread(entry.store.delete_checkpoints, doomed)
 
     async def train(self, model: Any, trajectory_groups: Iterable[Any], **options: Any) -> TrainResult:
@@ -239,33 +236,30 @@ class SGLangBackend:
             service, handoff = self._service, self._handoff
             assert service is not None and handoff is not None
             started = time.monotonic()
-            await service.ensure_running()
-            if not entry.trainer.is_alive():
-                logger.warning("trainer of %s is not running; restarting it from its checkpoint", model.name)
-                entry.step = await entry.trainer.start()
+            await service.recover()
             verbose = train_options.verbose
             with _progress(
                 model.name, entry.step + 1, disable=not verbose and not sys.stderr.isatty()
             ) as bar:
-                async with handoff.trainer_turn(entry.trainer) as timings:
+                async with handoff.trainer_turn(entry.trainer) as turn:
+                    if not entry.trainer.is_alive():
+                        logger.warning(
+                            "trainer of %s is not running; restarting it from its checkpoint", model.name
+                        )
+                        await entry.trainer.start()
                     trained_at = time.monotonic()
                     outcome = await entry.trainer.train(groups, train_options, on_progress=bar)
-                    timings["time/train_s"] = time.monotonic() - trained_at
-                    target = entry.target(outcome.step)
-                    advanced = outcome.step != entry.step
-                    if advanced:
-                        await self._sync.prepare(target)
-            if advanced:
-                synced_at = time.monotonic()
-                await service.ensure_running()
-                await self._sync.apply(target)
-                if self.sglang_config.flush_cache_on_sync:
-                    await service.flush_cache()
-                timings["time/sync_s"] = time.monotonic() - synced_at
-                probed_at = time.monotonic()
-                await service.probe(target.inference_name)
-                timings["time/probe_s"] = time.monotonic() - probed_at
-                entry.step = outcome.step
+                    turn.timings["time/train_s"] = time.monotonic() - trained_at
+                    if outcome.step != entry.step:
+                        # Work that needs no server overlaps the handoff (merging, for disk sync).
+                        await self._sync.prepare(entry.target(outcome.step))
+            timings = turn.timings
+            if outcome.step != entry.step:
+                # Also a step a restarted trainer resumed at without training now (it died after
+                # writing that checkpoint): it becomes the current step only once it is served.
+                timings.update(
+                    await self._serve_step(entry, outcome.step, may_restart=not turn.restarted_server)
+                )
             if outcome.reason:
                 logger.warning("%s step %d: %s", model.name, outcome.step, outcome.reason)
             dropped = int(outcome.metrics.get("sequences_dropped_too_long", 0))
@@ -319,24 +313,37 @@ class SGLangBackend:
         self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="art-sglang-watchdog")
 
     async def _watch(self) -> None:
-        """Restart a server that died between backend calls, with every adapter loaded again before it
-        serves; requests meanwhile fail loudly (502) or wait in the gateway while the restart runs."""
+        """Restart a server that died, at any time (during train() too), with every adapter loaded again
+        before it serves: new requests wait in the gateway meanwhile. Failed restarts are retried with a
+        growing pause and raised to the user by the next train() or register()."""
         service = self._service
         assert service is not None
+        pause = WATCHDOG_INTERVAL_S
         while not self._closed:
-            await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            if service.process.is_alive() or self._lock.locked():
-                continue
-            async with self._lock:
-                if self._closed or service.process.is_alive():
-                    continue
-                await service.hold()
-                try:
-                    await service.ensure_running()
-                except Exception:  # the next train() or register() raises it to the user
-                    logger.exception("restarting the inference server failed")
-                finally:
-                    await service.unhold()
+            await asyncio.sleep(pause)
+            try:
+                await service.recover()
+                pause = WATCHDOG_INTERVAL_S
+            except Exception:
+                logger.exception("restarting the inference server failed")
+                pause = min(pause * 2, WATCHDOG_MAX_PAUSE_S)
+
+    async def _serve_step(self, entry: _Registered, step: int, *, may_restart: bool) -> dict[str, float]:
+        """Make `<name>@<step>` servable and answering, then make it the model's current step. The one place
+        the current step changes, so a name the backend hands out is always loaded. Returns timings."""
+        service = self._service
+        assert service is not None
+        target = entry.target(step)
+        synced_at = time.monotonic()
+        await self._sync.prepare(target)
+        await service.recover()
+        await self._sync.apply(target, may_restart=may_restart)
+        if self.sglang_config.flush_cache_on_sync:
+            await service.flush_cache()
+        probed_at = time.monotonic()
+        await service.probe(target.inference_name)
+        entry.step = step
+        return {"time/sync_s": probed_at - synced_at, "time/probe_s": time.monotonic() - probed_at}
 
     # --- helpers ---------------------------------------------------------------------------------------
     @property

@@ -12,6 +12,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 WeightSyncMethod = Literal["lora", "disk", "restart"]
 SharedStrategy = Literal["sleep", "restart"]
+SleepRelease = Literal["auto", "kv_cache", "all"]
 
 SERVER_PYTHON_ENV = "ART_SGLANG_SERVER_PYTHON"
 SERVER_TIMEOUT_ENV = "ART_SERVER_TIMEOUT"
@@ -90,6 +91,13 @@ class SGLangConfig(BaseModel):
     enable_metrics: bool = Field(False, description="Expose Prometheus metrics on /metrics.")
     enable_memory_saver: bool = Field(
         False, description="Let the server release/resume GPU memory (shared mode 'sleep' turns it on)."
+    )
+    sleep_release: SleepRelease = Field(
+        "auto",
+        description="What shared mode's 'sleep' frees for a training step: 'kv_cache' (the server keeps its "
+        "weights, the trainer keeps its model on the GPU), 'all' (weights too, copied to host memory; the "
+        "trainer moves to host memory between steps), or 'auto' (kv_cache when both copies of the weights "
+        "fit, shrinking mem_fraction_static unless it was set).",
     )
     enable_weights_cpu_backup: bool = Field(
         False,

@@ -146,12 +146,14 @@ class TrainerProcess:
             reason=data.get("reason"),
         )
 
-    async def offload(self) -> None:
-        """Move the model and optimizer state to CPU and free the GPU (shared mode); no-op on CPU."""
-        await self._request("offload")
+    async def offload(self, *, keep_weights: bool = False) -> float:
+        """Free the GPU after a step (shared mode): cached blocks, and unless `keep_weights` the model and
+        optimizer state (moved to host memory). Returns the device's free bytes after; no-op on CPU."""
+        return float((await self._request("offload", keep_weights=keep_weights))["free_bytes"])
 
-    async def reload(self) -> None:
-        await self._request("reload")
+    async def reload(self, *, min_free_bytes: float = 0.0, timeout_s: float = 10.0) -> dict[str, float]:
+        """Take the GPU for a step once `min_free_bytes` are free on it (see `Trainer.reload`)."""
+        return await self._request("reload", min_free_bytes=min_free_bytes, timeout_s=timeout_s)
 
     async def stop(self) -> None:
         """Ask the worker to exit, then kill whatever is left of its tree. Idempotent."""

@@ -13,6 +13,7 @@ import errno
 import logging
 import math
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -455,22 +456,38 @@ class Trainer:
             torch.cuda.empty_cache()
 
     # --- shared mode ---------------------------------------------------------------------------------
-    def offload(self) -> None:
-        """Move model and optimizer state to CPU and return the GPU memory (no-op on a CPU trainer)."""
-        if self.device.type == "cuda":
+    def offload(self, keep_weights: bool = False) -> dict[str, float]:
+        """Give the GPU back to the server after a step: the allocator's cached blocks (the step's
+        activations) always; with `keep_weights=False` the model and optimizer state move to host memory
+        too. Returns the device's free bytes afterwards (0 on CPU, where this is a no-op)."""
+        if self.device.type != "cuda":
+            return {"free_bytes": 0.0}
+        if not keep_weights:
             self._move(torch.device("cpu"))
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
+        return {"free_bytes": float(torch.cuda.mem_get_info(self.device)[0])}
 
-    def reload(self) -> None:
-        if self.device.type == "cuda":
+    def reload(self, min_free_bytes: float = 0.0, timeout_s: float = 10.0) -> dict[str, float]:
+        """Take the GPU for a step: wait until `min_free_bytes` are free on the device — the server's
+        release can show in the driver after its HTTP answer, and allocating before would OOM — then move
+        back whatever `offload` moved. Returns the free bytes seen and the seconds waited."""
+        if self.device.type != "cuda":
+            return {"free_bytes": 0.0, "waited_s": 0.0}
+        started = time.perf_counter()
+        free = torch.cuda.mem_get_info(self.device)[0]
+        while free < min_free_bytes and time.perf_counter() - started < timeout_s:
+            time.sleep(0.005)
+            free = torch.cuda.mem_get_info(self.device)[0]
+        waited = time.perf_counter() - started
+        if free < min_free_bytes:
+            print(
+                f"reload: {free / 2**30:.1f} GiB free after {waited:.1f} s, expected "
+                f"{min_free_bytes / 2**30:.1f} GiB; going on",
+                file=sys.stderr,
+            )
+        if next(self.model.parameters()).device.type != "cuda":
             self._move(self.device)
-
-    def _move(self, device: torch.device) -> None:
-        self.model.to(device)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    state[key] = value.to(device)
+        return {"free_bytes": float(free), "waited_s": waited}
 
 
 def _weighted_sequences(

@@ -76,11 +76,10 @@ def main() -> None:
                 )
                 channel.send(rid, RESULT, data=outcome.__dict__)
             elif cmd == "offload":
-                trainer.offload()
-                channel.send(rid, RESULT, data={})
+                channel.send(rid, RESULT, data=trainer.offload(bool(request.get("keep_weights"))))
             elif cmd == "reload":
-                trainer.reload()
-                channel.send(rid, RESULT, data={})
+                free = float(request.get("min_free_bytes") or 0.0)
+                channel.send(rid, RESULT, data=trainer.reload(free, float(request.get("timeout_s", 10.0))))
             else:
                 raise RuntimeError(f"unknown command {cmd!r}")
         except TrainingInputError as exc:
