@@ -100,7 +100,7 @@ async def test_bad_input_never_takes_the_server_away(shared) -> None:
             for r in (0.0, 1.0)
         ]
     )
-    with pytest.raises(art.TrainingInputError, match="no assistant Choice"):
+    with pytest.raises(art.TrainingInputError, match="no trajectory of any group has an assistant Choice"):
         await backend.train(model, [no_choice])
     assert service.process.pid == pid
     assert await _server_state(backend) == {"alive": True, "released": False}
