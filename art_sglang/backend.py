@@ -16,15 +16,16 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from tqdm import tqdm
 
 from .config import DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
-from .devices import DeviceLayout, EngineChoice, choose_layout
+from .devices import DeviceLayout, EngineChoice, choose_layout, detect_gpus
 from .errors import ConfigError, ModelNotRegisteredError, TrainingInputError
+from .gpu_budget import SharedPlan, model_weights_bytes, plan_shared_gpu
 from .history import append_row
 from .inference import InferenceService
 from .model_store import ModelStore
@@ -138,7 +139,7 @@ class SGLangBackend:
             self._check_can_add(model)  # before anything is written
             model.base_path = self._path  # as ART's LocalBackend: model.log() writes where we do
             await asyncio.to_thread(_write_model_files, store, model)
-            service = self._ensure_service(model.base_model, store)
+            service = await self._ensure_service(model.base_model, store)
             assert self._handoff is not None
             trainer = TrainerProcess(
                 model.base_model,
@@ -148,9 +149,14 @@ class SGLangBackend:
                 log_path=store.trainer_log,
             )
             try:
-                async with self._handoff.trainer_turn(trainer):
-                    step = await trainer.start()
-                await service.start()
+                if self._handoff.trainer_keeps_weights:
+                    # Both fit side by side on their GPU(s): load them at the same time.
+                    step, _ = await _gather_all(trainer.start(), service.start())
+                else:
+                    # The trainer loads onto the GPU and moves to host memory before the server claims it.
+                    async with self._handoff.trainer_turn(trainer):
+                        step = await trainer.start()
+                    await service.start()
                 entry = _Registered(model, store, trainer, step)
                 await self._serve_step(entry, step, may_restart=False)
             except BaseException:
@@ -296,10 +302,10 @@ class SGLangBackend:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError, RuntimeError):
                 await self._watchdog
-        for entry in self._models.values():
-            await entry.trainer.stop()
+        stops = [entry.trainer.stop() for entry in self._models.values()]
         if self._service is not None:
-            await self._service.close()
+            stops.append(self._service.close())
+        await _gather_all(*stops)
 
     async def __aenter__(self) -> SGLangBackend:
         return self
@@ -380,9 +386,25 @@ class SGLangBackend:
                 "only one model can be registered: use weight_sync_method='lora' to serve several"
             )
 
-    def _ensure_service(self, base_model: str, store: ModelStore) -> InferenceService:
+    async def _ensure_service(self, base_model: str, store: ModelStore) -> InferenceService:
         # The server's log lives with the first model registered (one server serves every model).
         if self._service is None:
+            release: Literal["kv_cache", "all"] = "all"
+            if self.handoff_strategy == "sleep":
+                plan = await asyncio.to_thread(self._plan_shared_gpu, base_model)
+                release = plan.release
+                self.sglang_config = self.sglang_config.model_copy(
+                    update={"mem_fraction_static": plan.mem_fraction_static}
+                )
+                logger.info(
+                    "shared mode: each step releases the server's %s%s (mem_fraction_static %.3f): %s",
+                    "KV cache; the trainer keeps its model on the GPU"
+                    if plan.trainer_resident
+                    else "weights",
+                    "" if plan.trainer_resident else " and KV cache; the trainer moves to host memory",
+                    plan.mem_fraction_static,
+                    plan.reason,
+                )
             self._service = InferenceService(
                 self.sglang_config,
                 base_model,
@@ -391,11 +413,30 @@ class SGLangBackend:
                 gpu_ids=self._gpu_ids("inference"),
                 use_gateway=self._use_gateway,
             )
-            self._handoff = GpuHandoff(self.handoff_strategy, self._service)
+            self._handoff = GpuHandoff(self.handoff_strategy, self._service, release)
             self._sync = make_weight_sync(
                 self.sglang_config.weight_sync_method, self._service, self.sglang_config.adapters_to_keep
             )
         return self._service
+
+    def _plan_shared_gpu(self, base_model: str) -> SharedPlan:
+        """What a sleep handoff releases, from the shared GPU's size and the base model's (blocking)."""
+        config = self.sglang_config
+        requested = config.sleep_release
+        total: int | None = None
+        if self.layout.engine == "sglang":
+            gpus = {gpu.index: gpu for gpu in detect_gpus().gpus}
+            gpu = gpus.get(self.layout.inference_gpus[0]) if self.layout.inference_gpus else None
+            if gpu is None and requested == "auto":
+                return SharedPlan("all", config.mem_fraction_static, "the GPU's memory size is unknown")
+            total = gpu.memory_total_mib * 2**20 if gpu is not None else None
+        return plan_shared_gpu(
+            requested,
+            gpu_total_bytes=total,
+            weights_bytes=model_weights_bytes(base_model),
+            mem_fraction_static=config.mem_fraction_static,
+            fraction_set_by_user="mem_fraction_static" in config.model_fields_set,
+        )
 
     def _gpu_ids(self, role: Literal["inference", "training"]) -> list[str]:
         """GPU ids (indices or UUIDs, as the user's CUDA_VISIBLE_DEVICES names them) for a child's
@@ -403,6 +444,16 @@ class SGLangBackend:
         if self.layout.engine == "reference":
             return []
         return [part for part in self.layout.cuda_visible_devices(role).split(",") if part]
+
+
+async def _gather_all(*calls: Awaitable[Any]) -> list[Any]:
+    """Run `calls` concurrently and wait for every one of them, even when one fails (nothing is left
+    running behind an error); then raise the first error."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 def _check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:

@@ -25,7 +25,7 @@ import httpx
 from .config import SGLangConfig
 from .errors import AdapterLoadError, ServerCrashedError, ServerRequestError
 from .model_store import check_adapter
-from .server.client import ServerClient
+from .server.client import MEMORY_TAGS, WEIGHTS_TAG, ServerClient
 from .server.gateway import ANY, AdapterGateway
 from .server.process import ServerProcess
 
@@ -61,6 +61,7 @@ class InferenceService:
         # Whether the server is meant to serve now: False before the first start, while the trainer has
         # the GPU (shared mode) and after close(). Crash recovery restarts only a server meant to serve.
         self._serving = False
+        self._released_tags: tuple[str, ...] = ()  # GPU memory kinds released for the trainer
         self._holds = 0  # nested holds of the gateway; requests wait while > 0
         self._lock = asyncio.Lock()  # one command at a time changes the server
 
@@ -204,27 +205,33 @@ class InferenceService:
         return self._client
 
     # --- shared mode: GPU memory ---------------------------------------------------------------------------
-    async def release_memory(self) -> None:
-        """Free the server's GPU memory for the trainer (hold requests first); the process stays."""
+    async def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free the server's GPU memory of the kinds in `tags` (None = all) for the trainer (hold requests
+        first); the process stays."""
         async with self._lock:
             self._serving = False
             if self._process.is_alive():
-                await self._admin().release_memory_occupation()
+                await self._admin().release_memory_occupation(tags)
+            self._released_tags = tuple(tags) if tags is not None else MEMORY_TAGS
 
     async def resume_memory(self) -> bool:
-        """Take the GPU memory back and load every adapter again (whether the LoRA pool survives a release
-        is SGLang's internal business, and reloading costs milliseconds). A server that died meanwhile is
-        started instead. Returns whether a server process was started."""
+        """Take back what `release_memory` freed. When the weights were released, every adapter is loaded
+        again (whether the LoRA pool survives that is SGLang's internal business, and reloading costs
+        milliseconds); after a KV-cache-only release the adapters were never touched. A server that died
+        meanwhile is started instead. Returns whether a server process was started."""
         async with self._lock:
+            tags, self._released_tags = self._released_tags, ()
             if not self._process.is_alive():
                 return await self._bring_up()
             async with self.holding():
                 client = self._admin()
-                await client.resume_memory_occupation()
-                for name, path in self._adapters.items():
-                    with contextlib.suppress(ServerRequestError):  # already gone with the release
-                        await client.unload_lora_adapter(name)
-                    await self._load_on_server(name, path)
+                if tags:
+                    await client.resume_memory_occupation(list(tags))
+                if WEIGHTS_TAG in tags:
+                    for name, path in self._adapters.items():
+                        with contextlib.suppress(ServerRequestError):  # already gone with the release
+                            await client.unload_lora_adapter(name)
+                        await self._load_on_server(name, path)
                 self._serving = True
             return False
 
