@@ -24,7 +24,16 @@ from .errors import (
 from .gather import gather_trajectory_groups
 from .model import Backend, Model, TrainableModel
 from .trajectories import History, Trajectory, TrajectoryGroup
-from .types import Message, MessageOrChoice, Messages, MessagesAndChoices, Tools, TrainConfig, TrainResult
+from .types import (
+    LocalTrainResult,
+    Message,
+    MessageOrChoice,
+    Messages,
+    MessagesAndChoices,
+    Tools,
+    TrainConfig,
+    TrainResult,
+)
 
 __all__ = [
     "AdapterLoadError",
@@ -34,6 +43,7 @@ __all__ = [
     "ConfigError",
     "DeviceConfig",
     "History",
+    "LocalTrainResult",
     "Message",
     "MessageOrChoice",
     "Messages",

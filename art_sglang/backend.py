@@ -34,7 +34,7 @@ from .training.options import TrainOptions
 from .training.process import TrainerProcess
 from .training.validation import groups_to_wire, validate_groups
 from .trajectories import TrajectoryGroup
-from .types import TrainResult
+from .types import LocalTrainResult
 from .weight_sync import SyncTarget, make_weight_sync
 
 logger = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ class SGLangBackend:
                 await self._service.remove_adapter(f"{model.name}@{step}")
             await asyncio.to_thread(entry.store.delete_checkpoints, doomed)
 
-    async def train(self, model: Any, trajectory_groups: Iterable[Any], **options: Any) -> TrainResult:
+    async def train(self, model: Any, trajectory_groups: Iterable[Any], **options: Any) -> LocalTrainResult:
         """One RL step on `trajectory_groups`; returns once `<name>@<new step>` answers requests.
 
         Keywords are ART 0.5.18 `LocalBackend.train`'s, with its defaults (loss_fn="cispo",
@@ -281,7 +281,9 @@ class SGLangBackend:
             if verbose:
                 logger.info("%s step %d: %s", model.name, entry.step, json.dumps(metrics, default=str))
             path = outcome.checkpoint_path if train_options.save_checkpoint else None
-            return TrainResult(step=entry.step, metrics=metrics, checkpoint_path=str(path) if path else None)
+            return LocalTrainResult(
+                step=entry.step, metrics=metrics, checkpoint_path=str(path) if path else None
+            )
 
     async def _log(self, model: Any, trajectory_groups: list[Any], split: str = "val") -> None:
         """Store the groups that `model.log()` recorded under `trajectories/<split>/<step>.jsonl`."""

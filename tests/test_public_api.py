@@ -50,6 +50,9 @@ def test_names_and_fields_match_openpipe_art(openpipe_art):
     assert set(art.TrajectoryGroup.model_fields) == set(ART.TrajectoryGroup.model_fields)
     assert [f.name for f in dataclasses.fields(art.TrainResult)] == ["step", "metrics"]
     assert [f.name for f in dataclasses.fields(ART.TrainResult)] == ["step", "metrics"]
+    local = ["step", "metrics", "checkpoint_path"]
+    assert [f.name for f in dataclasses.fields(art.LocalTrainResult)] == local
+    assert [f.name for f in dataclasses.fields(ART.LocalTrainResult)] == local
     for field in ("learning_rate", "kl_penalty_coef"):
         assert art.TrainConfig().model_dump()[field] == ART.TrainConfig().model_dump()[field]
     ours = set(art.TrainableModel.model_fields)
