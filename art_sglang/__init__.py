@@ -23,7 +23,16 @@ from .errors import (
 from .gather import gather_trajectory_groups
 from .model import Backend, Model, TrainableModel
 from .trajectories import History, Trajectory, TrajectoryGroup
-from .types import Message, MessageOrChoice, Messages, MessagesAndChoices, Tools, TrainConfig, TrainResult
+from .types import (
+    Message,
+    MessageOrChoice,
+    Messages,
+    MessagesAndChoices,
+    Tools,
+    TrainConfig,
+    TrainResult,
+    TrainSFTConfig,
+)
 
 __all__ = [
     "AdapterLoadError",
@@ -48,6 +57,7 @@ __all__ = [
     "Tools",
     "TrainConfig",
     "TrainResult",
+    "TrainSFTConfig",
     "TrainableModel",
     "TrainerConfig",
     "TrainerError",

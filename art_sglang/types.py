@@ -7,7 +7,7 @@ sampled completion is a `Choice` (it carries the logprobs the trainer needs).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from openai.types.chat.chat_completion import Choice
 from openai.types.chat.chat_completion_message_param import ChatCompletionMessageParam
@@ -23,6 +23,7 @@ __all__ = [
     "Tools",
     "TrainConfig",
     "TrainResult",
+    "TrainSFTConfig",
 ]
 
 # Messages are TypedDicts; validating them would reject the many shapes the OpenAI API accepts.
@@ -58,9 +59,22 @@ class TrainConfig(BaseModel):
     kl_penalty_coef: float = Field(0.0, ge=0, validation_alias=AliasChoices("kl_penalty_coef", "beta"))
 
 
+class TrainSFTConfig(BaseModel):
+    """Options of `model.train_sft(trajectories, config=TrainSFTConfig(...))`, as ART's: one learning rate
+    for every batch or one per batch, and the trajectories per batch ("auto" = 2, ART's default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float | list[float] = 5e-5
+    batch_size: int | Literal["auto"] = "auto"
+
+
 @dataclass
 class TrainResult:
-    """What `backend.train()` returns: the step reached and the aggregated training metrics."""
+    """What `backend.train()` returns: the step reached, the aggregated training metrics, and (as ART's
+    LocalBackend's result) the step's checkpoint directory, None when no step was taken or
+    `save_checkpoint=False`."""
 
     step: int
     metrics: dict[str, float] = field(default_factory=dict)
+    checkpoint_path: str | None = None

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TrainingInputError
+from ..token_bounds import longest_token_bytes, min_tokens
 from .validation import (
     WireGroup,
     content_entry_count,
@@ -107,20 +108,34 @@ class _Builder:
 class ChatTokenizer:
     """Renders wire-format trajectories (see validation.py) with a Hugging Face tokenizer."""
 
-    def __init__(self, tokenizer: Any, *, end_of_turn_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        end_of_turn_ids: list[int] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         ids = end_of_turn_ids if end_of_turn_ids is not None else [tokenizer.eos_token_id]
         self.end_of_turn = {tokenizer.convert_ids_to_tokens(i): i for i in ids if i is not None}
+        # The chat_template_kwargs rollouts send with every request, so training renders what sampling saw.
+        self.template_kwargs = dict(template_kwargs or {})
 
     @classmethod
-    def for_model(cls, tokenizer: Any, model_path: str | Path) -> ChatTokenizer:
+    def for_model(
+        cls, tokenizer: Any, model_path: str | Path, *, template_kwargs: dict[str, Any] | None = None
+    ) -> ChatTokenizer:
         """End-of-turn tokens = the tokenizer's EOS plus generation_config.json's eos_token_id(s)."""
         ids = [tokenizer.eos_token_id]
         config = Path(model_path) / "generation_config.json"
         if config.exists():
             extra = json.loads(config.read_text()).get("eos_token_id")
             ids += extra if isinstance(extra, list) else [extra]
-        return cls(tokenizer, end_of_turn_ids=list(dict.fromkeys(i for i in ids if i is not None)))
+        return cls(
+            tokenizer,
+            end_of_turn_ids=list(dict.fromkeys(i for i in ids if i is not None)),
+            template_kwargs=template_kwargs,
+        )
 
     def tokenize_trajectory(
         self, trajectory: WireGroup, *, group: int, index: int, stats: TokenizeStats
@@ -240,7 +255,11 @@ class ChatTokenizer:
         if not messages:
             return ""
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            **self.template_kwargs,
         )
 
     def _encode(self, text: str) -> list[int]:
@@ -277,10 +296,19 @@ def tokenize_groups(
 ) -> tuple[list[list[list[TokenizedSequence]]], TokenizeStats]:
     """Sequences per group per trajectory; raises TrainingInputError for an over-long sequence."""
     stats = TokenizeStats()
+    longest = longest_token_bytes(chat.tokenizer)
     out: list[list[list[TokenizedSequence]]] = []
     for gi, group in enumerate(groups):
         per_trajectory = []
         for ti, trajectory in enumerate(group["trajectories"]):
+            # A conversation whose text alone cannot fit is refused before it is rendered and tokenized.
+            for items, _ in histories(trajectory):
+                at_least = min_tokens([_as_message(item) for item in items], longest)
+                if at_least > max_seq_length:
+                    raise TrainingInputError(
+                        f"group {gi}, trajectory {ti}: at least {at_least} tokens, longer than "
+                        f"max_seq_length={max_seq_length}"
+                    )
             sequences = chat.tokenize_trajectory(trajectory, group=gi, index=ti, stats=stats)
             for sequence in sequences:
                 if len(sequence.input_ids) > max_seq_length:

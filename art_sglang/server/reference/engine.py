@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from ...token_bounds import longest_token_bytes, min_tokens
 from .adapters import BASE_KEY, AdapterRegistry, LoadedAdapter, adapter_rank
 from .cli import ServerArgs
 from .prefix_cache import PrefixCache
@@ -161,6 +162,8 @@ class ReferenceEngine:
         self.args = args
         started = time.perf_counter()
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+        if args.chat_template is not None:
+            self.tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
         self.hf_config = AutoConfig.from_pretrained(args.model_path)
         model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32).eval()
         if "OMP_NUM_THREADS" not in os.environ and model.num_parameters() < _SINGLE_THREAD_PARAMS:
@@ -171,6 +174,7 @@ class ReferenceEngine:
             getattr(self.hf_config, "max_position_embeddings", 0) or 4096
         )
         self.eos_ids = self._eos_ids(model)
+        self._longest_token = longest_token_bytes(self.tokenizer)
         generation = model.generation_config
         self._sampling_defaults = {
             key: getattr(generation, key)
@@ -246,9 +250,11 @@ class ReferenceEngine:
         tools: list[dict[str, Any]] | None,
         kwargs: dict[str, Any] | None,
     ) -> list[int]:
-        """Token ids of the chat template applied to `messages`, ending with the assistant's turn."""
+        """Token ids of the chat template applied to `messages`, ending with the assistant's turn. Text
+        that cannot fit the context whatever its tokens is refused before it is tokenized."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise PromptError("The model has no chat template; use /v1/completions or /generate.")
+        self._check_text_fits(messages)
         try:
             with self._tokenizer_lock:
                 ids = self.tokenizer.apply_chat_template(
@@ -259,7 +265,16 @@ class ReferenceEngine:
             raise PromptError(f"Failed to apply the chat template: {exc}") from exc
         return list(ids)
 
+    def _check_text_fits(self, messages: list[Any]) -> None:
+        at_least = min_tokens(messages, self._longest_token)
+        if at_least >= self.context_length:
+            raise RequestTooLongError(
+                f"The input (at least {at_least} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)."
+            )
+
     def encode_text(self, text: str) -> list[int]:
+        self._check_text_fits([text])
         with self._tokenizer_lock:
             return list(self.tokenizer(text).input_ids)
 

@@ -1,0 +1,136 @@
+"""One OpenPipe ART program on real SGLang in shared mode (one GPU): ART's own TrainableModel with
+`_internal_config` (LoRA rank, engine memory, chat template kwargs), SFT that teaches a tool call, tool
+calls parsed by SGLang's `hermes` parser (whole and streamed), then 2 RL steps on tool-using episodes.
+
+    pytest -m gpu tests/gpu/test_art_program.py        (~4 min on an H100)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from gpu_helpers import record, sglang_test_config
+
+from art_sglang import SGLangBackend
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "art"))
+from art_helpers import ADD_TOOL, QUESTION, sft_file, tool_call_of
+
+pytestmark = pytest.mark.gpu
+
+
+async def _episode(ART, model, seed: int):
+    client = model.openai_client()
+    first = await client.chat.completions.create(
+        model=model.get_inference_name(),
+        messages=QUESTION,
+        tools=[ADD_TOOL],
+        max_tokens=48,
+        logprobs=True,
+        seed=seed,
+    )
+    turn = first.choices[0]
+    history = [*QUESTION, turn]
+    if turn.message.tool_calls:
+        tool = {"role": "tool", "tool_call_id": turn.message.tool_calls[0].id, "content": "5"}
+        second = await client.chat.completions.create(
+            model=model.get_inference_name(),
+            messages=[*QUESTION, turn.message.model_dump(exclude_none=True), tool],
+            tools=[ADD_TOOL],
+            max_tokens=8,
+            logprobs=True,
+            seed=seed,
+        )
+        history += [tool, second.choices[0]]
+    return ART.Trajectory(messages_and_choices=history, tools=[ADD_TOOL], reward=float(seed % 3))
+
+
+async def test_art_program_with_tools_and_internal_config_on_sglang(
+    openpipe_art, gpu_model: str, tmp_path: Path
+) -> None:
+    ART = openpipe_art
+    from art.utils.sft import train_sft_from_file
+
+    model = ART.TrainableModel(
+        name="art-gpu",
+        project="art-compat",
+        base_model=gpu_model,
+        _internal_config=ART.dev.InternalModelConfig(
+            peft_args={"r": 16, "lora_alpha": 32},
+            engine_args={"gpu_memory_utilization": 0.3},
+            chat_template_kwargs={"style": "terse"},
+        ),
+    )
+    backend = SGLangBackend(
+        path=str(tmp_path / ".art"),
+        inference_device=0,
+        training_devices=[0],
+        sglang_config=sglang_test_config(),
+    )
+    assert backend.layout.mode == "shared" and backend.sglang_config.tool_call_parser == "hermes"
+    try:
+        await model.register(backend)
+        checkpoints = tmp_path / ".art" / "art-compat" / "models" / "art-gpu" / "checkpoints"
+        assert json.loads((checkpoints / "0000" / "adapter_config.json").read_text())["r"] == 16
+
+        await train_sft_from_file(
+            model,
+            str(sft_file(tmp_path / "calls.jsonl", 32)),
+            batch_size=2,
+            peak_lr=2e-2,
+            schedule_type="constant",
+            warmup_ratio=0.0,
+        )
+        assert await model.get_step() == 1
+        client = model.openai_client()
+        called = await client.chat.completions.create(
+            model=model.get_inference_name(),
+            messages=QUESTION,
+            tools=[ADD_TOOL],
+            temperature=0,
+            max_tokens=48,
+        )
+        whole = called.choices[0]
+        record("art_program_tool_call", finish=whole.finish_reason, content=whole.message.content,
+               tool_calls=[c.model_dump() for c in whole.message.tool_calls or []])  # fmt: skip
+        assert whole.finish_reason == "tool_calls" and tool_call_of(whole.message) == (
+            "add",
+            {"a": 2, "b": 3},
+        )
+        stream = await client.chat.completions.create(
+            model=model.get_inference_name(),
+            messages=QUESTION,
+            tools=[ADD_TOOL],
+            temperature=0,
+            max_tokens=48,
+            stream=True,
+        )
+        name, arguments = "", ""
+        async for chunk in stream:
+            for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                name += (call.function.name or "") if call.function else ""
+                arguments += (call.function.arguments or "") if call.function else ""
+        assert (name, json.loads(arguments)) == ("add", {"a": 2, "b": 3})
+
+        for step in (2, 3):
+            groups = await ART.gather_trajectory_groups(
+                (
+                    ART.TrajectoryGroup(_episode(ART, model, seed=10 * g + i) for i in range(4))
+                    for g in range(2)
+                ),
+                pbar_desc=None,
+            )
+            result = await backend.train(model, groups, learning_rate=1e-4)
+            record("art_program_rl_step", step=result.step, metrics=result.metrics)
+            assert result.step == step and result.checkpoint_path == str(checkpoints / f"{step:04d}")
+            assert model.get_inference_name() == f"art-gpu@{step}"
+        await model.log(groups, split="train")
+        assert os.path.isdir(
+            tmp_path / ".art" / "art-compat" / "models" / "art-gpu" / "trajectories" / "train"
+        )
+    finally:
+        await backend.close()
