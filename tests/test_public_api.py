@@ -50,7 +50,11 @@ def test_names_and_fields_match_openpipe_art(openpipe_art):
     assert set(art.TrajectoryGroup.model_fields) == set(ART.TrajectoryGroup.model_fields)
     # ART's LocalBackend returns LocalTrainResult: TrainResult plus the step's checkpoint_path.
     ours = [f.name for f in dataclasses.fields(art.TrainResult)]
-    assert ours == [f.name for f in dataclasses.fields(ART.LocalTrainResult)] == ["step", "metrics", "checkpoint_path"]
+    assert (
+        ours
+        == [f.name for f in dataclasses.fields(ART.LocalTrainResult)]
+        == ["step", "metrics", "checkpoint_path"]
+    )
     assert set(art.TrainSFTConfig.model_fields) == set(ART.TrainSFTConfig.model_fields)
     assert art.TrainSFTConfig().model_dump() == ART.TrainSFTConfig().model_dump()
     for field in ("learning_rate", "kl_penalty_coef"):

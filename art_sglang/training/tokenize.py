@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..chat_format import template_tool_calls, template_tools
 from ..errors import TrainingInputError
 from ..token_bounds import longest_token_bytes, min_tokens
 from .validation import (
@@ -256,7 +257,7 @@ class ChatTokenizer:
             return ""
         return self.tokenizer.apply_chat_template(
             messages,
-            tools=tools or None,
+            tools=template_tools(tools),
             tokenize=False,
             add_generation_prompt=generation_prompt,
             **self.template_kwargs,
@@ -267,28 +268,15 @@ class ChatTokenizer:
 
 
 def _as_message(item: Any) -> dict[str, Any]:
-    """The chat-template form of a message or Choice: string content, and tool-call arguments as the
-    JSON object they encode (chat templates render them as objects; a string would be quoted twice)."""
+    """The chat-template form of a message or Choice: string content, and tool calls as SGLang hands
+    them to the template (chat_format.py: arguments as the JSON object they encode, SGLang's key order)."""
     message = (item.get("message") or {}) if is_choice(item) else item
     out: dict[str, Any] = {**message, "content": message.get("content") or ""}
     if is_choice(item):
         out = {"role": "assistant", "content": out["content"]}
     if message.get("tool_calls"):
-        out["tool_calls"] = [_decoded_arguments(call) for call in message["tool_calls"]]
+        out["tool_calls"] = template_tool_calls(message["tool_calls"])
     return out
-
-
-def _decoded_arguments(call: dict[str, Any]) -> dict[str, Any]:
-    function = call.get("function") or {}
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            decoded = json.loads(arguments)
-        except ValueError:
-            return call
-        if isinstance(decoded, dict):
-            return {**call, "function": {**function, "arguments": decoded}}
-    return call
 
 
 def tokenize_groups(

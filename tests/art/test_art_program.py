@@ -55,7 +55,7 @@ async def _rollout(ART, model, seed: int):
 
 
 async def test_art_program_with_internal_config_sft_and_tool_calls(
-    ART, tmp_path: Path, tiny_model_path: Path
+    ART, tmp_path: Path, tool_model_path: Path
 ) -> None:
     from art.utils.sft import train_sft_from_file
     from transformers import AutoTokenizer
@@ -64,7 +64,7 @@ async def test_art_program_with_internal_config_sft_and_tool_calls(
     model = ART.TrainableModel(
         name="art-agent",
         project="art-compat",
-        base_model=str(tiny_model_path),
+        base_model=str(tool_model_path),
         _internal_config=ART.dev.InternalModelConfig(
             peft_args={"r": 16, "lora_alpha": 32},
             init_args={"max_seq_length": 1024},
@@ -87,18 +87,22 @@ async def test_art_program_with_internal_config_sft_and_tool_calls(
             max_tokens=2,
             extra_body={"return_token_ids": True},
         )
-        tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+        tokenizer = AutoTokenizer.from_pretrained(tool_model_path)
         expected = tokenizer.apply_chat_template(
-            QUESTION, chat_template=STYLED_TEMPLATE, style="terse", add_generation_prompt=True, tokenize=True
+            QUESTION,
+            chat_template=STYLED_TEMPLATE,
+            style="terse",
+            add_generation_prompt=True,
+            return_dict=False,
         )
         assert reply.choices[0].model_extra["prompt_token_ids"] == list(expected)
 
         # SFT from a file teaches the tool call; one call is one step.
         await train_sft_from_file(
             model,
-            str(sft_file(tmp_path / "calls.jsonl", 24)),
-            batch_size=2,
-            peak_lr=3e-2,
+            str(sft_file(tmp_path / "calls.jsonl", 60)),
+            batch_size=1,
+            peak_lr=5e-3,
             schedule_type="constant",
             warmup_ratio=0.0,
         )
@@ -169,7 +173,7 @@ async def test_art_program_with_internal_config_sft_and_tool_calls(
     again = ART.TrainableModel(
         name="art-agent",
         project="art-compat",
-        base_model=str(tiny_model_path),
+        base_model=str(tool_model_path),
         _internal_config=model._internal_config,
     )
     async with SGLangBackend(path=str(path)) as resumed:

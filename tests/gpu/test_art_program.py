@@ -49,8 +49,22 @@ async def _episode(ART, model, seed: int):
     return ART.Trajectory(messages_and_choices=history, tools=[ADD_TOOL], reward=float(seed % 3))
 
 
+@pytest.fixture(scope="module")
+def tool_model(gpu_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The GPU tiny model with its output layer scaled up, so SFT can make a tool call certain (a random
+    output layer of std 0.02 keeps logits within about ±1; LoRA does not train it)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tool-model")
+    model = AutoModelForCausalLM.from_pretrained(gpu_model)
+    model.lm_head.weight.data *= 25
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(gpu_model).save_pretrained(out)
+    return str(out)
+
+
 async def test_art_program_with_tools_and_internal_config_on_sglang(
-    openpipe_art, gpu_model: str, tmp_path: Path
+    openpipe_art, tool_model: str, tmp_path: Path
 ) -> None:
     ART = openpipe_art
     from art.utils.sft import train_sft_from_file
@@ -58,7 +72,7 @@ async def test_art_program_with_tools_and_internal_config_on_sglang(
     model = ART.TrainableModel(
         name="art-gpu",
         project="art-compat",
-        base_model=gpu_model,
+        base_model=tool_model,
         _internal_config=ART.dev.InternalModelConfig(
             peft_args={"r": 16, "lora_alpha": 32},
             engine_args={"gpu_memory_utilization": 0.3},

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +20,8 @@ from typing import Any, Literal
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from ...chat_format import template_messages, template_tools
+from ...cpu_threads import limit_threads_for_small_model
 from ...token_bounds import longest_token_bytes, min_tokens
 from .adapters import BASE_KEY, AdapterRegistry, LoadedAdapter, adapter_rank
 from .cli import ServerArgs
@@ -28,8 +29,6 @@ from .prefix_cache import PrefixCache
 from .sampling import SamplingOptions, choose_token, logprobs_of
 
 logger = logging.getLogger(__name__)
-
-_SINGLE_THREAD_PARAMS = 50_000_000
 
 
 class EngineReleasedError(RuntimeError):
@@ -166,10 +165,7 @@ class ReferenceEngine:
             self.tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
         self.hf_config = AutoConfig.from_pretrained(args.model_path)
         model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32).eval()
-        if "OMP_NUM_THREADS" not in os.environ and model.num_parameters() < _SINGLE_THREAD_PARAMS:
-            # A small model decodes one token in ~1 ms on one core; more intra-op threads only add
-            # synchronisation, which costs 10x or more on a busy machine (measured on 2 shared cores).
-            torch.set_num_threads(1)
+        limit_threads_for_small_model(model)
         self.context_length = args.context_length or int(
             getattr(self.hf_config, "max_position_embeddings", 0) or 4096
         )
@@ -257,9 +253,10 @@ class ReferenceEngine:
         self._check_text_fits(messages)
         try:
             with self._tokenizer_lock:
+                # SGLang renders its own dumps of the request's tools and tool calls (chat_format.py).
                 ids = self.tokenizer.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False,
-                    **(kwargs or {}),
+                    template_messages(messages), tools=template_tools(tools), add_generation_prompt=True,
+                    tokenize=True, return_dict=False, **(kwargs or {}),
                 )  # fmt: skip
         except Exception as exc:  # jinja and tokenizer errors alike mean "these messages do not render"
             raise PromptError(f"Failed to apply the chat template: {exc}") from exc
