@@ -169,21 +169,6 @@ async def test_art_program_with_internal_config_sft_and_tool_calls(
         await model.log(groups, split="train")  # ART's own logging (parquet) works with the `art` extra
         assert model.get_inference_name() == "art-agent@4"
 
-    # A new backend resumes the ART program where it stopped.
-    again = ART.TrainableModel(
-        name="art-agent",
-        project="art-compat",
-        base_model=str(tool_model_path),
-        _internal_config=model._internal_config,
-    )
-    async with SGLangBackend(path=str(path)) as resumed:
-        await again.register(resumed)
-        assert await again.get_step() == 4
-        reply = await again.openai_client().chat.completions.create(
-            model=again.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=3
-        )
-        assert reply.model == "art-agent@4"
-
 
 async def test_run_directory_written_by_art_resumes_at_its_step(
     ART, tmp_path: Path, tiny_model_path: Path, caplog: pytest.LogCaptureFixture

@@ -1,6 +1,7 @@
-"""Integrity of runs on disk and of served names, with real processes: one live backend per model
-directory, one served name per model, names SGLang can parse, failed registrations that leave the backend
-usable, over-long requests refused before they are tokenized, trainer logs without runpy's warning."""
+"""Integrity of runs on disk and of served names, with real processes (one backend, checked in order):
+failed registrations leave the backend usable, one live backend per model directory, one model per served
+name, names SGLang can parse, over-long requests refused before they are tokenized, trainer logs without
+runpy's warning."""
 
 from __future__ import annotations
 
@@ -27,13 +28,24 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-async def test_one_backend_per_model_directory_and_one_model_per_served_name(
-    tmp_path: Path, tiny_model_path: Path, openpipe_art
-) -> None:
+async def test_registration_integrity(tmp_path: Path, tiny_model_path: Path, openpipe_art) -> None:
     path = tmp_path / ".art"
     model = art.TrainableModel(name="agent", project="one", base_model=str(tiny_model_path))
     async with SGLangBackend(path=str(path)) as backend:
+        # Failed registrations first: a missing path is named as such, and a broken model that fails to
+        # load leaves no server bound to its base model, so the good model registers after them.
+        missing = art.TrainableModel(name="m1", project="p", base_model=str(tmp_path / "no-such-model"))
+        with pytest.raises(ConfigError, match="does not exist"):
+            await missing.register(backend)
+        broken_dir = tmp_path / "broken-model"
+        broken_dir.mkdir()
+        (broken_dir / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+        broken = art.TrainableModel(name="m2", project="p", base_model=str(broken_dir))
+        with pytest.raises(art.ArtSGLangError):
+            await broken.register(backend)
+        assert backend.inference is None
         await model.register(backend)
+        assert await model.get_step() == 0
 
         # A second backend on the same model directory, in another process, is refused at once.
         second = _run(
@@ -109,24 +121,3 @@ def test_the_lock_dies_with_its_process(tmp_path: Path) -> None:
     lock = RunLock(tmp_path)
     lock.acquire()  # SIGKILL left no stale lock
     lock.release()
-
-
-async def test_failed_registrations_leave_the_backend_usable(tmp_path: Path, tiny_model_path: Path) -> None:
-    async with SGLangBackend(path=str(tmp_path / ".art")) as backend:
-        missing = art.TrainableModel(name="m1", project="p", base_model=str(tmp_path / "no-such-model"))
-        with pytest.raises(ConfigError, match="does not exist"):
-            await missing.register(backend)
-        broken_dir = tmp_path / "broken-model"
-        broken_dir.mkdir()
-        (broken_dir / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-        broken = art.TrainableModel(name="m2", project="p", base_model=str(broken_dir))
-        with pytest.raises(art.ArtSGLangError):
-            await broken.register(backend)
-        # The failed first model left no server bound to its base model: another base model registers.
-        good = art.TrainableModel(name="m3", project="p", base_model=str(tiny_model_path))
-        await good.register(backend)
-        assert await good.get_step() == 0
-        reply = await good.openai_client().chat.completions.create(
-            model=good.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=2
-        )
-        assert reply.model == "m3@0"

@@ -16,6 +16,7 @@ import pytest
 from gpu_helpers import record, sglang_test_config
 
 from art_sglang import SGLangBackend
+from art_sglang.chat_format import template_tools
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "art"))
 from art_helpers import ADD_TOOL, QUESTION, sft_file, tool_call_of
@@ -68,6 +69,7 @@ async def test_art_program_with_tools_and_internal_config_on_sglang(
 ) -> None:
     ART = openpipe_art
     from art.utils.sft import train_sft_from_file
+    from transformers import AutoTokenizer
 
     model = ART.TrainableModel(
         name="art-gpu",
@@ -101,6 +103,24 @@ async def test_art_program_with_tools_and_internal_config_on_sglang(
         )
         assert await model.get_step() == 1
         client = model.openai_client()
+        # SGLang renders the prompt from its own dump of the tools (chat_format.py); the trainer renders the same.
+        probe = await client.chat.completions.create(
+            model=model.get_inference_name(),
+            messages=QUESTION,
+            tools=[ADD_TOOL],
+            max_tokens=1,
+            extra_body={"return_token_ids": True, "return_prompt_token_ids": True},
+        )
+        served_prompt = probe.choices[0].model_extra.get("prompt_token_ids")
+        trainer_prompt = AutoTokenizer.from_pretrained(tool_model).apply_chat_template(
+            QUESTION,
+            tools=template_tools([ADD_TOOL]),
+            add_generation_prompt=True,
+            return_dict=False,
+            style="terse",
+        )
+        record("art_program_prompt_ids", served=served_prompt, trainer=list(trainer_prompt))
+        assert served_prompt == list(trainer_prompt)
         called = await client.chat.completions.create(
             model=model.get_inference_name(),
             messages=QUESTION,
