@@ -3,34 +3,36 @@ reference engine) and a LoRA trainer in its own process.
 
 The backend orchestrates; the parts live in their own modules: `devices` (split/shared/cpu layout),
 `inference` (server + gateway + loaded adapters), `shared_mode` (GPU handoff around training),
-`weight_sync` (lora/disk/restart), `model_store` (files on disk), `history`, `train_args` (ART's train()
-keywords) and `training.process` (the trainer worker).
+`weight_sync` (lora/disk/restart), `model_store` (files on disk), `history` and `training` (the
+trainer worker and `TrainOptions`, ART's train() keywords).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from tqdm import tqdm
 
 from .config import DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
-from .devices import DeviceLayout, EngineChoice, choose_layout
+from .devices import DeviceLayout, EngineChoice, choose_layout, detect_gpus
 from .errors import ConfigError, ModelNotRegisteredError, TrainingInputError
+from .gpu_budget import SharedPlan, model_weights_bytes, plan_shared_gpu
 from .history import append_row
 from .inference import InferenceService
 from .internal_config import ModelSettings, internal_config_of, model_settings
 from .model_store import ModelStore, base_model_problem, name_problem
 from .run_lock import RunLock
 from .shared_mode import GpuHandoff, HandoffStrategy
-from .train_args import build_train_options
+from .training.options import TrainOptions
 from .training.process import TrainerProcess
 from .training.sft import SFTBatch, sft_batches, validate_sft
 from .training.validation import groups_to_wire, validate_groups
@@ -41,6 +43,7 @@ from .weight_sync import SyncTarget, make_weight_sync
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 1.0
+WATCHDOG_MAX_PAUSE_S = 60.0
 
 
 @dataclass
@@ -51,7 +54,7 @@ class _Registered:
     store: ModelStore
     trainer: TrainerProcess
     step: int
-    lock: RunLock
+    lock: RunLock  # the model directory's, held while the model is registered
 
     def target(self, step: int) -> SyncTarget:
         checkpoint = self.store.checkpoint_dir(step)
@@ -91,23 +94,21 @@ class SGLangBackend:
         config = sglang_config or SGLangConfig()
         _check_compatible(config, self.trainer_config)
         self.shared_strategy = shared_strategy
+        # What the first model's _internal_config may still change (server flags, GPUs): see register.
         self._requested_config = config
-        self._device_request = (device_config, inference_device, training_devices, engine)
+        self._device_request = (device_config, engine)
         self._devices_given = (
             layout is not None or inference_device is not None or training_devices is not None
         )
-        self._configure(
-            layout
-            or choose_layout(
-                device_config,
-                inference_device=inference_device,
-                training_devices=training_devices,
-                engine=engine,
-                tensor_parallel_size=config.tensor_parallel_size,
-            ),
-            config,
+        self._initial_layout = layout or choose_layout(
+            device_config,
+            inference_device=inference_device,
+            training_devices=training_devices,
+            engine=engine,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
-        self._initial_layout = self.layout
+        self._configure(self._initial_layout, config)
+        self._chosen_config = config  # the server's settings before shared mode's memory plan
         self._path = path
         self._use_gateway = gateway
         self._service: InferenceService | None = None
@@ -132,7 +133,12 @@ class SGLangBackend:
     # --- ART's backend protocol ------------------------------------------------------------------------
     async def register(self, model: Any) -> None:
         """Write model.json; for a trainable model start the trainer (resuming its newest checkpoint) and
-        the server, and load the current step's adapter as `<name>@<step>`. Registering again is a no-op."""
+        the server, and load the current step's adapter as `<name>@<step>`. Registering again is a no-op.
+
+        Everything is checked before anything is written or started: names, the base model, the model's
+        `_internal_config`, and that no other live backend has the model's directory (`ConfigError`). A
+        registration that fails leaves the backend as it was (the first model's failure stops the server
+        it started, so another base model can follow)."""
         self._check_open()
         for field in ("name", "project"):
             problem = name_problem(getattr(model, field))
@@ -155,7 +161,6 @@ class SGLangBackend:
                 existing.model = model
                 model.base_path = self._path
                 return
-            # Everything is checked before anything is written or started.
             settings = self._check_can_add(model, store)
             lock = RunLock(store.dir)
             lock.acquire()
@@ -164,7 +169,6 @@ class SGLangBackend:
             except BaseException:
                 lock.release()
                 if not self._models and self._service is not None:
-                    # A failed first model leaves no server behind, so another base model can follow.
                     await self._service.close()
                     self._service = self._handoff = None
                 raise
@@ -178,7 +182,7 @@ class SGLangBackend:
         """Write the model's files, start its trainer (resuming its checkpoint) and serve its step."""
         model.base_path = self._path  # as ART's LocalBackend: model.log() writes where we do
         await asyncio.to_thread(_write_model_files, store, model, settings)
-        service = self._ensure_service(model.base_model, store)
+        service = await self._ensure_service(model.base_model, store)
         assert self._handoff is not None
         trainer = TrainerProcess(
             model.base_model,
@@ -188,15 +192,16 @@ class SGLangBackend:
             log_path=store.trainer_log,
         )
         try:
-            async with self._handoff.trainer_turn(None):
-                step = await trainer.start()
-                if self.handoff_strategy != "none":
-                    await trainer.offload()
-            entry = _Registered(model, store, trainer, step, lock)
-            if not service.process.is_alive():
+            if self._handoff.trainer_keeps_weights:
+                # Both fit side by side on their GPU(s): load them at the same time.
+                step, _ = await _gather_all(trainer.start(), service.start())
+            else:
+                # The trainer loads onto the GPU and moves to host memory before the server claims it.
+                async with self._handoff.trainer_turn(trainer):
+                    step = await trainer.start()
                 await service.start()
-            await self._sync.publish(entry.target(step))
-            await service.probe(f"{model.name}@{step}")
+            entry = _Registered(model, store, trainer, step, lock)
+            await self._serve_step(entry, step, may_restart=False)
         except BaseException:
             await trainer.stop()
             raise
@@ -249,86 +254,75 @@ class SGLangBackend:
             doomed = [s for s in entry.store.checkpoint_steps() if s not in keep]
             assert self._service is not None
             for step in doomed:
-                await self._service.unload(f"{model.name}@{step}")
+                await self._service.remove_adapter(f"{model.name}@{step}")
             await asyncio.to_thread(entry.store.delete_checkpoints, doomed)
 
-    async def train(
-        self,
-        model: Any,
-        trajectory_groups: Iterable[Any],
-        *,
-        learning_rate: float = 5e-6,
-        loss_fn: str = "ppo",
-        epsilon: float | None = None,
-        epsilon_high: float | None = None,
-        scale_rewards: bool = True,
-        normalize_advantages: bool = True,
-        kl_penalty_coef: float = 0.0,
-        max_grad_norm: float | None = None,
-        allow_training_without_logprobs: bool = False,
-        save_checkpoint: bool = True,
-        verbose: bool = False,
-        **unsupported: Any,
-    ) -> TrainResult:
+    async def train(self, model: Any, trajectory_groups: Iterable[Any], **options: Any) -> TrainResult:
         """One RL step on `trajectory_groups`; returns once `<name>@<new step>` answers requests.
 
-        Options and groups are checked before anything starts (`ConfigError`, `TrainingInputError`). In
-        shared mode the server gives the GPU to the trainer for the step. Options ART's LocalBackend
-        takes that this backend does not implement are refused unless left at ART's default.
+        Keywords are ART 0.5.18 `LocalBackend.train`'s, with its defaults (loss_fn="cispo",
+        learning_rate=5e-6, ...): see `TrainOptions` (docs/configuration.md lists them). Options and groups
+        are checked before anything starts (`ConfigError`, `TrainingInputError`). In shared mode the server
+        gives the GPU to the trainer for the step. The step number advances on every call, as in ART (a
+        batch without learning signal gets a copy of the last checkpoint), and the new step is served. A
+        step the trainer refuses (non-finite values, a checkpoint that cannot be written) raises
+        `TrainingError`; the trainer and the served step stay where they were.
         """
         self._check_open()
-        options = build_train_options(
-            learning_rate=learning_rate,
-            loss_fn=loss_fn,
-            epsilon=epsilon,
-            epsilon_high=epsilon_high,
-            scale_rewards=scale_rewards,
-            normalize_advantages=normalize_advantages,
-            kl_penalty_coef=kl_penalty_coef,
-            max_grad_norm=max_grad_norm,
-            allow_training_without_logprobs=allow_training_without_logprobs,
-            save_checkpoint=save_checkpoint,
-            extra=unsupported,
-        )
-        # As ART's LocalBackend: the step's checkpoint is written either way (the server loads the new
-        # adapter from it); save_checkpoint=False only leaves TrainResult.checkpoint_path None.
-        options = options.model_copy(update={"save_checkpoint": True})
+        train_options = TrainOptions.from_keywords(options)
         groups = _as_groups(trajectory_groups)
         # Checked here, before the GPU handoff, so bad input never takes the server away.
         validate_groups(
-            groups_to_wire(groups), allow_training_without_logprobs=options.allow_training_without_logprobs
+            groups_to_wire(groups),
+            allow_training_without_logprobs=train_options.allow_training_without_logprobs,
         )
         entry = self._entry(model)
+        _check_row_length(train_options, entry.trainer.config)
         self._ensure_watchdog()
         async with self._lock:
-            handoff = self._handoff
-            assert handoff is not None
+            service, handoff = self._service, self._handoff
+            assert service is not None and handoff is not None
             started = time.monotonic()
-            await self._ensure_running(entry)
+            await service.recover()
+            verbose = train_options.verbose
             with _progress(
                 model.name, entry.step + 1, disable=not verbose and not sys.stderr.isatty()
             ) as bar:
-                async with handoff.trainer_turn(entry.trainer) as timings:
+                async with handoff.trainer_turn(entry.trainer) as turn:
+                    if not entry.trainer.is_alive():
+                        logger.warning(
+                            "trainer of %s is not running; restarting it from its checkpoint", model.name
+                        )
+                        await entry.trainer.start()
                     trained_at = time.monotonic()
-                    outcome = await entry.trainer.train(groups, options, on_progress=bar)
-                    timings["time/train_s"] = time.monotonic() - trained_at
-                    target = entry.target(outcome.step)
-                    if outcome.trained:
-                        await self._sync.prepare(target)
-            if outcome.trained:
-                await self._serve_step(entry, target, timings)
-            elif outcome.reason:
-                logger.warning("%s: step not taken: %s", model.name, outcome.reason)
+                    outcome = await entry.trainer.train(groups, train_options, on_progress=bar)
+                    turn.timings["time/train_s"] = time.monotonic() - trained_at
+                    if outcome.step != entry.step:
+                        # Work that needs no server overlaps the handoff (merging, for disk sync).
+                        await self._sync.prepare(entry.target(outcome.step))
+            timings = turn.timings
+            if outcome.step != entry.step:
+                # Also a step a restarted trainer resumed at without training now (it died after
+                # writing that checkpoint): it becomes the current step only once it is served.
+                timings.update(
+                    await self._serve_step(entry, outcome.step, may_restart=not turn.restarted_server)
+                )
+            if outcome.reason:
+                logger.warning("%s step %d: %s", model.name, outcome.step, outcome.reason)
+            dropped = int(outcome.metrics.get("sequences_dropped_too_long", 0))
+            if dropped:
+                logger.warning(
+                    "%s step %d: dropped %d sequences longer than the packed row length (max_seq_length=%d)",
+                    model.name, outcome.step, dropped, entry.trainer.config.max_seq_length,
+                )  # fmt: skip
             timings["time/step_s"] = time.monotonic() - started
             metrics = {**outcome.metrics, **timings}
             row = {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
             await asyncio.to_thread(append_row, entry.store.history, entry.step, row)
             if verbose:
                 logger.info("%s step %d: %s", model.name, entry.step, json.dumps(metrics, default=str))
-            path = (
-                str(entry.store.checkpoint_dir(entry.step)) if save_checkpoint and outcome.trained else None
-            )
-            return TrainResult(step=entry.step, metrics=metrics, checkpoint_path=path)
+            path = outcome.checkpoint_path if train_options.save_checkpoint else None
+            return TrainResult(step=entry.step, metrics=metrics, checkpoint_path=str(path) if path else None)
 
     async def _train_sft(
         self,
@@ -367,43 +361,23 @@ class SGLangBackend:
 
     async def _run_sft(self, entry: _Registered, batches: list[SFTBatch], report: Any, verbose: bool) -> None:
         async with self._lock:
-            handoff = self._handoff
-            assert handoff is not None
-            await self._ensure_running(entry)
-            async with handoff.trainer_turn(entry.trainer) as timings:
+            service, handoff = self._service, self._handoff
+            assert service is not None and handoff is not None
+            await service.recover()
+            async with handoff.trainer_turn(entry.trainer) as turn:
+                if not entry.trainer.is_alive():
+                    logger.warning(
+                        "trainer of %s is not running; restarting it from its checkpoint", entry.model.name
+                    )
+                    await entry.trainer.start()
                 outcome = await entry.trainer.sft(
                     batches, on_progress=lambda event: report(event.get("metrics") or {})
                 )
-                target = entry.target(outcome.step)
-                await self._sync.prepare(target)
-            await self._serve_step(entry, target, timings)
+                await self._sync.prepare(entry.target(outcome.step))
+            timings = turn.timings
+            timings.update(await self._serve_step(entry, outcome.step, may_restart=not turn.restarted_server))
             if verbose:
                 logger.info("%s SFT step %d: %s", entry.model.name, entry.step, json.dumps(timings))
-
-    async def _ensure_running(self, entry: _Registered) -> None:
-        """The server (restarted if it died) and the model's trainer (restarted from its checkpoint)."""
-        assert self._service is not None
-        await self._service.ensure_running()
-        if not entry.trainer.is_alive():
-            logger.warning(
-                "trainer of %s is not running; restarting it from its checkpoint", entry.model.name
-            )
-            entry.step = await entry.trainer.start()
-
-    async def _serve_step(self, entry: _Registered, target: SyncTarget, timings: dict[str, float]) -> None:
-        """Bring a newly trained step to the server and make it the model's step once it answers."""
-        service = self._service
-        assert service is not None
-        synced_at = time.monotonic()
-        await service.ensure_running()
-        await self._sync.apply(target)
-        if self.sglang_config.flush_cache_on_sync:
-            await service.flush_cache()
-        timings["time/sync_s"] = time.monotonic() - synced_at
-        probed_at = time.monotonic()
-        await service.probe(target.inference_name)
-        timings["time/probe_s"] = time.monotonic() - probed_at
-        entry.step = target.step
 
     async def _log(self, model: Any, trajectory_groups: list[Any], split: str = "val") -> None:
         """Store the groups that `model.log()` recorded under `trajectories/<split>/<step>.jsonl`."""
@@ -422,11 +396,14 @@ class SGLangBackend:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError, RuntimeError):
                 await self._watchdog
-        for entry in self._models.values():
-            await entry.trainer.stop()
-            entry.lock.release()
+        stops = [entry.trainer.stop() for entry in self._models.values()]
         if self._service is not None:
-            await self._service.close()
+            stops.append(self._service.close())
+        try:
+            await _gather_all(*stops)
+        finally:
+            for entry in self._models.values():
+                entry.lock.release()
 
     async def __aenter__(self) -> SGLangBackend:
         return self
@@ -442,24 +419,37 @@ class SGLangBackend:
         self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="art-sglang-watchdog")
 
     async def _watch(self) -> None:
-        """Restart a server that died between backend calls, with every adapter loaded again before it
-        serves; requests meanwhile fail loudly (502) or wait in the gateway while the restart runs."""
+        """Restart a server that died, at any time (during train() too), with every adapter loaded again
+        before it serves: new requests wait in the gateway meanwhile. Failed restarts are retried with a
+        growing pause and raised to the user by the next train() or register()."""
         service = self._service
         assert service is not None
+        pause = WATCHDOG_INTERVAL_S
         while not self._closed:
-            await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            if service.process.is_alive() or self._lock.locked():
-                continue
-            async with self._lock:
-                if self._closed or service.process.is_alive():
-                    continue
-                await service.hold()
-                try:
-                    await service.ensure_running()
-                except Exception:  # the next train() or register() raises it to the user
-                    logger.exception("restarting the inference server failed")
-                finally:
-                    await service.unhold()
+            await asyncio.sleep(pause)
+            try:
+                await service.recover()
+                pause = WATCHDOG_INTERVAL_S
+            except Exception:
+                logger.exception("restarting the inference server failed")
+                pause = min(pause * 2, WATCHDOG_MAX_PAUSE_S)
+
+    async def _serve_step(self, entry: _Registered, step: int, *, may_restart: bool) -> dict[str, float]:
+        """Make `<name>@<step>` servable and answering, then make it the model's current step. The one place
+        the current step changes, so a name the backend hands out is always loaded. Returns timings."""
+        service = self._service
+        assert service is not None
+        target = entry.target(step)
+        synced_at = time.monotonic()
+        await self._sync.prepare(target)
+        await service.recover()
+        await self._sync.apply(target, may_restart=may_restart)
+        if self.sglang_config.flush_cache_on_sync:
+            await service.flush_cache()
+        probed_at = time.monotonic()
+        await service.probe(target.inference_name)
+        entry.step = step
+        return {"time/sync_s": probed_at - synced_at, "time/probe_s": time.monotonic() - probed_at}
 
     # --- helpers ---------------------------------------------------------------------------------------
     @property
@@ -510,6 +500,7 @@ class SGLangBackend:
         if settings.inference_gpu_ids is not None and settings.trainer_gpu_ids is not None:
             layout = self._layout_for(settings.inference_gpu_ids, settings.trainer_gpu_ids, config)
         self._configure(layout, config)
+        self._chosen_config = config
 
     def _layout_for(self, inference: list[int], training: list[int], config: SGLangConfig) -> DeviceLayout:
         if self._devices_given:
@@ -522,7 +513,7 @@ class SGLangBackend:
                 f"_internal_config inference_gpu_ids={inference} must list tensor_parallel_size="
                 f"{config.tensor_parallel_size} GPU(s) (consecutive, from the first)"
             )
-        device_config, _, _, engine = self._device_request
+        device_config, engine = self._device_request
         try:
             return choose_layout(
                 device_config,
@@ -547,8 +538,11 @@ class SGLangBackend:
                 "weight_sync_method='disk' merges one model's weights into the server's base weights, so "
                 "only one model can be registered: use weight_sync_method='lora' to serve several"
             )
-        wanted = {key: value for key, value in settings.server_updates.items() if key != "chat_template"}
-        different = {k: v for k, v in wanted.items() if getattr(self.sglang_config, k) != v}
+        different: dict[str, Any] = {
+            key: value
+            for key, value in settings.server_updates.items()
+            if getattr(self._chosen_config, key) != value
+        }
         if settings.chat_template is not None:
             different["chat_template"] = "(the model's own template)"
         if settings.inference_gpu_ids is not None:
@@ -560,9 +554,25 @@ class SGLangBackend:
                 "backend, so use a second SGLangBackend"
             )
 
-    def _ensure_service(self, base_model: str, store: ModelStore) -> InferenceService:
+    async def _ensure_service(self, base_model: str, store: ModelStore) -> InferenceService:
         # The server's log lives with the first model registered (one server serves every model).
         if self._service is None:
+            release: Literal["kv_cache", "all"] = "all"
+            if self.handoff_strategy == "sleep":
+                plan = await asyncio.to_thread(self._plan_shared_gpu, base_model)
+                release = plan.release
+                self.sglang_config = self.sglang_config.model_copy(
+                    update={"mem_fraction_static": plan.mem_fraction_static}
+                )
+                logger.info(
+                    "shared mode: each step releases the server's %s%s (mem_fraction_static %.3f): %s",
+                    "KV cache; the trainer keeps its model on the GPU"
+                    if plan.trainer_resident
+                    else "weights",
+                    "" if plan.trainer_resident else " and KV cache; the trainer moves to host memory",
+                    plan.mem_fraction_static,
+                    plan.reason,
+                )
             self._service = InferenceService(
                 self.sglang_config,
                 base_model,
@@ -571,11 +581,30 @@ class SGLangBackend:
                 gpu_ids=self._gpu_ids("inference"),
                 use_gateway=self._use_gateway,
             )
-            self._handoff = GpuHandoff(self.handoff_strategy, self._service)
+            self._handoff = GpuHandoff(self.handoff_strategy, self._service, release)
             self._sync = make_weight_sync(
                 self.sglang_config.weight_sync_method, self._service, self.sglang_config.adapters_to_keep
             )
         return self._service
+
+    def _plan_shared_gpu(self, base_model: str) -> SharedPlan:
+        """What a sleep handoff releases, from the shared GPU's size and the base model's (blocking)."""
+        config = self.sglang_config
+        requested = config.sleep_release
+        total: int | None = None
+        if self.layout.engine == "sglang":
+            gpus = {gpu.index: gpu for gpu in detect_gpus().gpus}
+            gpu = gpus.get(self.layout.inference_gpus[0]) if self.layout.inference_gpus else None
+            if gpu is None and requested == "auto":
+                return SharedPlan("all", config.mem_fraction_static, "the GPU's memory size is unknown")
+            total = gpu.memory_total_mib * 2**20 if gpu is not None else None
+        return plan_shared_gpu(
+            requested,
+            gpu_total_bytes=total,
+            weights_bytes=model_weights_bytes(base_model),
+            mem_fraction_static=config.mem_fraction_static,
+            fraction_set_by_user="mem_fraction_static" in config.model_fields_set,
+        )
 
     def _gpu_ids(self, role: Literal["inference", "training"]) -> list[str]:
         """GPU ids (indices or UUIDs, as the user's CUDA_VISIBLE_DEVICES names them) for a child's
@@ -583,6 +612,16 @@ class SGLangBackend:
         if self.layout.engine == "reference":
             return []
         return [part for part in self.layout.cuda_visible_devices(role).split(",") if part]
+
+
+async def _gather_all(*calls: Awaitable[Any]) -> list[Any]:
+    """Run `calls` concurrently and wait for every one of them, even when one fails (nothing is left
+    running behind an error); then raise the first error."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 def _check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
@@ -605,6 +644,14 @@ def _check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
                 f"TrainerConfig(target_modules) trains {missing}, which SGLangConfig(lora_target_modules="
                 f"{sglang.lora_target_modules}) does not serve: add them, or use lora_target_modules=['all']"
             )
+
+
+def _check_row_length(options: TrainOptions, trainer: TrainerConfig) -> None:
+    if options.packed_sequence_length is not None and options.packed_sequence_length > trainer.max_seq_length:
+        raise ConfigError(
+            f"packed_sequence_length={options.packed_sequence_length} exceeds TrainerConfig(max_seq_length="
+            f"{trainer.max_seq_length}): lower it, or raise max_seq_length"
+        )
 
 
 def _server_updates(settings: ModelSettings, store: ModelStore) -> dict[str, Any]:
@@ -679,6 +726,10 @@ def _append_lines(path: Any, lines: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as handle:
         handle.write("".join(line + "\n" for line in lines))
+
+
+# help(SGLangBackend.train) and editors that read __signature__ show every option with its default.
+SGLangBackend.train.__signature__ = TrainOptions.signature(inspect.signature(SGLangBackend.train))  # type: ignore[attr-defined]
 
 
 class _progress:

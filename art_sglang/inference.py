@@ -1,18 +1,22 @@
 """`InferenceService`: the one inference server of a backend, kept in a known state.
 
-It owns the server process, its admin client, the `AdapterGateway` in front of it, and the list of
-adapters that must be loaded. Whenever the server (re)starts — first start, restart, crash recovery — every
-adapter on that list is loaded again before the service reports ready, so a name the backend hands out is
-always loaded. Names are added to the gateway only after the server loaded them and removed from it before
-they are unloaded, so a request can never reach the server for a name it does not have.
+It owns the server process, its admin client, the `AdapterGateway` in front of it, the adapters that must
+be loaded, the aliases served by the base slot and the base weights the server must hold. All of that is
+private; callers (the backend, the weight-sync strategies, the GPU handoff) change it only through the
+commands below, and each command keeps one invariant: **a name the gateway routes is loaded on the
+server**. Whenever the server (re)starts — first start, a weight-sync restart, the shared-mode restart,
+crash recovery — the gateway holds new requests until every wanted adapter (and the base weights) is
+loaded again. Names are routed only after the server loaded them and stop being routed before they are
+unloaded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -21,7 +25,7 @@ import httpx
 from .config import SGLangConfig
 from .errors import AdapterLoadError, ServerCrashedError, ServerRequestError
 from .model_store import check_adapter
-from .server.client import ServerClient
+from .server.client import MEMORY_TAGS, WEIGHTS_TAG, ServerClient
 from .server.gateway import ANY, AdapterGateway
 from .server.process import ServerProcess
 
@@ -31,7 +35,7 @@ PROBE_TIMEOUT_S = 120.0
 
 
 class InferenceService:
-    """Server process + admin client + gateway + the adapters that must be loaded (name -> directory)."""
+    """Server process + admin client + gateway + what the server must hold (adapters, base weights)."""
 
     def __init__(
         self,
@@ -44,130 +48,245 @@ class InferenceService:
         use_gateway: bool = True,
         drain_timeout: float = 600.0,
     ):
-        self.config = config
-        self.base_model = base_model
-        self.process = ServerProcess(config, base_model, engine=engine, log_path=log_path, gpu_ids=gpu_ids)
-        self.gateway: AdapterGateway | None = None
-        if use_gateway:
-            self.gateway = AdapterGateway("http://127.0.0.1:0", api_key=config.api_key)
-        self.drain_timeout = drain_timeout
-        self.adapters: dict[str, Path] = {}  # wanted on the server, oldest first
-        self.aliases: dict[str, str] = {}  # served by the base slot (merged weights), see weight_sync
-        self.base_ids: list[str] = []
-        self.client: ServerClient | None = None
-        self.released = False
-        self.merged_weights: Path | None = None  # applied after every start (weight_sync_method="disk")
-        self.starts = 0  # how many times the server process was started
+        self._config = config
+        self._base_model = base_model
+        self._process = ServerProcess(config, base_model, engine=engine, log_path=log_path, gpu_ids=gpu_ids)
+        self._gateway = AdapterGateway("http://127.0.0.1:0", api_key=config.api_key) if use_gateway else None
+        self._drain_timeout = drain_timeout
+        self._adapters: dict[str, Path] = {}  # loaded (and wanted after every start), oldest first
+        self._aliases: dict[str, str] = {}  # names served by the base slot (merged weights)
+        self._base_ids: list[str] = []
+        self._base_weights: Path | None = None  # merged weights the base slot holds; None = the original
+        self._client: ServerClient | None = None
+        # Whether the server is meant to serve now: False before the first start, while the trainer has
+        # the GPU (shared mode) and after close(). Crash recovery restarts only a server meant to serve.
+        self._serving = False
+        self._released_tags: tuple[str, ...] = ()  # GPU memory kinds released for the trainer
+        self._holds = 0  # nested holds of the gateway; requests wait while > 0
+        self._lock = asyncio.Lock()  # one command at a time changes the server
 
-    # --- addresses -------------------------------------------------------------------------------------
+    # --- what others may read ----------------------------------------------------------------------------
+    @property
+    def base_model(self) -> str:
+        return self._base_model
+
+    @property
+    def process(self) -> ServerProcess:
+        """The server process (read its pid, address and liveness; start and stop it through the service)."""
+        return self._process
+
+    @property
+    def gateway(self) -> AdapterGateway | None:
+        return self._gateway
+
+    @property
+    def serving(self) -> bool:
+        """Whether the server is meant to serve now (started and not handed to the trainer)."""
+        return self._serving
+
     @property
     def openai_base_url(self) -> str:
         """What models' OpenAI clients use: the gateway when on, else the server itself (with /v1)."""
-        root = self.gateway.base_url if self.gateway is not None else self.process.base_url
+        root = self._gateway.base_url if self._gateway is not None else self._process.base_url
         return f"{root}/v1"
 
     @property
     def api_key(self) -> str:
         # The OpenAI client insists on a key; the server ignores it unless it was started with one.
-        return self.config.api_key or "default"
+        return self._config.api_key or "default"
+
+    def client_name(self, name: str) -> str:
+        """The `model` a client sends to be served `name`: the name itself through the gateway. Without
+        the gateway, SGLang's own `<base>:<adapter>` form (a bare adapter name is answered by the base
+        model) or, for an alias, the base id."""
+        if self._gateway is not None:
+            return name
+        if name in self._aliases:
+            return self._aliases[name]
+        return f"{self._base_id()}:{name}"
+
+    def _base_id(self) -> str:
+        return self._base_ids[0] if self._base_ids else self._base_model
+
+    # --- holding requests --------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def holding(self) -> AsyncIterator[None]:
+        """New requests wait in the gateway for the block; it starts once the requests in flight finished.
+        Holds nest: requests flow again when the outermost block ends."""
+        self._holds += 1
+        try:
+            if self._gateway is not None:
+                await self._gateway.hold()
+                if not await self._gateway.wait_idle(ANY, self._drain_timeout):
+                    logger.warning("requests still in flight after %.0f s; going on", self._drain_timeout)
+            yield
+        finally:
+            self._holds -= 1
+            if self._holds == 0 and self._gateway is not None:
+                await self._gateway.unhold()
 
     # --- lifecycle -------------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Start the server (if not running), load every wanted adapter, then open the gateway to them."""
-        started = time.monotonic()
-        await self.process.start()
-        self.starts += 1
-        if self.client is not None:
-            await self.client.aclose()
-        self.client = ServerClient(self.process.base_url, api_key=self.config.api_key)
-        self.released = False
-        self.base_ids = [card.id for card in await self.client.list_models() if card.parent is None]
-        if self.merged_weights is not None:
-            # A fresh process holds the original base weights; merged ones are applied again first.
-            await self.client.update_weights_from_disk(str(self.merged_weights))
-        for name, path in self.adapters.items():
-            await self._load_on_server(name, path)
-        if self.gateway is not None:
-            self.gateway.set_upstream(self.process.base_url)
-            self.gateway.start()
-            self._publish()
-        logger.info(
-            "inference server ready at %s (%.1f s); adapters: %s",
-            self.process.base_url,
-            time.monotonic() - started,
-            ", ".join(self.adapters) or "none",
-        )
-
-    async def stop(self) -> None:
-        """Stop the server process (the gateway stays; its requests wait while held, else fail with 502)."""
-        await self.process.stop()
-        self.released = False
+    async def start(self) -> bool:
+        """Make the server serve: start it if it is not running, with every wanted adapter loaded before a
+        request reaches it. Returns whether a server process was started."""
+        async with self._lock:
+            return await self._bring_up()
 
     async def restart(self) -> None:
-        await self.stop()
-        await self.start()
+        """Stop the server and start it again, requests held meanwhile."""
+        async with self._lock, self.holding():
+            await self._process.stop()
+            await self._bring_up()
+
+    async def stop(self) -> None:
+        """Stop the server on purpose (shared mode "restart"): crash recovery leaves it down until
+        `start()`. Requests wait while the gateway is held, else fail with 502."""
+        async with self._lock:
+            self._serving = False
+            await self._process.stop()
+
+    async def recover(self) -> bool:
+        """Restart a server that died while meant to serve, with every adapter loaded again before a
+        request reaches it. Returns whether it restarted the server."""
+        if not self._serving or self._process.is_alive():
+            return False
+        async with self._lock:
+            if not self._serving or self._process.is_alive():
+                return False
+            logger.warning(
+                "the inference server died; restarting it. Last lines of its log:\n%s",
+                self._process.log_tail(),
+            )
+            return await self._bring_up()
 
     async def close(self) -> None:
         """Stop the server, the gateway and the client. Idempotent."""
-        await self.process.stop()
-        if self.gateway is not None:
-            self.gateway.close()
-        if self.client is not None:
-            await self.client.aclose()
-            self.client = None
+        self._serving = False
+        await self._process.stop()
+        if self._gateway is not None:
+            self._gateway.close()
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
 
-    async def ensure_running(self) -> None:
-        """Restart a server that died (crash recovery): it comes back with every wanted adapter loaded."""
-        try:
-            self.process.check_alive()
-        except ServerCrashedError as exc:
-            logger.warning("inference server is down, restarting it: %s", exc)
-            await self.start()
+    async def _bring_up(self) -> bool:
+        """Start the server if needed and load what it must hold, the gateway held meanwhile (the one place
+        that enforces the invariant after a start). Call with the lock held."""
+        if self._process.is_alive() and self._client is not None:
+            return False
+        async with self.holding():
+            began = time.monotonic()
+            await self._process.start()
+            if self._client is not None:
+                await self._client.aclose()
+            self._client = ServerClient(self._process.base_url, api_key=self._config.api_key)
+            self._base_ids = [card.id for card in await self._client.list_models() if card.parent is None]
+            if self._base_weights is not None:
+                # A fresh process holds the original base weights; the merged ones are applied again.
+                await self._client.update_weights_from_disk(str(self._base_weights))
+            for name, path in self._adapters.items():
+                await self._load_on_server(name, path)
+            if self._gateway is not None:
+                self._gateway.set_upstream(self._process.base_url)
+                self._gateway.start()
+            self._publish()
+            self._serving = True
+            logger.info(
+                "inference server ready at %s (%.1f s); adapters: %s",
+                self._process.base_url,
+                time.monotonic() - began,
+                ", ".join(self._adapters) or "none",
+            )
+        return True
 
     def _admin(self) -> ServerClient:
-        if self.client is None:
+        if self._client is None:
             raise ServerCrashedError("the inference server is not running: start it first")
-        return self.client
+        return self._client
 
-    # --- taking the server away and giving it back -------------------------------------------------------
-    async def hold(self) -> None:
-        """New requests wait from now on; returns once the ones in flight finished."""
-        if self.gateway is None:
-            return
-        await self.gateway.hold()
-        if not await self.gateway.wait_idle(ANY, self.drain_timeout):
-            logger.warning("requests still in flight after %.0f s; going on", self.drain_timeout)
+    # --- shared mode: GPU memory ---------------------------------------------------------------------------
+    async def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free the server's GPU memory of the kinds in `tags` (None = all) for the trainer (hold requests
+        first); the process stays."""
+        async with self._lock:
+            self._serving = False
+            if self._process.is_alive():
+                await self._admin().release_memory_occupation(tags)
+            self._released_tags = tuple(tags) if tags is not None else MEMORY_TAGS
 
-    async def unhold(self) -> None:
-        if self.gateway is not None:
-            await self.gateway.release()
-
-    async def release_memory(self) -> None:
-        await self._admin().release_memory_occupation()
-        self.released = True
-
-    async def resume_memory(self) -> None:
-        """Resume the released memory, then load every adapter again: whether the LoRA pool survives a
-        release is SGLang's internal business, and reloading costs milliseconds, so nothing is assumed."""
-        client = self._admin()
-        await client.resume_memory_occupation()
-        self.released = False
-        for name, path in self.adapters.items():
-            with contextlib.suppress(ServerRequestError):  # already gone with the release
-                await client.unload_lora_adapter(name)
-            await self._load_on_server(name, path)
+    async def resume_memory(self) -> bool:
+        """Take back what `release_memory` freed. When the weights were released, every adapter is loaded
+        again (whether the LoRA pool survives that is SGLang's internal business, and reloading costs
+        milliseconds); after a KV-cache-only release the adapters were never touched. A server that died
+        meanwhile is started instead. Returns whether a server process was started."""
+        async with self._lock:
+            tags, self._released_tags = self._released_tags, ()
+            if not self._process.is_alive():
+                return await self._bring_up()
+            async with self.holding():
+                client = self._admin()
+                if tags:
+                    await client.resume_memory_occupation(list(tags))
+                if WEIGHTS_TAG in tags:
+                    for name, path in self._adapters.items():
+                        with contextlib.suppress(ServerRequestError):  # already gone with the release
+                            await client.unload_lora_adapter(name)
+                        await self._load_on_server(name, path)
+                self._serving = True
+            return False
 
     # --- adapters --------------------------------------------------------------------------------------
-    async def load(self, name: str, path: Path) -> None:
-        """Load `path` as `name` (checked locally first) and serve it through the gateway."""
-        if name in self.adapters:
+    async def add_adapter(self, name: str, path: Path) -> None:
+        """Load `path` as `name` (checked locally first), then route it. No-op if already loaded."""
+        async with self._lock:
+            if name in self._adapters:
+                return
+            await self._load_on_server(name, path)
+            self._adapters[name] = path
+            self._publish()
+
+    async def remove_adapter(self, name: str) -> None:
+        """Stop routing `name`, wait for its requests in flight, then unload it from the server."""
+        async with self._lock:
+            if self._adapters.pop(name, None) is None:
+                return
+            self._publish()
+        if self._gateway is not None and not await self._gateway.wait_idle(name, self._drain_timeout):
+            logger.warning(
+                "requests on %s still in flight after %.0f s; unloading", name, self._drain_timeout
+            )
+        async with self._lock:
+            if name in self._adapters or not self._process.is_alive():
+                return  # loaded again meanwhile, or gone with the process
+            try:
+                await self._admin().unload_lora_adapter(name)
+            except ServerRequestError as exc:
+                logger.warning("unloading %s failed: %s", name, exc)
+
+    async def keep_newest(self, prefix: str, keep: int) -> None:
+        """Unload all but the `keep` newest adapters whose name starts with `prefix`."""
+        mine = [name for name in self._adapters if name.startswith(prefix)]
+        for name in mine[: max(len(mine) - keep, 0)]:
+            await self.remove_adapter(name)
+
+    async def replace_adapters(self, prefix: str, name: str, path: Path, *, restart: bool) -> None:
+        """Make `name` the only adapter starting with `prefix`. With `restart`, by restarting the server
+        with it preloaded (requests held; a restart ends every request in flight, so the older ones need
+        not stay); else by loading it and then unloading the older ones."""
+        if not restart:
+            await self.add_adapter(name, path)
+            await self.keep_newest(prefix, 1)
             return
-        await self._load_on_server(name, path)
-        self.adapters[name] = path
-        self._publish()
+        async with self._lock, self.holding():
+            for old in [n for n in self._adapters if n.startswith(prefix)]:
+                del self._adapters[old]
+            self._adapters[name] = path
+            check_adapter(path, self._config.max_lora_rank)
+            await self._process.stop()
+            await self._bring_up()
 
     async def _load_on_server(self, name: str, path: Path) -> None:
-        check_adapter(path, self.config.max_lora_rank)
+        check_adapter(path, self._config.max_lora_rank)
         try:
             await self._admin().load_lora_adapter(name, str(path))
         except AdapterLoadError as exc:
@@ -177,53 +296,32 @@ class InferenceService:
                 server_message=exc.server_message,
             ) from exc
 
-    async def unload(self, name: str) -> None:
-        """Stop routing `name`, wait for its requests in flight, then unload it from the server."""
-        if name not in self.adapters:
-            return
-        del self.adapters[name]
-        self._publish()
-        if self.gateway is not None and not await self.gateway.wait_idle(name, self.drain_timeout):
-            logger.warning("requests on %s still in flight after %.0f s; unloading", name, self.drain_timeout)
-        try:
-            await self._admin().unload_lora_adapter(name)
-        except ServerRequestError as exc:
-            logger.warning("unloading %s failed: %s", name, exc)
+    # --- base weights (merged adapters) ------------------------------------------------------------------
+    async def set_base_weights(self, path: Path | None) -> Path | None:
+        """Make the base slot hold the weights at `path` (None: the original model's), requests held, and
+        keep them across restarts. Returns the previous merged weights (None if the original)."""
+        async with self._lock:
+            previous = self._base_weights
+            if path == previous:
+                return previous
+            async with self.holding():
+                await self._admin().update_weights_from_disk(str(path or self._base_model))
+                # The prefix cache holds keys/values computed with the old weights of the same slot.
+                await self._admin().flush_cache()
+            self._base_weights = path
+            return previous
 
-    async def keep_newest(self, prefix: str, keep: int) -> None:
-        """Unload all but the `keep` newest adapters whose name starts with `prefix`."""
-        mine = [name for name in self.adapters if name.startswith(prefix)]
-        for name in mine[: max(len(mine) - keep, 0)]:
-            await self.unload(name)
-
-    def set_alias(self, name: str, prefix: str) -> None:
-        """Serve `name` with the base slot (merged weights), replacing earlier aliases starting `prefix`."""
-        self.aliases = {k: v for k, v in self.aliases.items() if not k.startswith(prefix)}
-        self.aliases[name] = self.base_ids[0] if self.base_ids else self.base_model
+    def serve_alias(self, name: str, prefix: str) -> None:
+        """Serve `name` with the base slot, replacing earlier aliases that start with `prefix`."""
+        self._aliases = {k: v for k, v in self._aliases.items() if not k.startswith(prefix)}
+        self._aliases[name] = self._base_id()
         self._publish()
 
     def _publish(self) -> None:
-        if self.gateway is not None:
-            self.gateway.set_served(self.adapters, self.base_ids, self.aliases)
-
-    def serves(self, name: str) -> bool:
-        return name in self.adapters or name in self.aliases
-
-    def client_name(self, name: str) -> str:
-        """The `model` a client sends to be served `name`: the name itself through the gateway. Without
-        the gateway, SGLang's own `<base>:<adapter>` form (a bare adapter name is answered by the base
-        model) or, for an alias, the base id."""
-        if self.gateway is not None:
-            return name
-        if name in self.aliases:
-            return self.aliases[name]
-        return f"{self.base_ids[0] if self.base_ids else self.base_model}:{name}"
+        if self._gateway is not None:
+            self._gateway.set_served(self._adapters, self._base_ids, self._aliases)
 
     # --- checks ----------------------------------------------------------------------------------------
-    async def loaded_on_server(self) -> list[str]:
-        """Adapter names the server itself lists in /v1/models."""
-        return [card.id for card in await self._admin().list_models() if card.parent is not None]
-
     async def probe(self, name: str) -> None:
         """One greedy one-token chat completion on `name` through the client path rollouts use; raises
         `ServerRequestError` unless it answers 200."""
@@ -244,4 +342,5 @@ class InferenceService:
             )
 
     async def flush_cache(self) -> None:
-        await self._admin().flush_cache()
+        async with self._lock:
+            await self._admin().flush_cache()

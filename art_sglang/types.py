@@ -71,9 +71,8 @@ class TrainSFTConfig(BaseModel):
 
 @dataclass
 class TrainResult:
-    """What `backend.train()` returns: the step reached, the aggregated training metrics, and (as ART's
-    LocalBackend's result) the step's checkpoint directory, None when no step was taken or
-    `save_checkpoint=False`."""
+    """What `backend.train()` returns: the step reached, the aggregated training metrics and (as ART's
+    `LocalTrainResult`) the new checkpoint's folder, None with `save_checkpoint=False`."""
 
     step: int
     metrics: dict[str, float] = field(default_factory=dict)

@@ -1,6 +1,6 @@
 """What the benchmark scripts share: launch settings from the command line, a random LoRA adapter of a
-model's shape (a serving benchmark needs no trained one), GPU memory in use, and result output (JSON plus
-a markdown table)."""
+model's shape (a serving benchmark needs no trained one), the device and versions, and result output
+(JSON plus a markdown table)."""
 
 from __future__ import annotations
 
@@ -10,41 +10,86 @@ import platform
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from art_sglang.config import DEFAULT_LORA_TARGETS, SGLangConfig
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", choices=["sglang", "reference"], default="sglang")
+def add_server_args(
+    parser: argparse.ArgumentParser, engines: tuple[str, ...] = ("sglang", "reference")
+) -> None:
+    parser.add_argument("--engine", choices=engines, default="sglang")
     parser.add_argument("--model", "--model-path", dest="model", required=True, help="model folder")
-    parser.add_argument("--mem-fraction-static", type=float, default=0.5)
+    parser.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=0.5,
+        help="SGLang --mem-fraction-static (vLLM: --gpu-memory-utilization)",
+    )
     parser.add_argument(
         "--cuda-graph",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="capture CUDA graphs (slower start, faster decode)",
+        help="capture CUDA graphs (slower start, faster decode; vLLM: off = --enforce-eager)",
     )
-    parser.add_argument("--attention-backend", default=None, help="e.g. triton (the device kit has no FA3)")
-    parser.add_argument("--sampling-backend", default=None, help="e.g. pytorch")
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        help="the engine's own name: e.g. triton for SGLang (the device kit has no FA3), FLASH_ATTN for vLLM",
+    )
+    parser.add_argument("--sampling-backend", default=None, help="SGLang only, e.g. pytorch")
     parser.add_argument("--lora-rank", type=int, default=8, help="rank of the random adapter served")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/art-sglang-bench"))
 
 
-def server_config(args: argparse.Namespace, **overrides: Any) -> SGLangConfig:
-    settings: dict[str, Any] = {
-        "mem_fraction_static": args.mem_fraction_static,
-        "disable_cuda_graph": not args.cuda_graph,
-        "attention_backend": args.attention_backend,
-        "sampling_backend": args.sampling_backend,
+@dataclass(frozen=True)
+class ServerSettings:
+    """What a benchmarked server is started with, in terms every engine maps to its own flags."""
+
+    model: str
+    prefix_cache: bool = True
+    mem_fraction: float = 0.5  # SGLang --mem-fraction-static, vLLM --gpu-memory-utilization
+    cuda_graph: bool = True
+    max_lora_rank: int = 8
+    max_loras_per_batch: int = 4
+    attention_backend: str | None = None  # the engine's own name
+    sampling_backend: str | None = None  # SGLang only
+
+
+def server_settings(args: argparse.Namespace, **changes: Any) -> ServerSettings:
+    """The settings of `add_server_args`' options."""
+    return ServerSettings(
+        model=args.model,
+        mem_fraction=args.mem_fraction_static,
+        cuda_graph=args.cuda_graph,
+        max_lora_rank=max(args.lora_rank, 8),
+        attention_backend=args.attention_backend,
+        sampling_backend=args.sampling_backend,
+        **changes,
+    )
+
+
+def sglang_config(settings: ServerSettings, **overrides: Any) -> SGLangConfig:
+    """The SGLang (or reference engine) launch config for `settings`, cached tokens reported in usage."""
+    fields: dict[str, Any] = {
+        "mem_fraction_static": settings.mem_fraction,
+        "disable_radix_cache": not settings.prefix_cache,
+        "disable_cuda_graph": not settings.cuda_graph,
+        "attention_backend": settings.attention_backend,
+        "sampling_backend": settings.sampling_backend,
         "enable_cache_report": True,
-        "max_lora_rank": max(args.lora_rank, 8),
+        "max_lora_rank": settings.max_lora_rank,
+        "max_loras_per_batch": settings.max_loras_per_batch,
     }
-    settings.update(overrides)
-    return SGLangConfig(**settings)
+    return SGLangConfig(**{**fields, **overrides})
+
+
+def server_config(args: argparse.Namespace, **overrides: Any) -> SGLangConfig:
+    return sglang_config(server_settings(args), **overrides)
 
 
 def make_random_adapter(model_path: str, out: Path, *, rank: int = 8, seed: int = 0) -> Path:
@@ -87,10 +132,23 @@ def _nvidia_smi(query: str) -> list[str] | None:
     return [line.strip() for line in done.stdout.splitlines() if line.strip()]
 
 
-def gpu_memory_used_mib() -> int | None:
-    """Memory in use on all GPUs together, or None without nvidia-smi."""
-    used = _nvidia_smi("memory.used")
-    return None if used is None else sum(int(v) for v in used)
+def version_in(python: str, package: str) -> str | None:
+    """`package`'s version as the interpreter `python` sees it (a server's own stack), or None."""
+    done = subprocess.run(
+        [python, "-c", f"from importlib.metadata import version; print(version({package!r}))"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def device_name(env: dict[str, Any]) -> str:
+    """The GPU(s) of `environment()` in one phrase, or "CPU"."""
+    gpus = env["gpus"]
+    if not gpus:
+        return "CPU"
+    return gpus[0] if len(gpus) == 1 else f"{len(gpus)}x {gpus[0]}"
 
 
 def environment() -> dict[str, Any]:

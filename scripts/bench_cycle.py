@@ -1,137 +1,207 @@
-"""Shared mode's cost per training step, server side: free the GPU and bring inference back, by `restart`
-(stop the server, start it again, reload the adapter) or by `sleep` (SGLang's release/resume memory
-occupation with the memory saver and CPU weight backup; no restart). Each cycle ends when the adapter
-answers again; its greedy output is checked against the one before the cycle, and the GPU memory freed is
-read from nvidia-smi (a 200 from /release_memory_occupation alone proves nothing).
+"""What shared mode costs per training step, measured through the backend: `SGLangBackend.train()` as a
+user calls it, on GRPO rollouts sampled through `model.openai_client()` (the character-share task: 8
+groups x 8 rollouts of ~96 tokens with logprobs, LoRA r=16), for each way of sharing the GPU:
 
-    python scripts/bench_cycle.py --model /root/models/qwen2.5-1.5b-shape \
-        --attention-backend triton --sampling-backend pytorch --json out.json --markdown out.md
+- `sleep/kv_cache`: the server releases its KV cache and keeps its weights; the trainer stays on the GPU;
+- `sleep/all`: the server releases its weights too (CPU backup) and the trainer offloads to CPU between
+  steps;
+- `restart`: the server is stopped for the step and started again.
+
+Each strategy gets its own backend (register, N steps, close). Per step: `overhead_s` = `time/step_s` -
+`time/train_s` of the step's TrainResult (what the step costs beyond the trainer's own work: releasing
+and resuming the GPU, the weight sync, the probe), the trainer's `time/train_s`, `time/gpu_release_s`,
+`time/gpu_resume_s`, `time/sync_s`; GPU memory during the step (the server's while the trainer held
+the GPU, the trainer's peak, the lowest total, from nvidia-smi); and whether the
+previous step's adapter answers the same greedy output before and after the step. Per strategy: the wall
+times of `register()` and `close()`.
+
+    python scripts/bench_cycle.py --model /root/models/qwen2.5-1.5b-shape --attention-backend triton \\
+        --sampling-backend pytorch --strategies sleep/kv_cache sleep/all --json out.json --markdown out.md
+    python scripts/bench_cycle.py ... --strategies restart --steps 2 --merge --json out.json --markdown out.md
+    python scripts/bench_cycle.py --engine reference --model /tmp/tiny ...   # CPU, shared layout forced
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
+import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # environments/ from a source checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))  # gpu_helpers
 from bench_common import (
     add_server_args,
+    device_name,
     environment,
-    gpu_memory_used_mib,
-    make_random_adapter,
     markdown_table,
     server_config,
+    version_in,
     write_results,
 )
+from gpu_helpers import MemorySampler
 
-from art_sglang.server.process import ServerProcess
+import art_sglang as art
+from art_sglang import SGLangBackend, TrainerConfig
+from art_sglang.devices import DeviceLayout
+from environments.char_share import CharShareTask, train_loop
 
-ADAPTER = "bench@1"
-PROMPT = [{"role": "user", "content": "Write a line of Python that prints a greeting."}]
-
-
-async def _post(http: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> float:
-    start = time.perf_counter()
-    response = await http.post(url, json=payload)
-    if response.status_code != 200:
-        raise RuntimeError(f"POST {url} -> {response.status_code}: {response.text[:500]}")
-    return time.perf_counter() - start
+STRATEGIES = ("sleep/kv_cache", "sleep/all", "restart")
+GREEDY_PROMPT = [{"role": "user", "content": "Write a line of Python that prints a greeting."}]
+# The reference engine runs on CPU, where no layout is shared on its own: force one, as the tests do.
+CPU_SHARED = DeviceLayout("shared", "reference", (), (), "forced on CPU for the benchmark")
 
 
-async def _greedy(http: httpx.AsyncClient, base: str) -> tuple[str, float]:
-    start = time.perf_counter()
-    response = await http.post(
-        f"{base}/v1/chat/completions",
-        json={"model": ADAPTER, "messages": PROMPT, "max_tokens": 32, "temperature": 0.0},
+def make_backend(args: argparse.Namespace, strategy: str, path: Path) -> SGLangBackend:
+    """A backend in shared mode on GPU 0 (or forced on CPU for the reference engine) for `strategy`."""
+    handoff, _, release = strategy.partition("/")
+    config = server_config(args, **({"sleep_release": release} if release else {}))
+    common: dict[str, Any] = {
+        "path": str(path),
+        "sglang_config": config,
+        "trainer_config": TrainerConfig(lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank),
+        "shared_strategy": handoff,
+    }
+    if args.engine == "reference":
+        return SGLangBackend(layout=CPU_SHARED, **common)
+    return SGLangBackend(engine="sglang", inference_device=0, training_devices=[0], **common)
+
+
+async def greedy(model: art.TrainableModel, name: str, max_tokens: int) -> str:
+    response = await model.openai_client().chat.completions.create(
+        model=name, messages=GREEDY_PROMPT, max_tokens=max_tokens, temperature=0.0
     )
-    response.raise_for_status()
-    return response.json()["choices"][0]["message"]["content"], time.perf_counter() - start
+    return response.choices[0].message.content or ""
+
+
+async def run_strategy(args: argparse.Namespace, strategy: str, steps: int) -> dict[str, Any]:
+    backend = make_backend(args, strategy, args.workdir / strategy.replace("/", "-") / ".art")
+    model = art.TrainableModel(name="bench", project="bench-cycle", base_model=args.model)
+    task = CharShareTask(max_tokens=args.max_tokens)
+    rows: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    try:
+        await model.register(backend)
+        register_s = time.perf_counter() - started
+        for index in range(steps):
+            previous = model.get_inference_name()  # the adapter serving now; it stays loaded after the step
+            before = await greedy(model, previous, args.greedy_tokens)
+            sampler = MemorySampler() if shutil.which("nvidia-smi") else None
+            with sampler or contextlib.nullcontext():
+                [report] = await train_loop(
+                    backend, model, task, steps=1, groups_per_step=args.groups,
+                    group_size=args.group_size, learning_rate=args.learning_rate, seed=index,
+                )  # fmt: skip
+            after = await greedy(model, previous, args.greedy_tokens)
+            rows.append({"report": report, "step": await model.get_step(), "same": before == after,
+                         "memory": gpu_memory(sampler)})  # fmt: skip
+            print(f"{strategy} step {index + 1}/{steps}: {json.dumps(report.metrics)}", flush=True)
+    finally:
+        closing = time.perf_counter()
+        await backend.close()
+        close_s = time.perf_counter() - closing
+    return {
+        **summarize(rows, register_s=register_s, close_s=close_s),
+        "sglang_config": backend.sglang_config.model_dump(),
+    }
+
+
+def gpu_memory(sampler: MemorySampler | None) -> dict[str, int | None]:
+    """GPU memory (MiB) during a step, from nvidia-smi samples: the lowest total in use, the server's
+    lowest while the trainer held the GPU, the trainer's peak. None without a GPU."""
+    samples = sampler.samples if sampler is not None else []
+    training = sampler.while_training() if sampler is not None else []
+    return {
+        "lowest_total": min((sum(s.total.values()) for s in samples), default=None),
+        "server_while_training": min((s.server_mib() for s in training), default=None),
+        "trainer_peak": max((s.trainer_mib() for s in samples), default=None),
+    }
+
+
+def summarize(rows: list[dict[str, Any]], *, register_s: float, close_s: float) -> dict[str, Any]:
+    """Per-step lists (one entry per step, in order) from the steps' TrainResult metrics."""
+
+    def metric(key: str) -> list[float | None]:
+        return [row["report"].metrics.get(key) for row in rows]
+
+    step_s, train_s = metric("time/step_s"), metric("time/train_s")
+    return {
+        "steps": len(rows),
+        "overhead_s": [s - t for s, t in zip(step_s, train_s, strict=True)],
+        "train_s": train_s,
+        "step_s": step_s,
+        "gpu_release_s": metric("time/gpu_release_s"),
+        "gpu_resume_s": metric("time/gpu_resume_s"),
+        "sync_s": metric("time/sync_s"),
+        "probe_s": metric("time/probe_s"),
+        "rollout_s": [row["report"].rollout_s for row in rows],
+        "mean_reward": [row["report"].mean_reward for row in rows],
+        "step_reached": [row["step"] for row in rows],
+        "greedy_same_after_step": [row["same"] for row in rows],
+        **{f"gpu_mib_{key}": [row["memory"][key] for row in rows] for key in rows[0]["memory"]},
+        "register_s": register_s,
+        "close_s": close_s,
+    }
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    work = args.workdir
-    adapter = make_random_adapter(args.model, work / "adapter", rank=args.lora_rank)
-    config = server_config(args, enable_memory_saver=True, enable_weights_cpu_backup=True)
-    server = ServerProcess(config, args.model, engine=args.engine, log_path=work / "server.log")
-    load = {"lora_name": ADAPTER, "lora_path": str(adapter)}
-    result: dict[str, Any] = {
-        "environment": environment(),
+    env = environment()
+    previous = json.loads(args.json.read_text()) if args.merge and args.json and args.json.exists() else None
+    workload = {
+        "task": "char_share (reward: share of vowels)", "groups": args.groups, "group_size": args.group_size,
+        "max_tokens": args.max_tokens, "lora_rank": args.lora_rank, "learning_rate": args.learning_rate,
+    }  # fmt: skip
+    result: dict[str, Any] = previous or {
+        "device": device_name(env),
+        "date": env["date"],
+        "versions": env["versions"],
+        "engine": args.engine,
         "model": args.model,
-        "config": config.model_dump(),
+        "workload": workload,
+        "strategies": {},
     }
-    async with httpx.AsyncClient(timeout=600, trust_env=False) as http:
-        try:
-            start = time.perf_counter()
-            await server.start()
-            result["cold_start_s"] = time.perf_counter() - start
-            base = server.base_url
-            result["first_adapter_load_s"] = await _post(http, f"{base}/load_lora_adapter", load)
-            reference, _ = await _greedy(http, base)
-            await _greedy(http, base)  # warm
-            serving_mib = gpu_memory_used_mib()
-
-            sleep_cycles = []
-            for _ in range(args.cycles):
-                start = time.perf_counter()
-                release_s = await _post(http, f"{base}/release_memory_occupation", {})
-                released_mib = gpu_memory_used_mib()
-                resume_s = await _post(http, f"{base}/resume_memory_occupation", {})
-                text, first_request_s = await _greedy(http, base)
-                sleep_cycles.append({
-                    "release_s": release_s, "resume_s": resume_s, "first_request_s": first_request_s,
-                    "total_s": time.perf_counter() - start, "gpu_mib_serving": serving_mib,
-                    "gpu_mib_released": released_mib, "output_identical": text == reference,
-                })  # fmt: skip
-
-            restart_cycles = []
-            for _ in range(args.restart_cycles):
-                start = time.perf_counter()
-                await server.stop()
-                stop_s = time.perf_counter() - start
-                stopped_mib = gpu_memory_used_mib()
-                await server.start()
-                start_s = time.perf_counter() - start - stop_s
-                base = server.base_url
-                load_s = await _post(http, f"{base}/load_lora_adapter", load)
-                text, first_request_s = await _greedy(http, base)
-                restart_cycles.append({
-                    "stop_s": stop_s, "start_s": start_s, "adapter_load_s": load_s,
-                    "first_request_s": first_request_s, "total_s": time.perf_counter() - start,
-                    "gpu_mib_serving": serving_mib, "gpu_mib_released": stopped_mib,
-                    "output_identical": text == reference,
-                })  # fmt: skip
-        finally:
-            await server.stop()
-    result["sleep"] = sleep_cycles
-    result["restart"] = restart_cycles
+    if previous is not None and (previous["model"], previous["engine"]) != (args.model, args.engine):
+        raise SystemExit(
+            f"--merge: {args.json} holds results for {previous['engine']} on {previous['model']}, "
+            f"not {args.engine} on {args.model}; write to another file"
+        )
+    if args.engine == "sglang":
+        result["versions"]["sglang"] = version_in(server_config(args).resolved_server_python(), "sglang")
+    for strategy in args.strategies:
+        steps = args.restart_steps if strategy == "restart" else args.steps
+        result["strategies"][strategy] = await run_strategy(args, strategy, steps)
     return result
 
 
+def _median(values: list[Any]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
 def table(result: dict[str, Any]) -> str:
+    headers = ["strategy", "steps", "overhead s/step (median)", "overhead s (min-max)", "train s (median)",
+               "release s", "resume s", "sync s", "register s", "close s", "greedy output kept",
+               "server GPU MiB while training"]  # fmt: skip
     rows = []
-    for strategy in ("sleep", "restart"):
-        cycles = result[strategy]
-        if not cycles:
-            continue
-        totals = [c["total_s"] for c in cycles]
+    for name, s in result["strategies"].items():
+        overhead = s["overhead_s"]
         rows.append([
-            strategy, len(cycles), statistics.median(totals), max(totals),
-            cycles[-1]["gpu_mib_serving"], max((c["gpu_mib_released"] for c in cycles if c["gpu_mib_released"] is not None), default=None),
-            all(c["output_identical"] for c in cycles),
+            name, s["steps"], _median(overhead), f"{min(overhead):.2f}-{max(overhead):.2f}",
+            _median(s["train_s"]), _median(s["gpu_release_s"]), _median(s["gpu_resume_s"]),
+            _median(s["sync_s"]), s["register_s"], s["close_s"], all(s["greedy_same_after_step"]),
+            _median(s["gpu_mib_server_while_training"]),
         ])  # fmt: skip
-    headers = ["strategy", "cycles", "median cycle s", "max cycle s", "GPU MiB serving",
-               "GPU MiB freed state", "same greedy output"]  # fmt: skip
-    env = result["environment"]
+    w = result["workload"]
     head = (
-        f"cold start {result['cold_start_s']:.1f} s; {', '.join(env['gpus']) or 'no GPU'}; "
-        f"{env['date']}; CUDA graphs {'off' if result['config']['disable_cuda_graph'] else 'on'}"
+        f"{result['engine']} on {result['device']}, {result['date']}; model {result['model']}; "
+        f"{w['groups']} groups x {w['group_size']} rollouts of <= {w['max_tokens']} tokens, LoRA r={w['lora_rank']}"
     )
     return head + "\n\n" + markdown_table(headers, rows)
 
@@ -141,8 +211,18 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_server_args(parser)
-    parser.add_argument("--cycles", type=int, default=5, help="sleep/wake cycles")
-    parser.add_argument("--restart-cycles", type=int, default=1, help="stop/start cycles")
+    parser.set_defaults(lora_rank=16)
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--steps", type=int, default=3, help="training steps per sleep strategy")
+    parser.add_argument("--restart-steps", type=int, default=2, help="training steps with restart")
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=96, help="output tokens per rollout (at most)")
+    parser.add_argument("--greedy-tokens", type=int, default=32, help="length of the greedy check")
+    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument(
+        "--merge", action="store_true", help="add these strategies to the results already in --json"
+    )
     args = parser.parse_args()
     result = asyncio.run(run(args))
     write_results(args, result, table(result))

@@ -17,7 +17,7 @@ alone: SGLang 0.5.17's stream chunks are not recorded carrying the ids, so a rol
 should not stream.
 
 It also lets the backend take the server away safely: `hold()` makes new requests wait (instead of
-failing) while the server is released or restarted, and `wait_idle()` waits for requests in flight on a
+failing) while the server's GPU memory is released or the server restarts, and `wait_idle()` waits for requests in flight on a
 name (or on any name) to finish before an adapter is unloaded or memory is released.
 
 The gateway runs its own event loop in a daemon thread, so a user's event loop that blocks (e.g. a
@@ -180,10 +180,10 @@ class AdapterGateway:
         return True
 
     async def hold(self) -> None:
-        """From now on new requests wait (up to `hold_timeout`, then 503) until `release()`."""
+        """From now on new requests wait (up to `hold_timeout`, then 503) until `unhold()`."""
         await self._in_loop(self._set_open, False)
 
-    async def release(self) -> None:
+    async def unhold(self) -> None:
         """Let waiting and new requests through again."""
         await self._in_loop(self._set_open, True)
 

@@ -5,4 +5,4 @@ would otherwise find the worker already in sys.modules and print runpy's Runtime
 from __future__ import annotations
 
 PROGRESS, RESULT, ERROR = "progress", "result", "error"
-INPUT_ERROR, TRAINER_ERROR = "TrainingInputError", "TrainerError"
+INPUT_ERROR, STEP_ERROR, TRAINER_ERROR = "TrainingInputError", "TrainingError", "TrainerError"

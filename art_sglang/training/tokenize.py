@@ -32,7 +32,7 @@ of entries that spell the content and M the number of re-tokenized content token
   `tokenize/logprob_mismatch`.
 - No logprobs at all (allowed only with allow_training_without_logprobs): the same stand-in, counted in
   `tokenize/no_logprobs`. Tokens without a sampler logprob carry NaN here.
-A sequence longer than `max_seq_length` is a TrainingInputError naming the group and trajectory.
+Sequences of any length are returned; the trainer drops those longer than its row length (as ART).
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ class TokenizedSequence:
     group: int
     trajectory: int
     advantage: float = 0.0
+    weight: float = 0.0  # the trajectory's token weight (advantages.py)
+    sampler_logprobs: list[float] | None = None  # set when old_logprobs were precalculated
 
     @property
     def num_sampled(self) -> int:
@@ -82,9 +84,11 @@ class TokenizeStats:
     no_logprobs: int = 0
     choices: int = 0
     exact_ids: int = 0
+    too_long_skipped: int = 0
 
     def metrics(self) -> dict[str, float]:
         return {
+            "tokenize/too_long_skipped": float(self.too_long_skipped),
             "tokenize/choices": float(self.choices),
             "tokenize/exact_ids": float(self.exact_ids),
             "tokenize/retokenized": float(self.choices - self.exact_ids),
@@ -280,30 +284,43 @@ def _as_message(item: Any) -> dict[str, Any]:
 
 
 def tokenize_groups(
-    chat: ChatTokenizer, groups: list[WireGroup], *, max_seq_length: int
+    chat: ChatTokenizer, groups: list[WireGroup], *, max_seq_length: int | None = None
 ) -> tuple[list[list[list[TokenizedSequence]]], TokenizeStats]:
-    """Sequences per group per trajectory; raises TrainingInputError for an over-long sequence."""
+    """Sequences per group per trajectory (none for a trajectory without a Choice: it is context).
+
+    With `max_seq_length`, a trajectory whose text alone cannot fit is not rendered or tokenized at all
+    (it would be dropped as too long after seconds of tokenizing); it has no sequences and is counted in
+    `tokenize/too_long_skipped`."""
     stats = TokenizeStats()
     longest = longest_token_bytes(chat.tokenizer)
     out: list[list[list[TokenizedSequence]]] = []
     for gi, group in enumerate(groups):
         per_trajectory = []
         for ti, trajectory in enumerate(group["trajectories"]):
-            # A conversation whose text alone cannot fit is refused before it is rendered and tokenized.
-            for items, _ in histories(trajectory):
-                at_least = min_tokens([_as_message(item) for item in items], longest)
-                if at_least > max_seq_length:
-                    raise TrainingInputError(
-                        f"group {gi}, trajectory {ti}: at least {at_least} tokens, longer than "
-                        f"max_seq_length={max_seq_length}"
-                    )
-            sequences = chat.tokenize_trajectory(trajectory, group=gi, index=ti, stats=stats)
-            for sequence in sequences:
-                if len(sequence.input_ids) > max_seq_length:
-                    raise TrainingInputError(
-                        f"group {gi}, trajectory {ti}: {len(sequence.input_ids)} tokens, longer than "
-                        f"max_seq_length={max_seq_length}"
-                    )
-            per_trajectory.append(sequences)
+            if max_seq_length is not None and _certainly_too_long(trajectory, longest, max_seq_length):
+                stats.too_long_skipped += 1
+                per_trajectory.append([])
+                continue
+            per_trajectory.append(chat.tokenize_trajectory(trajectory, group=gi, index=ti, stats=stats))
         out.append(per_trajectory)
     return out, stats
+
+
+def _certainly_too_long(trajectory: WireGroup, longest: int, max_seq_length: int) -> bool:
+    """Some sequence of the trajectory needs more than `max_seq_length` tokens. The sequence that ends
+    with a history's last Choice renders every message before it; earlier assistant turns are left out
+    of the bound, as a template may rewrite them (e.g. drop their reasoning)."""
+    for items, _ in histories(trajectory):
+        last = max((i for i, item in enumerate(items) if is_choice(item)), default=None)
+        if last is None:
+            continue
+        kept = [
+            _as_message(item) for i, item in enumerate(items[: last + 1]) if i == last or not _assistant(item)
+        ]
+        if min_tokens(kept, longest) > max_seq_length:
+            return True
+    return False
+
+
+def _assistant(item: Any) -> bool:
+    return is_choice(item) or (isinstance(item, dict) and item.get("role") == "assistant")

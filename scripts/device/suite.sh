@@ -1,16 +1,31 @@
 #!/usr/bin/env bash
 # On the GPU machine (after stage.sh + prepare.sh): run named suites one after another, each logging to
-# $OUT/<name>.log; measured numbers go to $OUT/results.jsonl and the benchmarks' JSON/markdown to $OUT.
+# $OUT/<name>.log; measured numbers go to $OUT/results.jsonl. The benchmarks write their JSON/markdown to
+# /tmp/bench-results, which lives as long as the machine (later calls merge into it and compare against
+# it), and every call copies it all to $OUT.
 # A failing suite does not stop the next; the exit status is the number of failed suites.
 #   bash scripts/device/suite.sh contract shared-sleep
-# Suites: contract shared-sleep shared-restart sync split bench-cycle bench-inference bench-trainer
+# Suites: contract shared-sleep shared-restart sync split bench-trainer, and the benchmarks (minutes on
+# an H100 with the 1.5B shape; each call of `run` has 10):
+#   bench-cycle-kv bench-cycle-all (~3.5 min each), bench-cycle-restart (~6 min): shared-mode steps
+#     through the backend, one strategy each, merged into bench_cycle-<model>.json
+#   bench-inference (~6 min): SGLang, radix cache on and off; bench-vllm (~4 min, after stage.sh vllm):
+#     vLLM on the same workloads; bench-engines (seconds when both ran before, else runs what is missing)
+#   models-7b (~2 min): builds qwen2.5-7b-shape; BENCH_MODEL=/root/models/qwen2.5-7b-shape then points
+#     the benchmarks at it
 set -uo pipefail
 # shellcheck source=scripts/device/env.sh
 source scripts/device/env.sh
 export ART_SGLANG_GPU_RESULTS="$OUT/results.jsonl"
 tiny=$ART_SGLANG_GPU_TINY
-big=$ART_SGLANG_GPU_REALISTIC
+big=${BENCH_MODEL:-$ART_SGLANG_GPU_REALISTIC}
 kernels=(--attention-backend triton --sampling-backend pytorch)
+vllm_kernels=(--attention-backend FLASH_ATTN)
+results=/tmp/bench-results
+mkdir -p "$results"
+cycle=(python3 scripts/bench_cycle.py --model "$big" "${kernels[@]}" --merge
+       --json "$results/bench_cycle-${big##*/}.json" --markdown "$results/bench_cycle-${big##*/}.md")
+inference=(python3 scripts/benchmark_inference.py --model "$big")
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
 for name in "$@"; do
@@ -21,10 +36,18 @@ for name in "$@"; do
     shared-restart) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k restart) ;;
     sync) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py) ;;
     split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_split_mode.py) ;;
-    bench-cycle) cmd=(python3 scripts/bench_cycle.py --model "$big" "${kernels[@]}" --cycles 5
-                      --json "$OUT/bench_cycle.json" --markdown "$OUT/bench_cycle.md") ;;
-    bench-inference) cmd=(python3 scripts/benchmark_inference.py --engine sglang --model "$big" "${kernels[@]}"
-                          --json "$OUT/bench_inference.json" --markdown "$OUT/bench_inference.md") ;;
+    bench-cycle-kv) cmd=("${cycle[@]}" --strategies sleep/kv_cache --steps 3) ;;
+    bench-cycle-all) cmd=("${cycle[@]}" --strategies sleep/all --steps 3) ;;
+    bench-cycle-restart) cmd=("${cycle[@]}" --strategies restart --restart-steps 2) ;;
+    bench-inference) cmd=("${inference[@]}" --engine sglang "${kernels[@]}" --prefix-cache on off
+                          --json "$results/bench_inference.json" --markdown "$results/bench_inference.md") ;;
+    bench-vllm) cmd=("${inference[@]}" --engine vllm "${vllm_kernels[@]}"
+                     --json "$results/bench_vllm.json" --markdown "$results/bench_vllm.md") ;;
+    bench-engines) cmd=(python3 scripts/bench_engines.py --model "$big" --sglang-flags "${kernels[*]}"
+                        --vllm-flags "${vllm_kernels[*]}" --reuse "sglang=$results/bench_inference.json"
+                        --reuse "vllm=$results/bench_vllm.json" --workdir /tmp/bench-engines
+                        --json "$results/bench_engines.json" --markdown "$results/bench_engines.md") ;;
+    models-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-shape) ;;
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
     *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
   esac
@@ -34,4 +57,5 @@ for name in "$@"; do
   echo "=== $name: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/$name.log"
   [ "$rc" = 0 ] || failed=$((failed + 1))
 done
+cp -r "$results"/. "$OUT/"
 exit "$failed"

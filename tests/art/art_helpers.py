@@ -50,6 +50,21 @@ def sft_file(path: Path, copies: int) -> Path:
     return path
 
 
+async def teach_tool_call(model: Any, folder: Path) -> None:
+    """SFT with ART's `train_sft_from_file` until the model answers QUESTION with CALL (60 single-line
+    batches at a constant 5e-3: the loss reaches ~0 by batch 40 on the sharpened tiny models)."""
+    from art.utils.sft import train_sft_from_file
+
+    await train_sft_from_file(
+        model,
+        str(sft_file(folder / "calls.jsonl", 60)),
+        batch_size=1,
+        peak_lr=5e-3,
+        schedule_type="constant",
+        warmup_ratio=0.0,
+    )
+
+
 def tool_call_of(message: Any) -> tuple[str, dict[str, Any]]:
     [call] = message.tool_calls
     return call.function.name, json.loads(call.function.arguments)
@@ -74,3 +89,36 @@ def write_art_checkpoints(model_dir: Path, base_model: Path, steps: list[int]) -
                 param.data = torch.randn_like(param) * 0.01
         peft_model.save_pretrained(model_dir / "checkpoints" / f"{step:04d}")
     (model_dir / "model.json").write_text(json.dumps({"name": model_dir.name, "trainable": True}))
+
+
+async def ask(model: Any, messages: list[Any], **options: Any) -> Any:
+    """One chat completion on the model's current step with the add tool offered (the model's own client)."""
+    return await model.openai_client().chat.completions.create(
+        model=model.get_inference_name(), messages=messages, tools=[ADD_TOOL], **options
+    )
+
+
+async def tool_episode(ART: Any, model: Any, seed: int, max_tokens: int = 40) -> Any:
+    """One tool-using episode as an ART Trajectory: the model's call, the tool's answer, the model's
+    reply (the reward varies with the seed so that groups carry a signal)."""
+    first = (await ask(model, QUESTION, max_tokens=max_tokens, logprobs=True, seed=seed)).choices[0]
+    history: list[Any] = [*QUESTION, first]
+    if first.message.tool_calls:
+        tool = {"role": "tool", "tool_call_id": first.message.tool_calls[0].id, "content": "5"}
+        wire = [*QUESTION, first.message.model_dump(exclude_none=True), tool]
+        second = (await ask(model, wire, max_tokens=8, logprobs=True, seed=seed)).choices[0]
+        history += [tool, second]
+    return ART.Trajectory(messages_and_choices=history, tools=[ADD_TOOL], reward=float(seed % 3))
+
+
+async def streamed_call(stream: Any) -> tuple[str, dict[str, Any], str | None]:
+    """(function name, arguments, finish reason) assembled from a streamed tool call."""
+    name, arguments, finish = "", "", None
+    async for chunk in stream:
+        if not chunk.choices:
+            continue
+        for call in chunk.choices[0].delta.tool_calls or []:
+            name += (call.function.name or "") if call.function else ""
+            arguments += (call.function.arguments or "") if call.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    return name, json.loads(arguments), finish

@@ -15,8 +15,11 @@ from art_helpers import (
     CALL,
     QUESTION,
     STYLED_TEMPLATE,
-    sft_file,
+    ask,
+    streamed_call,
+    teach_tool_call,
     tool_call_of,
+    tool_episode,
     tree_snapshot,
     write_art_checkpoints,
 )
@@ -24,40 +27,9 @@ from art_helpers import (
 from art_sglang import SGLangBackend
 
 
-async def _rollout(ART, model, seed: int):
-    """One tool-using episode: the model's call, the tool's answer, the model's reply."""
-    client = model.openai_client()  # ART's own client
-    messages = list(QUESTION)
-    first = await client.chat.completions.create(
-        model=model.get_inference_name(),
-        messages=messages,
-        tools=[ADD_TOOL],
-        max_tokens=40,
-        logprobs=True,
-        seed=seed,
-    )
-    turn = first.choices[0]
-    history = [*messages, turn]
-    if turn.message.tool_calls:
-        call = turn.message.tool_calls[0]
-        history.append({"role": "tool", "tool_call_id": call.id, "content": "5"})
-        wire = [*messages, turn.message.model_dump(exclude_none=True), history[-1]]
-        second = await client.chat.completions.create(
-            model=model.get_inference_name(),
-            messages=wire,
-            tools=[ADD_TOOL],
-            max_tokens=6,
-            logprobs=True,
-            seed=seed,
-        )
-        history.append(second.choices[0])
-    return ART.Trajectory(messages_and_choices=history, tools=[ADD_TOOL], reward=float(seed % 3))
-
-
 async def test_art_program_with_internal_config_sft_and_tool_calls(
     ART, tmp_path: Path, tool_model_path: Path
 ) -> None:
-    from art.utils.sft import train_sft_from_file
     from transformers import AutoTokenizer
 
     path = tmp_path / ".art"
@@ -98,14 +70,7 @@ async def test_art_program_with_internal_config_sft_and_tool_calls(
         assert reply.choices[0].model_extra["prompt_token_ids"] == list(expected)
 
         # SFT from a file teaches the tool call; one call is one step.
-        await train_sft_from_file(
-            model,
-            str(sft_file(tmp_path / "calls.jsonl", 60)),
-            batch_size=1,
-            peak_lr=5e-3,
-            schedule_type="constant",
-            warmup_ratio=0.0,
-        )
+        await teach_tool_call(model, tmp_path)
         assert await model.get_step() == 1 and model.get_inference_name() == "art-agent@1"
         # The adapter has _internal_config's shape; the trainer ran with its settings.
         assert json.loads((checkpoints / "0001" / "adapter_config.json").read_text())["r"] == 16
@@ -121,30 +86,11 @@ async def test_art_program_with_internal_config_sft_and_tool_calls(
         }
 
         # Tool calls come back parsed, whole and streamed.
-        called = await client.chat.completions.create(
-            model=model.get_inference_name(),
-            messages=QUESTION,
-            tools=[ADD_TOOL],
-            temperature=0,
-            max_tokens=40,
-        )
-        assert called.choices[0].finish_reason == "tool_calls"
-        assert tool_call_of(called.choices[0].message) == ("add", {"a": 2, "b": 3})
-        stream = await client.chat.completions.create(
-            model=model.get_inference_name(),
-            messages=QUESTION,
-            tools=[ADD_TOOL],
-            temperature=0,
-            max_tokens=40,
-            stream=True,
-        )
-        name, arguments, finish = "", "", None
-        async for chunk in stream:
-            for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
-                name += delta_call.function.name or ""
-                arguments += delta_call.function.arguments or ""
-            finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
-        assert (name, json.loads(arguments), finish) == ("add", {"a": 2, "b": 3}, "tool_calls")
+        called = (await ask(model, QUESTION, temperature=0, max_tokens=40)).choices[0]
+        assert called.finish_reason == "tool_calls"
+        assert tool_call_of(called.message) == ("add", {"a": 2, "b": 3})
+        stream = await ask(model, QUESTION, temperature=0, max_tokens=40, stream=True)
+        assert await streamed_call(stream) == ("add", {"a": 2, "b": 3}, "tool_calls")
 
         # model.train_sft with ART's config: another step, its metrics in ART's history.
         await model.train_sft(
@@ -157,10 +103,15 @@ async def test_art_program_with_internal_config_sft_and_tool_calls(
 
         # RL on tool-using episodes (tool_calls and tool messages), ART's groups; save_checkpoint=False as ART.
         groups = await ART.gather_trajectory_groups(
-            (ART.TrajectoryGroup(_rollout(ART, model, seed=10 * g + i) for i in range(3)) for g in range(2)),
+            (
+                ART.TrajectoryGroup(tool_episode(ART, model, seed=10 * g + i) for i in range(3))
+                for g in range(2)
+            ),
             pbar_desc=None,
         )
         assert any(t.messages_and_choices[1].message.tool_calls for g in groups for t in g.trajectories)
+        # A trajectory without any Choice (all plain messages) is context, trained around as in ART.
+        groups[0].trajectories.append(ART.Trajectory(messages_and_choices=[*QUESTION, CALL], reward=0.5))
         result = await backend.train(model, groups, learning_rate=1e-3, save_checkpoint=False)
         assert result.step == 3 and result.checkpoint_path is None
         assert result.metrics["tokenize/choices"] > 6  # every turn of every episode
@@ -196,7 +147,7 @@ async def test_run_directory_written_by_art_resumes_at_its_step(
         assert reply.model == "agent@3"
 
         groups = await ART.gather_trajectory_groups(
-            (ART.TrajectoryGroup(_rollout(ART, model, seed=s) for s in range(3)),), pbar_desc=None
+            (ART.TrajectoryGroup(tool_episode(ART, model, seed=s) for s in range(3)),), pbar_desc=None
         )
         result = await backend.train(model, groups, learning_rate=1e-3)
         assert result.step == 4 and result.checkpoint_path == str(model_dir / "checkpoints" / "0004")

@@ -23,12 +23,20 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 CPU_SHARED = DeviceLayout("shared", "reference", (), (), "forced on CPU for tests")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["sleep", "restart"])
+@pytest_asyncio.fixture(
+    scope="module", loop_scope="module", params=["sleep/kv_cache", "sleep/all", "restart"]
+)
 async def shared(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
 ):
-    path = tmp_path_factory.mktemp(f"shared-{request.param}") / ".art"
-    backend = SGLangBackend(path=str(path), layout=CPU_SHARED, shared_strategy=request.param)
+    strategy, _, release = request.param.partition("/")
+    path = tmp_path_factory.mktemp(f"shared-{strategy}-{release}") / ".art"
+    backend = SGLangBackend(
+        path=str(path),
+        layout=CPU_SHARED,
+        shared_strategy=strategy,
+        sglang_config=art.SGLangConfig(sleep_release=release or "auto", enable_metrics=True),
+    )
     model = art.TrainableModel(name="agent", project="shared", base_model=str(tiny_model_path))
     try:
         await model.register(backend)
@@ -44,7 +52,13 @@ async def _server_state(backend: SGLangBackend) -> dict[str, Any]:
         return {"alive": False}
     async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
         info = (await http.get(f"{service.process.base_url}/server_info")).json()
-    return {"alive": True, "released": info["internal_states"][0]["memory_released"]}
+        metrics = (await http.get(f"{service.process.base_url}/metrics")).text.splitlines()
+    weights = next(line for line in metrics if line.startswith("sglang:weight_memory_usage_gb"))
+    return {
+        "alive": True,
+        "released": info["internal_states"][0]["memory_released"],
+        "weights_held": float(weights.rsplit(" ", 1)[1]) > 0,
+    }
 
 
 async def test_training_takes_the_server_away_and_gives_it_back(shared) -> None:
@@ -76,13 +90,15 @@ async def test_training_takes_the_server_away_and_gives_it_back(shared) -> None:
         del entry.trainer.train
     if strategy == "sleep":
         assert seen["alive"] and seen["released"] is True
+        # "kv_cache" keeps the base weights on the server; "all" releases them too.
+        assert seen["weights_held"] is (backend.sglang_config.sleep_release == "kv_cache")
         assert service.process.pid == pid_before
     else:
         assert seen["alive"] is False
         assert service.process.pid != pid_before
     assert seen["done_while_training"] is False
     assert (await seen["waiting"]).status_code == 200
-    assert await _server_state(backend) == {"alive": True, "released": False}
+    assert await _server_state(backend) == {"alive": True, "released": False, "weights_held": True}
     assert result.step == 1 and result.metrics["time/gpu_release_s"] >= 0
     assert result.metrics["time/gpu_resume_s"] >= 0
     assert "agent@1" in await server_models(service.process.base_url)
@@ -100,10 +116,10 @@ async def test_bad_input_never_takes_the_server_away(shared) -> None:
             for r in (0.0, 1.0)
         ]
     )
-    with pytest.raises(art.TrainingInputError, match="no assistant Choice"):
+    with pytest.raises(art.TrainingInputError, match="no trajectory of any group has an assistant Choice"):
         await backend.train(model, [no_choice])
-    assert service.process.pid == pid and service.starts == 1 + (backend.handoff_strategy == "restart")
-    assert await _server_state(backend) == {"alive": True, "released": False}
+    assert service.process.pid == pid
+    assert await _server_state(backend) == {"alive": True, "released": False, "weights_held": True}
 
 
 async def test_a_second_step_and_the_older_adapter_stays_loaded(shared) -> None:

@@ -158,7 +158,7 @@ async def test_held_requests_wait_and_time_out_with_503(server) -> None:
         waiting = asyncio.create_task(_post(gw.base_url, "/v1/chat/completions", _chat("agent@1")))
         await asyncio.sleep(0.2)
         assert not waiting.done()
-        await gw.release()
+        await gw.unhold()
         assert (await waiting).status_code == 200
         await gw.hold()
         late = await _post(gw.base_url, "/v1/chat/completions", _chat("agent@1"))

@@ -148,7 +148,7 @@ async def test_bad_input_fails_before_training_and_changes_nothing(loop: Loop) -
             for r in (0.0, 1.0)
         ]
     )
-    with pytest.raises(TrainingInputError, match=r"group 0, trajectory 0: no assistant Choice"):
+    with pytest.raises(TrainingInputError, match=r"no trajectory of any group has an assistant Choice"):
         await loop.backend.train(loop.model, [no_choice])
     with pytest.raises(TrainingInputError, match="no trajectory groups"):
         await loop.backend.train(loop.model, [])
@@ -168,13 +168,15 @@ async def test_bad_input_fails_before_training_and_changes_nothing(loop: Loop) -
     assert (await chat(loop.gateway_url, loop.model.get_inference_name())).status_code == 200
 
 
-async def test_equal_rewards_take_no_step(loop: Loop) -> None:
+async def test_equal_rewards_advance_the_step_without_an_optimizer_step(loop: Loop) -> None:
     step = await loop.model.get_step()
     groups = await sample_groups(loop.model, seed=7, groups=1)
     flat = art.TrajectoryGroup([t.model_copy(update={"reward": 0.5}) for t in groups[0].trajectories])
     result = await loop.backend.train(loop.model, [flat], allow_training_without_logprobs=True)
-    assert result.step == step and await loop.model.get_step() == step
-    assert result.metrics["groups_skipped"] == 1.0
+    # As ART: the step advances with a copy of the last checkpoint, and it is served.
+    assert result.step == step + 1 and await loop.model.get_step() == step + 1
+    assert result.metrics["groups_skipped"] == 1.0 and result.metrics["gradient_steps"] == 0.0
+    assert (await chat(loop.gateway_url, loop.model.get_inference_name())).status_code == 200
 
 
 async def test_log_records_history_and_trajectories(loop: Loop) -> None:

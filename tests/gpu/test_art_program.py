@@ -19,35 +19,9 @@ from art_sglang import SGLangBackend
 from art_sglang.chat_format import template_tools
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "art"))
-from art_helpers import ADD_TOOL, QUESTION, sft_file, tool_call_of
+from art_helpers import ADD_TOOL, QUESTION, ask, streamed_call, teach_tool_call, tool_call_of, tool_episode
 
 pytestmark = pytest.mark.gpu
-
-
-async def _episode(ART, model, seed: int):
-    client = model.openai_client()
-    first = await client.chat.completions.create(
-        model=model.get_inference_name(),
-        messages=QUESTION,
-        tools=[ADD_TOOL],
-        max_tokens=48,
-        logprobs=True,
-        seed=seed,
-    )
-    turn = first.choices[0]
-    history = [*QUESTION, turn]
-    if turn.message.tool_calls:
-        tool = {"role": "tool", "tool_call_id": turn.message.tool_calls[0].id, "content": "5"}
-        second = await client.chat.completions.create(
-            model=model.get_inference_name(),
-            messages=[*QUESTION, turn.message.model_dump(exclude_none=True), tool],
-            tools=[ADD_TOOL],
-            max_tokens=8,
-            logprobs=True,
-            seed=seed,
-        )
-        history += [tool, second.choices[0]]
-    return ART.Trajectory(messages_and_choices=history, tools=[ADD_TOOL], reward=float(seed % 3))
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +42,6 @@ async def test_art_program_with_tools_and_internal_config_on_sglang(
     openpipe_art, tool_model: str, tmp_path: Path
 ) -> None:
     ART = openpipe_art
-    from art.utils.sft import train_sft_from_file
     from transformers import AutoTokenizer
 
     model = ART.TrainableModel(
@@ -93,21 +66,12 @@ async def test_art_program_with_tools_and_internal_config_on_sglang(
         checkpoints = tmp_path / ".art" / "art-compat" / "models" / "art-gpu" / "checkpoints"
         assert json.loads((checkpoints / "0000" / "adapter_config.json").read_text())["r"] == 16
 
-        await train_sft_from_file(
-            model,
-            str(sft_file(tmp_path / "calls.jsonl", 32)),
-            batch_size=2,
-            peak_lr=2e-2,
-            schedule_type="constant",
-            warmup_ratio=0.0,
-        )
+        await teach_tool_call(model, tmp_path)
         assert await model.get_step() == 1
-        client = model.openai_client()
         # SGLang renders the prompt from its own dump of the tools (chat_format.py); the trainer renders the same.
-        probe = await client.chat.completions.create(
-            model=model.get_inference_name(),
-            messages=QUESTION,
-            tools=[ADD_TOOL],
+        probe = await ask(
+            model,
+            QUESTION,
             max_tokens=1,
             extra_body={"return_token_ids": True, "return_prompt_token_ids": True},
         )
@@ -121,39 +85,20 @@ async def test_art_program_with_tools_and_internal_config_on_sglang(
         )
         record("art_program_prompt_ids", served=served_prompt, trainer=list(trainer_prompt))
         assert served_prompt == list(trainer_prompt)
-        called = await client.chat.completions.create(
-            model=model.get_inference_name(),
-            messages=QUESTION,
-            tools=[ADD_TOOL],
-            temperature=0,
-            max_tokens=48,
-        )
-        whole = called.choices[0]
+        whole = (await ask(model, QUESTION, temperature=0, max_tokens=48)).choices[0]
         record("art_program_tool_call", finish=whole.finish_reason, content=whole.message.content,
                tool_calls=[c.model_dump() for c in whole.message.tool_calls or []])  # fmt: skip
         assert whole.finish_reason == "tool_calls" and tool_call_of(whole.message) == (
             "add",
             {"a": 2, "b": 3},
         )
-        stream = await client.chat.completions.create(
-            model=model.get_inference_name(),
-            messages=QUESTION,
-            tools=[ADD_TOOL],
-            temperature=0,
-            max_tokens=48,
-            stream=True,
-        )
-        name, arguments = "", ""
-        async for chunk in stream:
-            for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-                name += (call.function.name or "") if call.function else ""
-                arguments += (call.function.arguments or "") if call.function else ""
-        assert (name, json.loads(arguments)) == ("add", {"a": 2, "b": 3})
+        stream = await ask(model, QUESTION, temperature=0, max_tokens=48, stream=True)
+        assert await streamed_call(stream) == ("add", {"a": 2, "b": 3}, "tool_calls")
 
         for step in (2, 3):
             groups = await ART.gather_trajectory_groups(
                 (
-                    ART.TrajectoryGroup(_episode(ART, model, seed=10 * g + i) for i in range(4))
+                    ART.TrajectoryGroup(tool_episode(ART, model, seed=10 * g + i) for i in range(4))
                     for g in range(2)
                 ),
                 pbar_desc=None,

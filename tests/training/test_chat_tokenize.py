@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from training_helpers import make_choice
 
-from art_sglang.errors import TrainingInputError
-from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats, tokenize_groups
+from art_sglang.chat_format import template_tools
+from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats
 from art_sglang.training.validation import groups_to_wire
 from art_sglang.trajectories import Trajectory, TrajectoryGroup
 
@@ -54,13 +54,13 @@ def test_only_sampled_choices_are_trained(chat: ChatTokenizer, tokenizer: Any) -
     stats = TokenizeStats()
     sent = wire(trajectory)
     [seq] = chat.tokenize_trajectory(sent, group=0, index=0, stats=stats)
-    # The whole conversation is the template's rendering, tools included.
+    # The whole conversation is the template's rendering, tools included in SGLang's form of them.
     rendered = tokenizer.apply_chat_template(
         [
             m if isinstance(m, dict) else {"role": "assistant", "content": m.message.content}
             for m in trajectory.messages_and_choices
         ],
-        tools=sent["tools"],
+        tools=template_tools(sent["tools"]),
         tokenize=False,
     )
     assert '"name": "add"' in rendered
@@ -132,21 +132,6 @@ def test_template_that_rewrites_history_splits_sequences(tokenizer: Any, tiny_mo
         ["two<|im_end|>"],
     ]
     assert "..." in tokenizer.decode(seqs[1].input_ids)
-
-
-def test_sequence_longer_than_limit_is_an_input_error(chat: ChatTokenizer, tokenizer: Any) -> None:
-    long = Trajectory(
-        messages_and_choices=[{"role": "user", "content": "word " * 50}, make_choice(tokenizer, "x")],
-        reward=1.0,
-    )
-    short = Trajectory(
-        messages_and_choices=[{"role": "user", "content": "hi"}, make_choice(tokenizer, "x")], reward=0.0
-    )
-    groups = groups_to_wire([TrajectoryGroup([short]), TrajectoryGroup([short, long])])
-    with pytest.raises(
-        TrainingInputError, match=r"group 1, trajectory 1: \d+ tokens, longer than max_seq_length=40"
-    ):
-        tokenize_groups(chat, groups, max_seq_length=40)
 
 
 def test_tool_call_choice_is_trained_with_its_logprobs(chat: ChatTokenizer, tokenizer: Any) -> None:

@@ -1,0 +1,60 @@
+"""scripts/bench_cycle.py end to end on CPU: the reference engine and the tiny model in a forced shared
+layout, one GRPO step per strategy through SGLangBackend.train(), and the JSON and table it writes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import bench_cycle  # noqa: E402
+
+
+@pytest.mark.parametrize("strategy", bench_cycle.STRATEGIES)
+def test_each_strategy_builds_its_backend(strategy: str, tmp_path: Path) -> None:
+    args = argparse.Namespace(
+        engine="reference", model="/m", mem_fraction_static=0.5, cuda_graph=False, attention_backend=None,
+        sampling_backend=None, lora_rank=16,
+    )  # fmt: skip
+    backend = bench_cycle.make_backend(args, strategy, tmp_path / ".art")
+    handoff, _, release = strategy.partition("/")
+    assert backend.layout.mode == "shared" and backend.handoff_strategy == handoff
+    assert backend.trainer_config.lora_rank == 16 and backend.sglang_config.max_lora_rank == 16
+    if release:
+        assert backend.sglang_config.sleep_release == release
+
+
+def test_one_step_per_strategy_through_the_backend(tmp_path: Path, tiny_model_path: Path) -> None:
+    out, table = tmp_path / "cycle.json", tmp_path / "cycle.md"
+    strategies = ["sleep/kv_cache", "restart"]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_cycle.py"), "--engine", "reference",
+         "--model", str(tiny_model_path), "--strategies", *strategies, "--steps", "1", "--restart-steps",
+         "1", "--groups", "2", "--group-size", "3", "--max-tokens", "6", "--greedy-tokens", "6",
+         "--learning-rate", "0.05", "--workdir", str(tmp_path / "work"), "--json", str(out),
+         "--markdown", str(table)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["device"] == "CPU" and result["engine"] == "reference"
+    assert result["versions"]["torch"] and result["workload"]["group_size"] == 3
+    assert list(result["strategies"]) == strategies
+    for name, s in result["strategies"].items():
+        assert s["steps"] == 1 and s["step_reached"] == [1], name
+        (overhead,), (train,), (step,) = s["overhead_s"], s["train_s"], s["step_s"]
+        assert 0 < overhead < step and 0 < train < step and overhead + train == pytest.approx(step)
+        assert s["gpu_release_s"][0] >= 0 and s["gpu_resume_s"][0] >= 0 and s["sync_s"][0] >= 0
+        assert s["register_s"] > 0 and s["close_s"] > 0
+        assert s["greedy_same_after_step"] == [True]
+        assert s["gpu_mib_server_while_training"] == [None]  # no nvidia-smi here
+    assert result["strategies"]["sleep/kv_cache"]["sglang_config"]["sleep_release"] == "kv_cache"
+    assert result["strategies"]["sleep/kv_cache"]["sglang_config"]["enable_memory_saver"] is True
+    rows = [line for line in table.read_text().splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[1:]] == [f"| {s}" for s in strategies]
