@@ -160,8 +160,8 @@ async def test_bad_input_fails_before_training_and_changes_nothing(loop: Loop) -
     nan = good[0].trajectories[0].model_copy(update={"reward": float("nan")})
     with pytest.raises(TrainingInputError, match="reward must be a finite number"):
         await loop.backend.train(loop.model, [art.TrajectoryGroup([nan, *good[0].trajectories[1:]])])
-    with pytest.raises(ConfigError, match="advantage_balance"):
-        await loop.backend.train(loop.model, good, advantage_balance=0.3)
+    with pytest.raises(ConfigError, match="adam_params"):
+        await loop.backend.train(loop.model, good, adam_params={"lr": 1.0})
     assert await loop.model.get_step() == step
     assert tree_snapshot(loop.store.checkpoints_dir) == saved
     assert loop.store.history.read_text() == history
