@@ -33,6 +33,7 @@ from .types import (
     Tools,
     TrainConfig,
     TrainResult,
+    TrainSFTConfig,
 )
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "Tools",
     "TrainConfig",
     "TrainResult",
+    "TrainSFTConfig",
     "TrainableModel",
     "TrainerConfig",
     "TrainerError",

@@ -7,7 +7,7 @@ sampled completion is a `Choice` (it carries the logprobs the trainer needs).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from openai.types.chat.chat_completion import Choice
 from openai.types.chat.chat_completion_message_param import ChatCompletionMessageParam
@@ -24,6 +24,7 @@ __all__ = [
     "Tools",
     "TrainConfig",
     "TrainResult",
+    "TrainSFTConfig",
 ]
 
 # Messages are TypedDicts; validating them would reject the many shapes the OpenAI API accepts.
@@ -57,6 +58,16 @@ class TrainConfig(BaseModel):
     learning_rate: float = Field(5e-6, gt=0)
     # Older ART called the KL coefficient `beta`.
     kl_penalty_coef: float = Field(0.0, ge=0, validation_alias=AliasChoices("kl_penalty_coef", "beta"))
+
+
+class TrainSFTConfig(BaseModel):
+    """Options of `model.train_sft(trajectories, config=TrainSFTConfig(...))`, as ART's: one learning rate
+    for every batch or one per batch, and the trajectories per batch ("auto" = 2, ART's default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float | list[float] = 5e-5
+    batch_size: int | Literal["auto"] = "auto"
 
 
 @dataclass

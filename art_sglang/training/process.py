@@ -11,6 +11,7 @@ import collections
 import contextlib
 import itertools
 import json
+import logging
 import os
 import sys
 import threading
@@ -26,8 +27,11 @@ from ..process_tree import kill_process_tree, spawn_logged
 from ..server.process import display_command, read_log_tail
 from ..trajectories import TrajectoryGroup
 from .options import StepOutcome, TrainOptions
+from .protocol import ERROR, INPUT_ERROR, PROGRESS, RESULT, STEP_ERROR
+from .sft import SFTBatch
 from .validation import WireGroup, groups_to_wire, validate_groups
-from .worker import ERROR, INPUT_ERROR, PROGRESS, RESULT, STEP_ERROR
+
+logger = logging.getLogger(__name__)
 
 _EXIT_GRACE_SECONDS = 5.0
 _SHUTDOWN_WAIT_SECONDS = 10.0
@@ -100,6 +104,8 @@ class TrainerProcess:
             await self.stop()
             raise
         self.step = int(self.info["step"])
+        for note in self.info.get("notes") or []:
+            logger.warning("%s: %s", self.checkpoint_dir, note)
         return self.step
 
     def _launch(self) -> None:
@@ -136,6 +142,9 @@ class TrainerProcess:
         data = await self._request(
             "train", on_progress=on_progress, groups=wire, options=options.model_dump()
         )
+        return self._outcome(data)
+
+    def _outcome(self, data: dict[str, Any]) -> StepOutcome:
         path = data.get("checkpoint_path")
         self.step = int(data["step"])
         return StepOutcome(
@@ -145,6 +154,14 @@ class TrainerProcess:
             trained=bool(data["trained"]),
             reason=data.get("reason"),
         )
+
+    async def sft(
+        self, batches: list[SFTBatch], *, on_progress: ProgressCallback | None = None
+    ) -> StepOutcome:
+        """One SFT call (see sft.py): one optimizer step per batch, one new step and checkpoint.
+        `on_progress` gets each batch's metrics event."""
+        wire = [{"trajectories": b.trajectories, "learning_rate": b.learning_rate} for b in batches]
+        return self._outcome(await self._request("sft", on_progress=on_progress, batches=wire))
 
     async def offload(self, *, keep_weights: bool = False) -> float:
         """Free the GPU after a step (shared mode): cached blocks, and unless `keep_weights` the model and

@@ -154,6 +154,8 @@ async def test_bad_input_fails_before_training_and_changes_nothing(loop: Loop) -
         await loop.backend.train(loop.model, [])
     with pytest.raises(TrainingInputError, match="group 0 is a list"):
         await loop.backend.train(loop.model, [[1, 2]])
+    with pytest.raises(TrainingInputError, match=r"got NoneType: pass what gather_trajectory_groups"):
+        await loop.backend.train(loop.model, None)  # type: ignore[arg-type]
     good = await sample_groups(loop.model, seed=5, groups=1)
     nan = good[0].trajectories[0].model_copy(update={"reward": float("nan")})
     with pytest.raises(TrainingInputError, match="reward must be a finite number"):
@@ -164,6 +166,8 @@ async def test_bad_input_fails_before_training_and_changes_nothing(loop: Loop) -
         ConfigError, match=r"packed_sequence_length=65536 exceeds TrainerConfig\(max_seq_length"
     ):
         await loop.backend.train(loop.model, good, packed_sequence_length=65536)
+    with pytest.raises(ConfigError, match="adam_params"):
+        await loop.backend.train(loop.model, good, adam_params={"lr": 1.0})
     assert await loop.model.get_step() == step
     assert tree_snapshot(loop.store.checkpoints_dir) == saved
     assert loop.store.history.read_text() == history
