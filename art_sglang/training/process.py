@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -148,12 +149,15 @@ class TrainerProcess:
 
     async def stop(self) -> None:
         """Ask the worker to exit, then kill whatever is left of its tree. Idempotent."""
+        await self._kill(ask_first=not self._lock.locked())
+
+    async def _kill(self, ask_first: bool = False) -> None:
         popen, self._popen = self._popen, None
         if popen is None:
             return
         if self._finalizer is not None:
             self._finalizer.detach()
-        if popen.poll() is None and not self._lock.locked():
+        if popen.poll() is None and ask_first:
             with contextlib.suppress(OSError, ValueError):
                 await asyncio.to_thread(_write, popen.stdin, {"id": 0, "cmd": "shutdown"})
             with contextlib.suppress(Exception):
@@ -190,8 +194,20 @@ class TrainerProcess:
                 await asyncio.to_thread(_write, popen.stdin, {"id": rid, "cmd": cmd, **fields})
             except (OSError, ValueError):
                 raise self._died(f"closed its input while receiving {cmd!r}") from None
+            # Loading the model at init may take long for reasons of its own (downloads); steps may not.
+            timeout = None if cmd == "init" else self.config.step_timeout
+            deadline = time.monotonic() + (timeout or 0.0)
             while True:
-                line = await lines.next()
+                try:
+                    left = None if timeout is None else max(deadline - time.monotonic(), 0.0)
+                    line = await asyncio.wait_for(lines.next(), left)
+                except asyncio.TimeoutError:
+                    await self._kill()
+                    raise TrainerError(
+                        f"the trainer worker did not finish {cmd!r} within {self.config.step_timeout:g} s "
+                        "(TrainerConfig.step_timeout); it was stopped (hung or stopped process?) and the next "
+                        f"step restarts it from its newest checkpoint.\nlog: {self.log_path}"
+                    ) from None
                 if line is None:
                     await asyncio.to_thread(_wait_quietly, popen)
                     raise self._died(f"died during {cmd!r}")
