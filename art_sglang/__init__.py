@@ -18,6 +18,7 @@ from .errors import (
     ServerStartError,
     ServerUnavailableError,
     TrainerError,
+    TrainingError,
     TrainingInputError,
 )
 from .gather import gather_trajectory_groups
@@ -51,6 +52,7 @@ __all__ = [
     "TrainableModel",
     "TrainerConfig",
     "TrainerError",
+    "TrainingError",
     "TrainingInputError",
     "Trajectory",
     "TrajectoryGroup",

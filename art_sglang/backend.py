@@ -3,14 +3,15 @@ reference engine) and a LoRA trainer in its own process.
 
 The backend orchestrates; the parts live in their own modules: `devices` (split/shared/cpu layout),
 `inference` (server + gateway + loaded adapters), `shared_mode` (GPU handoff around training),
-`weight_sync` (lora/disk/restart), `model_store` (files on disk), `history`, `train_args` (ART's train()
-keywords) and `training.process` (the trainer worker).
+`weight_sync` (lora/disk/restart), `model_store` (files on disk), `history` and `training` (the
+trainer worker and `TrainOptions`, ART's train() keywords).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import sys
@@ -29,7 +30,7 @@ from .history import append_row
 from .inference import InferenceService
 from .model_store import ModelStore
 from .shared_mode import GpuHandoff, HandoffStrategy
-from .train_args import build_train_options
+from .training.options import TrainOptions
 from .training.process import TrainerProcess
 from .training.validation import groups_to_wire, validate_groups
 from .trajectories import TrajectoryGroup
@@ -210,54 +211,26 @@ class SGLangBackend:
                 await self._service.remove_adapter(f"{model.name}@{step}")
             await asyncio.to_thread(entry.store.delete_checkpoints, doomed)
 
-    async def train(
-        self,
-        model: Any,
-        trajectory_groups: Iterable[Any],
-        *,
-        learning_rate: float = 5e-6,
-        loss_fn: str = "ppo",
-        epsilon: float | None = None,
-        epsilon_high: float | None = None,
-        scale_rewards: bool = True,
-        normalize_advantages: bool = True,
-        kl_penalty_coef: float = 0.0,
-        max_grad_norm: float | None = None,
-        allow_training_without_logprobs: bool = False,
-        save_checkpoint: bool = True,
-        verbose: bool = False,
-        **unsupported: Any,
-    ) -> TrainResult:
+    async def train(self, model: Any, trajectory_groups: Iterable[Any], **options: Any) -> TrainResult:
         """One RL step on `trajectory_groups`; returns once `<name>@<new step>` answers requests.
 
-        Options and groups are checked before anything starts (`ConfigError`, `TrainingInputError`). In
-        shared mode the server gives the GPU to the trainer for the step. Options ART's LocalBackend
-        takes that this backend does not implement are refused unless left at ART's default.
+        Keywords are ART 0.5.18 `LocalBackend.train`'s, with its defaults (loss_fn="cispo",
+        learning_rate=5e-6, ...): see `TrainOptions` (docs/configuration.md lists them). Options and groups
+        are checked before anything starts (`ConfigError`, `TrainingInputError`). In shared mode the server
+        gives the GPU to the trainer for the step. The step number advances on every call, as in ART (a
+        batch without learning signal gets a copy of the last checkpoint), and the new step is served. A
+        step the trainer refuses (non-finite values, a checkpoint that cannot be written) raises
+        `TrainingError`; the trainer and the served step stay where they were.
         """
         self._check_open()
-        options = build_train_options(
-            learning_rate=learning_rate,
-            loss_fn=loss_fn,
-            epsilon=epsilon,
-            epsilon_high=epsilon_high,
-            scale_rewards=scale_rewards,
-            normalize_advantages=normalize_advantages,
-            kl_penalty_coef=kl_penalty_coef,
-            max_grad_norm=max_grad_norm,
-            allow_training_without_logprobs=allow_training_without_logprobs,
-            save_checkpoint=save_checkpoint,
-            extra=unsupported,
-        )
-        if not save_checkpoint:
-            raise ConfigError(
-                "save_checkpoint=False is not supported: the server loads each step's adapter from its "
-                "checkpoint; delete old ones with model.delete_checkpoints() instead"
-            )
+        train_options = TrainOptions.from_keywords(options)
         groups = _as_groups(trajectory_groups)
         # Checked here, before the GPU handoff, so bad input never takes the server away.
         validate_groups(
-            groups_to_wire(groups), allow_training_without_logprobs=options.allow_training_without_logprobs
+            groups_to_wire(groups),
+            allow_training_without_logprobs=train_options.allow_training_without_logprobs,
         )
+        _check_row_length(train_options, self.trainer_config)
         entry = self._entry(model)
         self._ensure_watchdog()
         async with self._lock:
@@ -265,6 +238,7 @@ class SGLangBackend:
             assert service is not None and handoff is not None
             started = time.monotonic()
             await service.recover()
+            verbose = train_options.verbose
             with _progress(
                 model.name, entry.step + 1, disable=not verbose and not sys.stderr.isatty()
             ) as bar:
@@ -275,9 +249,9 @@ class SGLangBackend:
                         )
                         await entry.trainer.start()
                     trained_at = time.monotonic()
-                    outcome = await entry.trainer.train(groups, options, on_progress=bar)
+                    outcome = await entry.trainer.train(groups, train_options, on_progress=bar)
                     turn.timings["time/train_s"] = time.monotonic() - trained_at
-                    if outcome.trained:
+                    if outcome.step != entry.step:
                         # Work that needs no server overlaps the handoff (merging, for disk sync).
                         await self._sync.prepare(entry.target(outcome.step))
             timings = turn.timings
@@ -287,15 +261,22 @@ class SGLangBackend:
                 timings.update(
                     await self._serve_step(entry, outcome.step, may_restart=not turn.restarted_server)
                 )
-            if not outcome.trained and outcome.reason:
-                logger.warning("%s: step not taken: %s", model.name, outcome.reason)
+            if outcome.reason:
+                logger.warning("%s step %d: %s", model.name, outcome.step, outcome.reason)
+            dropped = int(outcome.metrics.get("sequences_dropped_too_long", 0))
+            if dropped:
+                logger.warning(
+                    "%s step %d: dropped %d sequences longer than the packed row length (max_seq_length=%d)",
+                    model.name, outcome.step, dropped, self.trainer_config.max_seq_length,
+                )  # fmt: skip
             timings["time/step_s"] = time.monotonic() - started
             metrics = {**outcome.metrics, **timings}
             row = {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
             await asyncio.to_thread(append_row, entry.store.history, entry.step, row)
             if verbose:
                 logger.info("%s step %d: %s", model.name, entry.step, json.dumps(metrics, default=str))
-            return TrainResult(step=entry.step, metrics=metrics)
+            path = outcome.checkpoint_path if train_options.save_checkpoint else None
+            return TrainResult(step=entry.step, metrics=metrics, checkpoint_path=str(path) if path else None)
 
     async def _log(self, model: Any, trajectory_groups: list[Any], split: str = "val") -> None:
         """Store the groups that `model.log()` recorded under `trajectories/<split>/<step>.jsonl`."""
@@ -460,6 +441,14 @@ def _check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
             )
 
 
+def _check_row_length(options: TrainOptions, trainer: TrainerConfig) -> None:
+    if options.packed_sequence_length is not None and options.packed_sequence_length > trainer.max_seq_length:
+        raise ConfigError(
+            f"packed_sequence_length={options.packed_sequence_length} exceeds TrainerConfig(max_seq_length="
+            f"{trainer.max_seq_length}): lower it, or raise max_seq_length"
+        )
+
+
 def _with_memory_saver(config: SGLangConfig) -> SGLangConfig:
     """Shared mode with "sleep" needs SGLang's memory saver and CPU weight backup: without them
     release_memory_occupation answers 200 and frees nothing."""
@@ -503,6 +492,10 @@ def _append_lines(path: Any, lines: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as handle:
         handle.write("".join(line + "\n" for line in lines))
+
+
+# help(SGLangBackend.train) and editors that read __signature__ show every option with its default.
+SGLangBackend.train.__signature__ = TrainOptions.signature(inspect.signature(SGLangBackend.train))  # type: ignore[attr-defined]
 
 
 class _progress:

@@ -12,6 +12,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 WeightSyncMethod = Literal["lora", "disk", "restart"]
 SharedStrategy = Literal["sleep", "restart"]
+SleepRelease = Literal["auto", "kv_cache", "all"]
 
 SERVER_PYTHON_ENV = "ART_SGLANG_SERVER_PYTHON"
 SERVER_TIMEOUT_ENV = "ART_SERVER_TIMEOUT"
@@ -96,6 +97,13 @@ class SGLangConfig(BaseModel):
     enable_metrics: bool = Field(False, description="Expose Prometheus metrics on /metrics.")
     enable_memory_saver: bool = Field(
         False, description="Let the server release/resume GPU memory (shared mode 'sleep' turns it on)."
+    )
+    sleep_release: SleepRelease = Field(
+        "auto",
+        description="What shared mode's 'sleep' frees for a training step: 'kv_cache' (the server keeps its "
+        "weights, the trainer keeps its model on the GPU), 'all' (weights too, copied to host memory; the "
+        "trainer moves to host memory between steps), or 'auto' (kv_cache when both copies of the weights "
+        "fit, shrinking mem_fraction_static unless it was set).",
     )
     enable_weights_cpu_backup: bool = Field(
         False,
@@ -214,10 +222,23 @@ class TrainerConfig(BaseModel):
         "auto", description="'auto' = bfloat16 on GPU, float32 on CPU."
     )
     max_seq_length: int = Field(
-        4096, ge=16, description="Longest sequence trained; longer ones are an error."
+        32768,
+        ge=16,
+        description="Longest packed row (ART's default); longer sequences are dropped with a warning, "
+        "counted in the step's `sequences_dropped_too_long`.",
     )
     micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one forward/backward pass.")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; None = off.")
+    max_grad_norm: float | None = Field(
+        0.1,
+        gt=0,
+        allow_inf_nan=False,
+        description="Gradient clipping per optimizer step (ART: 0.1); None = off.",
+    )
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1 (ART: 0.9).")
+    adam_beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2 (ART: 0.99).")
+    weight_decay: float = Field(
+        0.1, ge=0, allow_inf_nan=False, description="AdamW decoupled weight decay (ART: 0.1)."
+    )
     seed: int = Field(0, description="Seed for LoRA init and any sampling in the trainer.")
     trainer_python: str | None = Field(None, description="Python that runs the trainer; None = this one.")
     step_timeout: float = Field(

@@ -51,6 +51,12 @@ class TrainerError(ArtSGLangError):
     """The trainer worker failed or died. The message holds its error or log tail."""
 
 
+class TrainingError(TrainerError):
+    """A training step was refused and not applied: its loss, gradient norm or new weights were not
+    finite, or its checkpoint could not be written. The trainer stays at its last checkpoint (weights,
+    optimizer state and step number) and keeps serving; the message names the cause."""
+
+
 class ModelNotRegisteredError(ArtSGLangError, ValueError):
     """A model method that needs a backend was called before ``await model.register(backend)``.
 

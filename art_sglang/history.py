@@ -1,7 +1,8 @@
 """history.jsonl: one JSON object per line, in ART's row format (`{...metrics, "step", "recorded_at"}`).
 
 `train()` appends a row with the training metrics and timings of each step; `model.log()` appends its own
-rows to the same file. NaN values are dropped, as ART does, since JSON has no NaN.
+rows to the same file. JSON has no NaN or infinity: such values are written as null, so every line stays
+valid JSON for any reader.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ def append_row(path: Path, step: int, metrics: dict[str, float]) -> dict[str, An
     """Append one row for `step` and return it. One write of one line, so a reader never sees half a row
     from a completed call."""
     row: dict[str, Any] = {
-        key: value for key, value in metrics.items() if not (isinstance(value, float) and math.isnan(value))
+        key: None if isinstance(value, float) and not math.isfinite(value) else value
+        for key, value in metrics.items()
     }
     row.update(step=step, recorded_at=datetime.now().isoformat())
+    line = json.dumps(row, allow_nan=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as handle:
-        handle.write(json.dumps(row) + "\n")
+        handle.write(line + "\n")
     return row
 
 

@@ -23,6 +23,7 @@ from pydantic_core import PydanticSerializationError
 from .errors import ConfigError, ModelNotRegisteredError
 from .history import append_row, read_rows
 from .model_store import HISTORY_FILE
+from .training.options import TrainOptions
 from .trajectories import Trajectory, TrajectoryGroup
 from .types import TrainConfig, TrainResult
 
@@ -207,20 +208,16 @@ class TrainableModel(Model):
         _config: dict[str, Any] | None = None,
         verbose: bool = False,
     ) -> TrainResult:
-        """Older ART style: `await model.train(groups, config=TrainConfig(...))`.
+        """Older ART style: `await model.train(groups, config=TrainConfig(...), _config={...})`.
 
         Same as `await backend.train(model, groups, learning_rate=..., kl_penalty_coef=..., verbose=...,
-        **_config)`; `_config` holds further `backend.train` options.
+        **_config)`; `_config` is ART's `dev.TrainConfig` (the train() keywords, with `ppo: bool` for
+        loss_fn).
         """
         config = config or TrainConfig()
-        return await self.backend().train(
-            self,
-            list(trajectory_groups),
-            learning_rate=config.learning_rate,
-            kl_penalty_coef=config.kl_penalty_coef,
-            verbose=verbose,
-            **(_config or {}),
-        )
+        keywords = {"learning_rate": config.learning_rate, "kl_penalty_coef": config.kl_penalty_coef}
+        keywords.update(TrainOptions.from_dev_config(_config or {}))
+        return await self.backend().train(self, list(trajectory_groups), verbose=verbose, **keywords)
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> None:
         """Delete every checkpoint but the latest and the best by `best_checkpoint_metric` (highest mean

@@ -60,7 +60,9 @@ class TrainConfig(BaseModel):
 
 @dataclass
 class TrainResult:
-    """What `backend.train()` returns: the step reached and the aggregated training metrics."""
+    """What `backend.train()` returns: the step reached, the aggregated training metrics and (as ART's
+    `LocalTrainResult`) the new checkpoint's folder, None with `save_checkpoint=False`."""
 
     step: int
     metrics: dict[str, float] = field(default_factory=dict)
+    checkpoint_path: str | None = None

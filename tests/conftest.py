@@ -1,10 +1,12 @@
-"""Shared fixtures: the offline tiny model, and a guard that no test leaves a child process running."""
+"""Shared fixtures: the offline tiny model and its tokenizer, and a guard that no test leaves a child
+process running."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -28,6 +30,13 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if cache:
         return build_tiny_model(cache)
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ answers refused admin requests with HTTP 400 and `success: false` plus `error_me
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -17,6 +18,11 @@ from art_sglang.errors import (
     ServerRequestError,
     ServerUnavailableError,
 )
+
+# SGLang's names for the kinds of GPU memory `release_memory_occupation` can free (its own default, no
+# tags, frees both). CUDA graphs stay: a graph captured against released memory is still valid on resume.
+KV_CACHE_TAG, WEIGHTS_TAG = "kv_cache", "weights"
+MEMORY_TAGS = (KV_CACHE_TAG, WEIGHTS_TAG)
 
 
 class ModelCard(BaseModel):
@@ -162,16 +168,14 @@ class ServerClient:
         """Empty the prefix cache. Raises `ServerRequestError` if the server refuses (requests running)."""
         await self._request("POST", "/flush_cache")
 
-    async def release_memory_occupation(self) -> None:
-        """Free the server's GPU memory (weights + KV cache with `--enable-memory-saver`).
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Free the server's GPU memory of the kinds in `tags` (`MEMORY_TAGS`; None = all of them) — with
+        `--enable-memory-saver` only. SGLang answers 200 even without it, so success proves nothing."""
+        await self._request("POST", "/release_memory_occupation", _tags_body(tags))
 
-        SGLang answers 200 even without the memory saver, so success does not prove memory was freed.
-        """
-        await self._request("POST", "/release_memory_occupation", {})
-
-    async def resume_memory_occupation(self) -> None:
-        """Take the GPU memory back after `release_memory_occupation`."""
-        await self._request("POST", "/resume_memory_occupation", {})
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Take back the GPU memory of the kinds in `tags` after `release_memory_occupation`."""
+        await self._request("POST", "/resume_memory_occupation", _tags_body(tags))
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Replace the base weights with those at `model_path`; `ServerRequestError` if it fails."""
@@ -180,3 +184,7 @@ class ServerClient:
     async def metrics(self) -> str:
         """`GET /metrics` in Prometheus text format (empty unless the server runs with metrics enabled)."""
         return (await self._request("GET", "/metrics")).text
+
+
+def _tags_body(tags: Sequence[str] | None) -> dict[str, Any]:
+    return {} if tags is None else {"tags": list(tags)}

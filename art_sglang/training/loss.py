@@ -1,7 +1,18 @@
-"""The GRPO-style loss on sampled tokens: PPO-clipped importance-weighted policy gradient plus an optional
-k3 KL penalty to the base model. All functions work on flat tensors of the sampled tokens of a batch;
-the caller divides sums by the number of sampled tokens in the *whole* batch, so micro-batches
-accumulate to the exact token-mean."""
+"""The RL loss of ART 0.5.18 (`art.loss.loss_fn`), on the flat tensor of a micro-batch's sampled tokens.
+
+Per token, with r = exp(new − old) (old = new, detached, where the sampler gave no logprob):
+- importance_sampling_level "sequence" replaces r by exp(mean of the sequence's log-ratios); "average"
+  and "geometric_average" mix the two;
+- max_negative_advantage_importance_sampling_weight caps r; mask_prob_ratio zeroes r outside the clip
+  range; kimi_k2_tau subtracts tau·(new − old) from the advantage;
+- kl_penalty_coef adds coef·(mean KL − token KL) to the advantage, KL = new − ref (detached), the mean
+  taken over the row (the tokens of one optimizer step);
+- cispo: −clip(r, 1 − ε, 1 + ε_high).detach() · A · new; ppo: −min(r·A, clip(r)·A);
+- truncated_importance_sampling multiplies by min(r', bound).detach(), r' = old / sampler ratio when the
+  old logprobs were precalculated, else r;
+- finally × the token's weight. The caller sums over the row's tokens and divides by (row tokens + 1e-6),
+  so micro-batches of one row add up to ART's mean over the packed row exactly.
+"""
 
 from __future__ import annotations
 
@@ -9,63 +20,83 @@ from dataclasses import dataclass
 
 import torch
 
+from .options import TrainOptions
+
+SEQUENCE_MEAN_EPS = 1e-8  # as art.utils.group_aggregate
+ROW_MEAN_EPS = 1e-6  # as art.loss.loss_fn's denominator
+
+
+@dataclass
+class TokenInputs:
+    """Flat over the sampled tokens of a micro-batch (same order everywhere)."""
+
+    new: torch.Tensor  # the policy's logprobs, with gradient
+    old: torch.Tensor  # the old logprobs (NaN: unknown)
+    advantages: torch.Tensor
+    weights: torch.Tensor
+    sequence: torch.Tensor  # long: which sequence of the micro-batch each token belongs to
+    kl: torch.Tensor | None = None  # new − ref, detached; None without a KL penalty
+    row_kl: float = 0.0  # mean of `kl` over the whole row
+    original: torch.Tensor | None = None  # the sampler's logprobs when `old` was precalculated
+
 
 @dataclass
 class TokenLoss:
-    """Per-token terms (flat over sampled tokens)."""
-
-    policy: torch.Tensor  # -min(r·A, clip(r)·A)
-    ratio: torch.Tensor  # exp(new - old), detached
-    clipped: torch.Tensor  # bool: the clipped branch was taken (the gradient is zero there)
-    kl: torch.Tensor | None  # k3 estimate of KL(new || ref), None when no reference
+    loss: torch.Tensor  # per token, weighted: sum and divide by (row tokens + ROW_MEAN_EPS)
+    ratio: torch.Tensor  # the importance ratio the loss used, detached
+    clipped: torch.Tensor  # bool: outside the clip range (cispo) / clipped branch taken (ppo)
 
 
-def ppo_token_loss(
-    new_logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    epsilon: float,
-    epsilon_high: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, ratio, clipped) per token. `old_logprobs` may hold NaN where the sampler gave none: the
-    detached new logprob stands in there, i.e. ratio 1."""
-    old = torch.where(torch.isnan(old_logprobs), new_logprobs.detach(), old_logprobs)
-    ratio = torch.exp(new_logprobs - old)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    return loss, ratio.detach(), (clipped < unclipped).detach()
+def token_loss(inputs: TokenInputs, options: TrainOptions) -> TokenLoss:
+    new = inputs.new
+    old = torch.where(torch.isnan(inputs.old), new.detach(), inputs.old)
+    diff = new - old
+    ratio = torch.exp(diff)
+    level = options.importance_sampling_level
+    if level != "token":
+        sequence_ratio = torch.exp(_sequence_mean(diff, inputs.sequence))
+        if level == "sequence":
+            ratio = sequence_ratio
+        elif level == "average":
+            ratio = (ratio + sequence_ratio) / 2
+        else:  # geometric_average
+            ratio = (ratio**0.5) * (sequence_ratio**0.5)
+    epsilon, epsilon_high = options.clip
+    low, high = 1 - epsilon, 1 + epsilon_high
+    if cap := options.max_negative_advantage_importance_sampling_weight:
+        ratio = torch.clamp(ratio, max=cap)
+    if options.mask_prob_ratio:
+        ratio = torch.where((ratio > low) & (ratio < high), ratio, 0.0)
+    advantages = inputs.advantages
+    if tau := options.kimi_k2_tau:
+        advantages = advantages - tau * diff.detach()
+    if options.kl_penalty_coef > 0 and inputs.kl is not None:
+        advantages = advantages + options.kl_penalty_coef * (inputs.row_kl - inputs.kl)
+    clipped_ratio = torch.clip(ratio.detach() if options.loss_fn == "cispo" else ratio, low, high)
+    if options.loss_fn == "ppo":
+        unclipped, clipped = ratio * advantages, clipped_ratio * advantages
+        loss = -torch.min(unclipped, clipped)
+        was_clipped = clipped < unclipped
+    else:
+        loss = -(clipped_ratio * advantages * new)
+        was_clipped = (ratio < low) | (ratio > high)
+    if bound := options.truncated_importance_sampling:
+        truncation = ratio
+        if inputs.original is not None:
+            original = torch.where(torch.isnan(inputs.original), new.detach(), inputs.original)
+            truncation = torch.exp(old - original)
+        loss = loss * torch.clamp(truncation, max=bound).detach()
+    return TokenLoss(loss * inputs.weights, ratio.detach(), was_clipped.detach())
 
 
-def k3_kl(new_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(new || ref): exp(ref - new) - (ref - new) - 1 (>= 0, unbiased)."""
-    delta = ref_logprobs - new_logprobs
-    return torch.exp(delta) - delta - 1.0
-
-
-def grpo_token_loss(
-    new_logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    ref_logprobs: torch.Tensor | None,
-    *,
-    epsilon: float,
-    epsilon_high: float,
-) -> TokenLoss:
-    policy, ratio, clipped = ppo_token_loss(
-        new_logprobs, old_logprobs, advantages, epsilon=epsilon, epsilon_high=epsilon_high
+def _sequence_mean(values: torch.Tensor, sequence: torch.Tensor) -> torch.Tensor:
+    """Each token's value replaced by the mean over its sequence (broadcast back to the tokens)."""
+    count = int(sequence.max()) + 1 if sequence.numel() else 0
+    sums = torch.zeros(count, dtype=values.dtype, device=values.device).index_add(0, sequence, values)
+    counts = torch.zeros(count, dtype=values.dtype, device=values.device).index_add(
+        0, sequence, torch.ones_like(values)
     )
-    kl = k3_kl(new_logprobs, ref_logprobs) if ref_logprobs is not None else None
-    return TokenLoss(policy=policy, ratio=ratio, clipped=clipped, kl=kl)
-
-
-def batch_loss_sum(terms: TokenLoss, kl_coef: float) -> torch.Tensor:
-    """Sum over tokens of policy + kl_coef·kl; divide by the batch's sampled-token count for the mean."""
-    total = terms.policy.sum()
-    if terms.kl is not None and kl_coef > 0:
-        total = total + kl_coef * terms.kl.sum()
-    return total
+    return (sums / (counts + SEQUENCE_MEAN_EPS))[sequence]
 
 
 def sampled_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

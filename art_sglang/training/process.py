@@ -22,18 +22,22 @@ from subprocess import Popen
 from typing import IO, Any
 
 from ..config import TrainerConfig
-from ..errors import TrainerError, TrainingInputError
+from ..errors import TrainerError, TrainingError, TrainingInputError
 from ..process_tree import kill_process_tree, spawn_logged
 from ..server.process import display_command, read_log_tail
 from ..trajectories import TrajectoryGroup
 from .options import StepOutcome, TrainOptions
 from .validation import WireGroup, groups_to_wire, validate_groups
-from .worker import ERROR, INPUT_ERROR, PROGRESS, RESULT
+from .worker import ERROR, INPUT_ERROR, PROGRESS, RESULT, STEP_ERROR
 
 _EXIT_GRACE_SECONDS = 5.0
 _SHUTDOWN_WAIT_SECONDS = 10.0
 
 ProgressCallback = Callable[[dict[str, Any]], None]
+_ERRORS: dict[Any, type[TrainerError] | type[TrainingInputError]] = {
+    INPUT_ERROR: TrainingInputError,
+    STEP_ERROR: TrainingError,
+}
 
 
 class TrainerProcess:
@@ -121,8 +125,11 @@ class TrainerProcess:
         *,
         on_progress: ProgressCallback | None = None,
     ) -> StepOutcome:
-        """One optimizer step on `groups`. Input problems raise TrainingInputError before anything is
-        trained or written; `trained=False` (with `reason`) when no group carries a learning signal.
+        """One training step on `groups` (one step number; ART's optimizer steps, one per packed row).
+        Input problems raise TrainingInputError before anything is trained or written; a refused step
+        (non-finite values, a checkpoint that cannot be written) raises TrainingError with the trainer
+        back at its last checkpoint; `trained=False` (with `reason`) when no group carries a learning
+        signal: the step still advances, to a copy of the last checkpoint, as in ART.
         `on_progress` gets one event per micro-batch. Cancelling the call does not stop the worker: it
         finishes that step (and its checkpoint), and the next call's outcome carries the step reached."""
         wire = groups_to_wire(groups)
@@ -140,12 +147,14 @@ class TrainerProcess:
             reason=data.get("reason"),
         )
 
-    async def offload(self) -> None:
-        """Move the model and optimizer state to CPU and free the GPU (shared mode); no-op on CPU."""
-        await self._request("offload")
+    async def offload(self, *, keep_weights: bool = False) -> float:
+        """Free the GPU after a step (shared mode): cached blocks, and unless `keep_weights` the model and
+        optimizer state (moved to host memory). Returns the device's free bytes after; no-op on CPU."""
+        return float((await self._request("offload", keep_weights=keep_weights))["free_bytes"])
 
-    async def reload(self) -> None:
-        await self._request("reload")
+    async def reload(self, *, min_free_bytes: float = 0.0, timeout_s: float = 10.0) -> dict[str, float]:
+        """Take the GPU for a step once `min_free_bytes` are free on it (see `Trainer.reload`)."""
+        return await self._request("reload", min_free_bytes=min_free_bytes, timeout_s=timeout_s)
 
     async def stop(self) -> None:
         """Ask the worker to exit, then kill whatever is left of its tree. Idempotent."""
@@ -220,7 +229,7 @@ class TrainerProcess:
                 elif event == RESULT:
                     return message.get("data") or {}
                 elif event == ERROR:
-                    error = TrainingInputError if message.get("error_type") == INPUT_ERROR else TrainerError
+                    error = _ERRORS.get(message.get("error_type"), TrainerError)
                     raise error(message.get("message", "unknown trainer error"))
 
 

@@ -32,7 +32,7 @@ of entries that spell the content and M the number of re-tokenized content token
   `tokenize/logprob_mismatch`.
 - No logprobs at all (allowed only with allow_training_without_logprobs): the same stand-in, counted in
   `tokenize/no_logprobs`. Tokens without a sampler logprob carry NaN here.
-A sequence longer than `max_seq_length` is a TrainingInputError naming the group and trajectory.
+Sequences of any length are returned; the trainer drops those longer than its row length (as ART).
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ class TokenizedSequence:
     group: int
     trajectory: int
     advantage: float = 0.0
+    weight: float = 0.0  # the trajectory's token weight (advantages.py)
+    sampler_logprobs: list[float] | None = None  # set when old_logprobs were precalculated
 
     @property
     def num_sampled(self) -> int:
@@ -273,21 +275,15 @@ def _decoded_arguments(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def tokenize_groups(
-    chat: ChatTokenizer, groups: list[WireGroup], *, max_seq_length: int
+    chat: ChatTokenizer, groups: list[WireGroup]
 ) -> tuple[list[list[list[TokenizedSequence]]], TokenizeStats]:
-    """Sequences per group per trajectory; raises TrainingInputError for an over-long sequence."""
+    """Sequences per group per trajectory (none for a trajectory without a Choice: it is context)."""
     stats = TokenizeStats()
-    out: list[list[list[TokenizedSequence]]] = []
-    for gi, group in enumerate(groups):
-        per_trajectory = []
-        for ti, trajectory in enumerate(group["trajectories"]):
-            sequences = chat.tokenize_trajectory(trajectory, group=gi, index=ti, stats=stats)
-            for sequence in sequences:
-                if len(sequence.input_ids) > max_seq_length:
-                    raise TrainingInputError(
-                        f"group {gi}, trajectory {ti}: {len(sequence.input_ids)} tokens, longer than "
-                        f"max_seq_length={max_seq_length}"
-                    )
-            per_trajectory.append(sequences)
-        out.append(per_trajectory)
+    out = [
+        [
+            chat.tokenize_trajectory(trajectory, group=gi, index=ti, stats=stats)
+            for ti, trajectory in enumerate(group["trajectories"])
+        ]
+        for gi, group in enumerate(groups)
+    ]
     return out, stats

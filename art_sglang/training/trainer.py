@@ -1,13 +1,21 @@
 """The training state inside the worker: model with LoRA, AdamW, step counter, and one `train()` call =
-validate → tokenize → advantages → micro-batched forward/backward → one optimizer step → checkpoint."""
+validate → tokenize → advantages and weights → rows (one optimizer step each, as ART 0.5.18) of
+micro-batched forward/backward → checkpoint. A call is applied, saved and counted together or not at all:
+on a non-finite loss, gradient norm or weight, or a checkpoint that cannot be written, the weights,
+optimizer state, RNG and step are restored to what they were before the call (`TrainingError`)."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
+import errno
+import logging
 import math
+import shutil
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,44 +23,42 @@ from typing import Any
 import torch
 
 from ..config import TrainerConfig
-from ..errors import TrainerError
+from ..errors import TrainerError, TrainingError, TrainingInputError
 from . import checkpoints as ckpt
-from .advantages import group_advantages
-from .loss import batch_loss_sum, grpo_token_loss, sampled_token_logprobs
+from .advantages import balance, batch_scale, group_advantages, trajectory_weight
+from .loss import ROW_MEAN_EPS, TokenInputs, sampled_token_logprobs, token_loss
 from .model_loading import LoadedModel, load_model
 from .options import StepOutcome, TrainOptions
+from .packing import plan_micro_batches, plan_rows, row_length
 from .tokenize import ChatTokenizer, TokenizedSequence, tokenize_groups
 from .validation import WireGroup, validate_groups
 
 Progress = Callable[[dict[str, Any]], None]
-
-
-def plan_micro_batches(
-    sequences: list[TokenizedSequence], token_budget: int
-) -> list[list[TokenizedSequence]]:
-    """Group sequences (longest first) so that rows × padded length stays within the token budget; a
-    sequence longer than the budget gets a micro-batch of its own."""
-    batches: list[list[TokenizedSequence]] = []
-    for seq in sorted(sequences, key=lambda s: len(s.input_ids), reverse=True):
-        # Longest first: the first sequence of a batch fixes its padded length.
-        if batches and (len(batches[-1]) + 1) * len(batches[-1][0].input_ids) <= token_budget:
-            batches[-1].append(seq)
-        else:
-            batches.append([seq])
-    return batches
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Sums:
-    policy: float = 0.0
-    kl: float = 0.0
-    ratio: float = 0.0
-    clipped: float = 0.0
+    loss: float = 0.0  # sum over rows of the row's loss
+    kl: float = 0.0  # sum over rows of the row's mean KL
+    grad_norm: float = 0.0  # sum over rows
+    ratio: float = 0.0  # sum over tokens
+    clipped: float = 0.0  # count over tokens
+    tokens: int = 0
     tokens_forwarded: int = 0
+    micro_batches: int = 0
+
+
+@dataclass
+class _Snapshot:
+    step: int
+    params: list[torch.Tensor]
+    optimizer: dict[str, Any]
+    rng: torch.Tensor
 
 
 class Trainer:
-    """Loads the base model once and trains it step after step (one optimizer step per `train()`)."""
+    """Loads the base model once and trains it call after call (one step number per `train()`)."""
 
     def __init__(self, base_model: str, checkpoint_dir: Path, config: TrainerConfig) -> None:
         self.base_model = base_model
@@ -61,15 +67,24 @@ class Trainer:
         self.loaded: LoadedModel = load_model(base_model, config)
         self.model = self.loaded.model
         self.chat = ChatTokenizer.for_model(self.loaded.tokenizer, base_model)
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # The learning rate is set per train() call; AdamW's moments persist across calls.
-        self.optimizer = torch.optim.AdamW(self.params, lr=5e-6, weight_decay=0.0)
+        # The learning rate is set per row; AdamW's moments persist across calls and checkpoints.
+        self.optimizer = torch.optim.AdamW(self.params, **self._hyperparameters(5e-6))
         self.step = 0
         self.resumed = False
+        self._reference_adapters: dict[str, dict[str, torch.Tensor]] = {}
 
     @property
     def device(self) -> torch.device:
         return self.loaded.device
+
+    def _hyperparameters(self, learning_rate: float) -> dict[str, Any]:
+        return {
+            "lr": learning_rate,
+            "betas": (self.config.adam_beta1, self.config.adam_beta2),
+            "weight_decay": self.config.weight_decay,
+        }
 
     # --- checkpoints ---------------------------------------------------------------------------------
     def resume_or_init(self) -> int:
@@ -79,7 +94,7 @@ class Trainer:
         latest = ckpt.latest_checkpoint(self.checkpoint_dir)
         if latest is None:
             self.step = 0
-            self.save_checkpoint({})
+            self._save({})
             return 0
         self._load_checkpoint(ckpt.checkpoint_path(self.checkpoint_dir, latest))
         self.step = latest
@@ -104,6 +119,17 @@ class Trainer:
 
         return ckpt.write_checkpoint(self.checkpoint_dir, self.step, write)
 
+    def _save(self, metrics: dict[str, float]) -> Path:
+        """save_checkpoint, with a write failure turned into a TrainingError that says what went wrong
+        (torch reports a full disk as 'enforce fail at inline_container.cc')."""
+        try:
+            return self.save_checkpoint(metrics)
+        except Exception as exc:
+            raise TrainingError(
+                f"checkpoint {self.step} could not be written to {self.checkpoint_dir}: "
+                f"{_write_failure(exc, self.checkpoint_dir)}"
+            ) from exc
+
     def _load_checkpoint(self, path: Path) -> None:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
@@ -121,146 +147,387 @@ class Trainer:
     def train(self, groups: list[WireGroup], options: TrainOptions, progress: Progress) -> StepOutcome:
         started = time.perf_counter()
         validate_groups(groups, allow_training_without_logprobs=options.allow_training_without_logprobs)
-        tokenized, stats = tokenize_groups(self.chat, groups, max_seq_length=self.config.max_seq_length)
+        reference = self._reference_path(options)
+        tokenized, stats = tokenize_groups(self.chat, groups)
+        self._check_token_ids(tokenized)
         rewards = [[float(t["reward"]) for t in g["trajectories"]] for g in groups]
-        advantages = group_advantages(rewards, scale_rewards=options.scale_rewards)
+        advantages = group_advantages(rewards, scale_rewards=options.scales_rewards)
         flat_rewards = [r for g in rewards for r in g]
-        mean = sum(flat_rewards) / len(flat_rewards)
+        mean = math.fsum(flat_rewards) / len(flat_rewards)
         metrics: dict[str, float] = {
             **stats.metrics(),
             "reward": mean,
-            "reward_std": math.sqrt(sum((r - mean) ** 2 for r in flat_rewards) / len(flat_rewards)),
+            "reward_std": math.sqrt(math.fsum((r - mean) ** 2 for r in flat_rewards) / len(flat_rewards)),
             "num_groups": float(len(groups)),
             "groups_skipped": float(advantages.groups_skipped),
             "learning_rate": options.learning_rate,
         }
-        sequences: list[TokenizedSequence] = []
-        trajectories = 0
-        for per_trajectory, group_adv in zip(tokenized, advantages.per_group, strict=True):
-            if group_adv is None:
-                continue
-            for seqs, advantage in zip(per_trajectory, group_adv, strict=True):
-                kept = [s for s in seqs if s.num_sampled > 0]
-                if advantage == 0.0 or not kept:
-                    continue  # no gradient from the policy term; not worth a forward pass
-                trajectories += 1
-                for seq in kept:
-                    seq.advantage = advantage
-                sequences += kept
-        metrics["num_trajectories"] = float(trajectories)
-        if not sequences:
-            reason = (
-                f"nothing to train on: all {len(groups)} groups have equal rewards (no learning signal)"
-                if advantages.groups_trained == 0
-                else "nothing to train on: no trajectory with a non-zero advantage has sampled tokens"
+        per_group = _weighted_sequences(tokenized, advantages.per_group)
+        selected = [s for g in per_group for s in g]
+        length = row_length(
+            selected or [TokenizedSequence([0], [0], [0.0], 0, 0)],
+            packed=options.packed_sequence_length,
+            max_seq_length=self.config.max_seq_length,
+        )
+        too_long = [s for s in selected if len(s.input_ids) > length]
+        if too_long:
+            logger.warning(
+                "dropping %d sequences longer than the row length %d (longest %d tokens)",
+                len(too_long), length, max(len(s.input_ids) for s in too_long),
+            )  # fmt: skip
+            per_group = [[s for s in g if len(s.input_ids) <= length] for g in per_group]
+            selected = [s for g in per_group for s in g]
+        metrics["sequences_dropped_too_long"] = float(len(too_long))
+        metrics["num_trajectories"] = float(len({(s.group, s.trajectory) for s in selected}))
+        scale = None
+        if selected:
+            items = [(s.num_sampled, s.advantage, s.weight) for s in selected]
+            scale = batch_scale(items, advantage_balance=options.advantage_balance)
+        if scale is None or scale.advantage_scale is None:
+            return self._advance_untrained(
+                groups, advantages.groups_trained, bool(too_long), metrics, started
             )
-            metrics["seconds"] = time.perf_counter() - started
-            return StepOutcome(self.step, metrics, None, trained=False, reason=reason)
+        for s in selected:
+            s.weight *= scale.weight_scale
+            s.advantage = balance(s.advantage, options.advantage_balance) * scale.advantage_scale
+        snapshot = self._snapshot()
         try:
-            metrics.update(self._optimize(sequences, options, progress))
+            rows = plan_rows(per_group, length)
+            metrics.update(self._optimize(rows, selected, options, reference, progress))
+            self.step += 1
+            metrics["seconds"] = time.perf_counter() - started
+            path = self._save(metrics)
         except BaseException:
-            # e.g. CUDA out of memory: drop the partial gradients so the next call starts clean.
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self._restore(snapshot)
             raise
-        self.step += 1
-        metrics["seconds"] = time.perf_counter() - started
-        path = self.save_checkpoint(metrics) if options.save_checkpoint else None
         return StepOutcome(self.step, metrics, path, trained=True)
 
+    def _advance_untrained(
+        self,
+        groups: list[WireGroup],
+        trained_groups: int,
+        dropped: bool,
+        metrics: dict[str, float],
+        started: float,
+    ) -> StepOutcome:
+        """As ART: no optimizer step, but the step advances with a copy of the current checkpoint."""
+        if trained_groups == 0:
+            reason = f"all {len(groups)} groups have equal rewards (no learning signal)"
+        elif dropped:
+            reason = "every sequence with a non-zero advantage is longer than the row length"
+        else:
+            reason = "no trajectory with a non-zero advantage has sampled tokens"
+        metrics["gradient_steps"] = 0.0
+        self.step += 1
+        metrics["seconds"] = time.perf_counter() - started
+        try:
+            path = self._save(metrics)
+        except BaseException:
+            self.step -= 1
+            raise
+        return StepOutcome(self.step, metrics, path, trained=False, reason=f"no optimizer step: {reason}")
+
+    def _check_token_ids(self, tokenized: list[list[list[TokenizedSequence]]]) -> None:
+        for group in tokenized:
+            for sequences in group:
+                for s in sequences:
+                    bad = next((i for i in s.input_ids if not 0 <= i < self.vocab_size), None)
+                    if bad is not None:
+                        raise TrainingInputError(
+                            f"group {s.group}, trajectory {s.trajectory}: token id {bad} is outside the "
+                            f"model's vocabulary (0..{self.vocab_size - 1}); were these token_ids sampled "
+                            "from another model?"
+                        )
+
+    def _reference_path(self, options: TrainOptions) -> Path | None:
+        """The KL reference adapter's folder, None for the base model."""
+        if options.kl_ref_adapter_path is not None:
+            path = Path(options.kl_ref_adapter_path)
+        elif options.kl_penalty_reference_step is not None:
+            path = ckpt.checkpoint_path(self.checkpoint_dir, options.kl_penalty_reference_step)
+        else:
+            return None
+        if not (path / ckpt.ADAPTER_WEIGHTS).is_file():
+            raise TrainingInputError(
+                f"the KL reference adapter {path} has no {ckpt.ADAPTER_WEIGHTS}: name a saved checkpoint step "
+                "(kl_penalty_reference_step) or an adapter folder (kl_ref_adapter_path)"
+            )
+        return path
+
+    # --- the optimizer steps -------------------------------------------------------------------------
     def _optimize(
-        self, sequences: list[TokenizedSequence], options: TrainOptions, progress: Progress
+        self,
+        rows: list[list[TokenizedSequence]],
+        selected: list[TokenizedSequence],
+        options: TrainOptions,
+        reference: Path | None,
+        progress: Progress,
     ) -> dict[str, float]:
         started = time.perf_counter()
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        total_sampled = sum(s.num_sampled for s in sequences)
-        batches = plan_micro_batches(sequences, self.config.micro_batch_tokens)
-        sums = _Sums()
-        for index, batch in enumerate(batches):
-            self._micro_batch(batch, total_sampled, options, sums)
-            progress({"phase": "train", "micro_batch": index + 1, "micro_batches": len(batches)})
+        if options.precalculate_logprobs:
+            self._precalculate(selected)
         max_norm = options.max_grad_norm or self.config.max_grad_norm or math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        for group in self.optimizer.param_groups:
-            group["lr"] = options.learning_rate
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        sums = _Sums()
+        total = sum(len(plan_micro_batches(row, self.config.micro_batch_tokens)) for row in rows)
+        for row_index, row in enumerate(rows):
+            batches = plan_micro_batches(row, self.config.micro_batch_tokens)
+            row_tokens = sum(s.num_sampled for s in row)
+            kl = self._row_kl(batches, reference) if options.kl_penalty_coef > 0 else None
+            row_kl = float(sum(k.sum() for k in kl)) / (row_tokens + ROW_MEAN_EPS) if kl else 0.0
+            self.optimizer.zero_grad(set_to_none=True)
+            row_loss = 0.0
+            for index, batch in enumerate(batches):
+                row_loss += self._micro_batch(
+                    batch, row_tokens, options, kl[index] if kl else None, row_kl, sums
+                )
+                sums.micro_batches += 1
+                progress({"phase": "train", "micro_batch": sums.micro_batches, "micro_batches": total})
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+            where = f"row {row_index + 1} of {len(rows)}"
+            if not math.isfinite(row_loss):
+                raise TrainingError(
+                    f"the loss is not finite ({row_loss}) in {where}; the step was not applied"
+                )
+            if not math.isfinite(grad_norm):
+                raise TrainingError(
+                    f"the gradient norm is not finite ({grad_norm}) in {where}; the step was not applied"
+                )
+            multiplier = len(row) ** options.num_trajectories_learning_rate_multiplier_power
+            for group in self.optimizer.param_groups:
+                group.update(self._hyperparameters(options.learning_rate * multiplier))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if not all(bool(torch.isfinite(p).all()) for p in self.params):
+                raise TrainingError(
+                    f"the updated weights are not finite after {where} (learning rate "
+                    f"{options.learning_rate * multiplier}); the step was not applied"
+                )
+            sums.loss += row_loss
+            sums.kl += row_kl
+            sums.grad_norm += grad_norm
         seconds = time.perf_counter() - started
-        policy = sums.policy / total_sampled
-        kl = sums.kl / total_sampled
         memory = {"gpu_peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30} if cuda else {}
         return {
             **memory,
-            "loss": policy + options.kl_penalty_coef * kl,
-            "policy_loss": policy,
-            "kl": kl,
-            "grad_norm": grad_norm,
-            "clip_fraction": sums.clipped / total_sampled,
-            "ratio_mean": sums.ratio / total_sampled,
-            "num_tokens": float(total_sampled),
-            "num_sequences": float(len(sequences)),
-            "micro_batches": float(len(batches)),
+            "loss": sums.loss / len(rows),
+            "kl": sums.kl / len(rows),
+            "grad_norm": sums.grad_norm / len(rows),
+            "clip_fraction": sums.clipped / sums.tokens,
+            "ratio_mean": sums.ratio / sums.tokens,
+            "num_tokens": float(sums.tokens),
+            "num_sequences": float(len(selected)),
+            "gradient_steps": float(len(rows)),
+            "row_length": float(max(len(s.input_ids) for row in rows for s in row)),
+            "micro_batches": float(sums.micro_batches),
             "tokens_per_second": sums.tokens_forwarded / seconds if seconds > 0 else 0.0,
         }
 
     def _micro_batch(
-        self, batch: list[TokenizedSequence], total_sampled: int, options: TrainOptions, sums: _Sums
-    ) -> None:
-        width = max(len(s.input_ids) for s in batch)
-        pad = self.loaded.tokenizer.pad_token_id
-        pad = pad if pad is not None else 0
+        self,
+        batch: list[TokenizedSequence],
+        row_tokens: int,
+        options: TrainOptions,
+        kl: torch.Tensor | None,
+        row_kl: float,
+        sums: _Sums,
+    ) -> float:
+        """Forward and backward one micro-batch; returns its share of the row's loss."""
+        tensors = self._tensors(batch)
+        mask = tensors["mask"]
+        sampled = mask[:, 1:].bool()
 
-        def padded(rows: list[list[Any]], fill: Any, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(
-                [r + [fill] * (width - len(r)) for r in rows], dtype=dtype, device=self.device
-            )
+        def flat(values: list[list[float]], fill: float) -> torch.Tensor:
+            return self._padded(values, fill, torch.float32, tensors["width"])[:, 1:][sampled]
 
-        input_ids = padded([s.input_ids for s in batch], pad, torch.long)
-        attention = padded([[1] * len(s.input_ids) for s in batch], 0, torch.long)
-        mask = padded([s.sampled_mask for s in batch], 0, torch.long)
-        old = padded([s.old_logprobs for s in batch], float("nan"), torch.float32)[:, 1:][mask[:, 1:].bool()]
-        adv = padded([[s.advantage] * len(s.input_ids) for s in batch], 0.0, torch.float32)
-        adv = adv[:, 1:][mask[:, 1:].bool()]
-        ref = None
-        if options.kl_penalty_coef > 0:
-            with torch.no_grad(), self.model.disable_adapter():
-                logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
-                ref = sampled_token_logprobs(logits, input_ids, mask)
-            del logits
-        logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
-        new = sampled_token_logprobs(logits, input_ids, mask)
-        terms = grpo_token_loss(
-            new, old, adv, ref, epsilon=options.epsilon, epsilon_high=options.epsilon_high or options.epsilon
+        new = self._logprobs(tensors)
+        inputs = TokenInputs(
+            new=new,
+            old=flat([s.old_logprobs for s in batch], math.nan),
+            advantages=flat([[s.advantage] * len(s.input_ids) for s in batch], 0.0),
+            weights=flat([[s.weight] * len(s.input_ids) for s in batch], 0.0),
+            sequence=torch.arange(len(batch), device=self.device)[:, None].expand_as(sampled)[sampled],
+            kl=kl,
+            row_kl=row_kl,
+            original=(
+                flat([s.sampler_logprobs or [] for s in batch], math.nan)
+                if options.precalculate_logprobs
+                else None
+            ),
         )
-        (batch_loss_sum(terms, options.kl_penalty_coef) / total_sampled).backward()
-        sums.policy += float(terms.policy.detach().sum())
-        sums.kl += float(terms.kl.detach().sum()) if terms.kl is not None else 0.0
+        terms = token_loss(inputs, options)
+        share = terms.loss.sum() / (row_tokens + ROW_MEAN_EPS)
+        share.backward()
         sums.ratio += float(terms.ratio.sum())
         sums.clipped += float(terms.clipped.sum())
+        sums.tokens += int(new.numel())
         sums.tokens_forwarded += sum(len(s.input_ids) for s in batch)
+        return float(share.detach())
 
-    # --- shared mode ---------------------------------------------------------------------------------
-    def offload(self) -> None:
-        """Move model and optimizer state to CPU and return the GPU memory (no-op on a CPU trainer)."""
+    def _tensors(self, batch: list[TokenizedSequence]) -> dict[str, Any]:
+        width = max(len(s.input_ids) for s in batch)
+        pad = self.loaded.tokenizer.pad_token_id
+        return {
+            "width": width,
+            "input_ids": self._padded(
+                [s.input_ids for s in batch], pad if pad is not None else 0, torch.long, width
+            ),
+            "attention": self._padded([[1] * len(s.input_ids) for s in batch], 0, torch.long, width),
+            "mask": self._padded([s.sampled_mask for s in batch], 0, torch.long, width),
+        }
+
+    def _padded(self, rows: list[list[Any]], fill: Any, dtype: torch.dtype, width: int) -> torch.Tensor:
+        return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=dtype, device=self.device)
+
+    def _logprobs(self, tensors: dict[str, Any]) -> torch.Tensor:
+        logits = self.model(
+            input_ids=tensors["input_ids"], attention_mask=tensors["attention"], use_cache=False
+        ).logits
+        return sampled_token_logprobs(logits, tensors["input_ids"], tensors["mask"])
+
+    @torch.no_grad()
+    def _row_kl(self, batches: list[list[TokenizedSequence]], reference: Path | None) -> list[torch.Tensor]:
+        """Per micro-batch, new − reference logprob of each sampled token (before the row's update)."""
+        out = []
+        for batch in batches:
+            tensors = self._tensors(batch)
+            new = self._logprobs(tensors)
+            with self._reference(reference):
+                out.append(new - self._logprobs(tensors))
+        return out
+
+    @contextlib.contextmanager
+    def _reference(self, path: Path | None) -> Iterator[None]:
+        """The KL reference in place of the policy: the base model (adapter disabled) or another adapter's
+        weights swapped in (and the policy's swapped back)."""
+        if path is None:
+            with self.model.disable_adapter():
+                yield
+            return
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        key = str(path.resolve())
+        if key not in self._reference_adapters:
+            self._reference_adapters[key] = load_file(
+                str(path / ckpt.ADAPTER_WEIGHTS), device=str(self.device)
+            )
+        policy = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+        set_peft_model_state_dict(self.model, self._reference_adapters[key])
+        try:
+            yield
+        finally:
+            set_peft_model_state_dict(self.model, policy)
+
+    @torch.no_grad()
+    def _precalculate(self, sequences: list[TokenizedSequence]) -> None:
+        """precalculate_logprobs: the policy's own logprobs before the step become the old logprobs; the
+        sampler's are kept for truncated importance sampling."""
+        for batch in plan_micro_batches(sequences, self.config.micro_batch_tokens):
+            values = iter(self._logprobs(self._tensors(batch)).tolist())
+            for s in batch:
+                s.sampler_logprobs = list(s.old_logprobs)
+                s.old_logprobs = [
+                    next(values) if m and t > 0 else math.nan for t, m in enumerate(s.sampled_mask)
+                ]
+
+    # --- all or nothing ------------------------------------------------------------------------------
+    def _snapshot(self) -> _Snapshot:
+        return _Snapshot(
+            step=self.step,
+            params=[p.detach().clone() for p in self.params],
+            optimizer=copy.deepcopy(self.optimizer.state_dict()),
+            rng=torch.get_rng_state(),
+        )
+
+    def _restore(self, snapshot: _Snapshot) -> None:
+        """Back to the state before the call: weights, optimizer moments, RNG, step; no gradients left."""
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for param, saved in zip(self.params, snapshot.params, strict=True):
+                param.copy_(saved)
+        self.optimizer.load_state_dict(snapshot.optimizer)
+        torch.set_rng_state(snapshot.rng)
+        self.step = snapshot.step
         if self.device.type == "cuda":
-            self._move(torch.device("cpu"))
             torch.cuda.empty_cache()
 
-    def reload(self) -> None:
-        if self.device.type == "cuda":
-            self._move(self.device)
+    # --- shared mode ---------------------------------------------------------------------------------
+    def offload(self, keep_weights: bool = False) -> dict[str, float]:
+        """Give the GPU back to the server after a step: the allocator's cached blocks (the step's
+        activations) always; with `keep_weights=False` the model and optimizer state move to host memory
+        too. Returns the device's free bytes afterwards (0 on CPU, where this is a no-op)."""
+        if self.device.type != "cuda":
+            return {"free_bytes": 0.0}
+        if not keep_weights:
+            self._move(torch.device("cpu"))
+        torch.cuda.empty_cache()
+        return {"free_bytes": float(torch.cuda.mem_get_info(self.device)[0])}
 
-    def _move(self, device: torch.device) -> None:
-        self.model.to(device)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    state[key] = value.to(device)
+    def reload(self, min_free_bytes: float = 0.0, timeout_s: float = 10.0) -> dict[str, float]:
+        """Take the GPU for a step: wait until `min_free_bytes` are free on the device — the server's
+        release can show in the driver after its HTTP answer, and allocating before would OOM — then move
+        back whatever `offload` moved. Returns the free bytes seen and the seconds waited."""
+        if self.device.type != "cuda":
+            return {"free_bytes": 0.0, "waited_s": 0.0}
+        started = time.perf_counter()
+        free = torch.cuda.mem_get_info(self.device)[0]
+        while free < min_free_bytes and time.perf_counter() - started < timeout_s:
+            time.sleep(0.005)
+            free = torch.cuda.mem_get_info(self.device)[0]
+        waited = time.perf_counter() - started
+        if free < min_free_bytes:
+            print(
+                f"reload: {free / 2**30:.1f} GiB free after {waited:.1f} s, expected "
+                f"{min_free_bytes / 2**30:.1f} GiB; going on",
+                file=sys.stderr,
+            )
+        if next(self.model.parameters()).device.type != "cuda":
+            self._move(self.device)
+        return {"free_bytes": float(free), "waited_s": waited}
+
+
+def _weighted_sequences(
+    tokenized: list[list[list[TokenizedSequence]]], advantages: list[list[float] | None]
+) -> list[list[TokenizedSequence]]:
+    """Per group, the sequences to train with their trajectory's advantage and weight: trajectories of
+    skipped groups, with a zero advantage, or without sampled tokens (context only) are left out."""
+    out: list[list[TokenizedSequence]] = []
+    for per_trajectory, group_advantages_ in zip(tokenized, advantages, strict=True):
+        kept: list[TokenizedSequence] = []
+        for sequences, advantage in zip(per_trajectory, group_advantages_ or [], strict=False):
+            trained = [s for s in sequences if s.num_sampled > 0]
+            if advantage == 0.0 or not trained:
+                continue
+            weight = trajectory_weight(sum(s.num_sampled for s in trained))
+            for s in trained:
+                s.advantage, s.weight = advantage, weight
+            kept += trained
+        out.append(kept)
+    return out
+
+
+def _write_failure(exc: BaseException, folder: Path) -> str:
+    """A plain reason for a failed checkpoint write."""
+    text = f"{type(exc).__name__}: {exc}"
+    code = exc.errno if isinstance(exc, OSError) else None
+    torch_write = isinstance(exc, RuntimeError) and ("inline_container" in text or "write failed" in text)
+    if code in (errno.ENOSPC, errno.EDQUOT) or torch_write:
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            free = None
+        if code in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < 64 * 2**20):
+            where = f" ({free / 2**20:.1f} MiB free)" if free is not None else ""
+            return f"no space left on the device{where}: free some space and train again ({text.splitlines()[0]})"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"the folder is not writable: fix its permissions and train again ({text})"
+    if code == errno.EFBIG:
+        return f"a file exceeds the allowed file size (ulimit -f): raise the limit and train again ({text})"
+    return text.splitlines()[0]
 
 
 def save_adapter(model: Any, folder: Path, base_model: str) -> None:

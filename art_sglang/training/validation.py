@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 
 WireGroup = dict[str, Any]
 
+# A plausible sampler logprob: a real sampled token is never below this (float32 probabilities end near
+# e^-104, so such a token cannot be drawn), while -9999 and similar stand-ins for -inf are caught; above
+# 0 only by rounding.
+MIN_LOGPROB = -1000.0
+MAX_LOGPROB = 1e-3
+
 
 def groups_to_wire(groups: Sequence[TrajectoryGroup | WireGroup]) -> list[WireGroup]:
     """Plain-dict form of the groups, as sent to the worker. Python mode keeps NaN/inf rewards as floats
@@ -98,10 +104,12 @@ def content_entry_count(choice: WireGroup, entries: list[dict[str, Any]]) -> int
 
 def validate_groups(groups: list[WireGroup], *, allow_training_without_logprobs: bool) -> None:
     """Raise TrainingInputError, naming the group and trajectory index, for input that cannot be trained:
-    no groups, an empty group, a reward that is not a finite number, a trajectory without a sampled
-    Choice, a Choice without logprobs (unless allowed), logprobs that do not match the Choice's text."""
+    no groups, an empty group, a reward that is not a finite number, no sampled Choice in any trajectory,
+    a Choice without logprobs (unless allowed), implausible logprobs, logprobs that do not match the
+    Choice's text. A trajectory without a Choice is context (its reward counts in its group's mean)."""
     if not groups:
         raise TrainingInputError("no trajectory groups to train on")
+    choices = 0
     for gi, group in enumerate(groups):
         trajectories = group.get("trajectories") or []
         if not trajectories:
@@ -109,21 +117,25 @@ def validate_groups(groups: list[WireGroup], *, allow_training_without_logprobs:
             hint = f" ({failed} rollouts raised exceptions)" if failed else ""
             raise TrainingInputError(f"group {gi} has no trajectories{hint}")
         for ti, trajectory in enumerate(trajectories):
-            _validate_trajectory(trajectory, f"group {gi}, trajectory {ti}", allow_training_without_logprobs)
+            choices += _validate_trajectory(
+                trajectory, f"group {gi}, trajectory {ti}", allow_training_without_logprobs
+            )
+    if not choices:
+        raise TrainingInputError(
+            "no trajectory of any group has an assistant Choice to train on (plain assistant message "
+            "dicts are context; append the Choice objects returned by the chat completion)"
+        )
 
 
-def _validate_trajectory(trajectory: WireGroup, where: str, allow_without_logprobs: bool) -> None:
+def _validate_trajectory(trajectory: WireGroup, where: str, allow_without_logprobs: bool) -> int:
+    """Checks one trajectory; returns its number of Choices."""
     reward = trajectory.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise TrainingInputError(f"{where}: reward must be a finite number, got {reward!r}")
     choices = [item for items, _ in histories(trajectory) for item in items if is_choice(item)]
-    if not choices:
-        raise TrainingInputError(
-            f"{where}: no assistant Choice to train on (plain assistant message dicts are context; "
-            "append the Choice objects returned by the chat completion)"
-        )
     for ci, choice in enumerate(choices):
         _validate_choice(choice, f"{where}, choice {ci}", allow_without_logprobs)
+    return len(choices)
 
 
 def _validate_choice(choice: WireGroup, where: str, allow_without_logprobs: bool) -> None:
@@ -142,6 +154,11 @@ def _validate_choice(choice: WireGroup, where: str, allow_without_logprobs: bool
         value = entry.get("logprob") if isinstance(entry, dict) else None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise TrainingInputError(f"{where}: logprob {ei} must be a finite number, got {value!r}")
+        if not MIN_LOGPROB <= value <= MAX_LOGPROB:
+            raise TrainingInputError(
+                f"{where}: logprob {ei} is {value!r}, not a sampled token's logprob (expected "
+                f"{MIN_LOGPROB:g} to 0; values like -9999 stand in for -inf and would poison the step)"
+            )
     if ids is not None:
         if len(entries) not in (len(ids), len(ids) + 1):
             raise TrainingInputError(

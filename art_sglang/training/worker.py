@@ -18,7 +18,7 @@ import traceback
 from typing import IO, Any
 
 PROGRESS, RESULT, ERROR = "progress", "result", "error"
-INPUT_ERROR, TRAINER_ERROR = "TrainingInputError", "TrainerError"
+INPUT_ERROR, STEP_ERROR, TRAINER_ERROR = "TrainingInputError", "TrainingError", "TrainerError"
 
 
 class _Channel:
@@ -45,7 +45,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Imported after the redirect: Unsloth and transformers print banners on import.
     from ..config import TrainerConfig
-    from ..errors import TrainingInputError
+    from ..errors import TrainingError, TrainingInputError
     from .options import TrainOptions
     from .trainer import Trainer
 
@@ -76,15 +76,17 @@ def main() -> None:
                 )
                 channel.send(rid, RESULT, data=outcome.__dict__)
             elif cmd == "offload":
-                trainer.offload()
-                channel.send(rid, RESULT, data={})
+                channel.send(rid, RESULT, data=trainer.offload(bool(request.get("keep_weights"))))
             elif cmd == "reload":
-                trainer.reload()
-                channel.send(rid, RESULT, data={})
+                free = float(request.get("min_free_bytes") or 0.0)
+                channel.send(rid, RESULT, data=trainer.reload(free, float(request.get("timeout_s", 10.0))))
             else:
                 raise RuntimeError(f"unknown command {cmd!r}")
         except TrainingInputError as exc:
             channel.send(request.get("id"), ERROR, error_type=INPUT_ERROR, message=str(exc))
+        except TrainingError as exc:  # a refused step: the trainer is back at its last checkpoint
+            traceback.print_exc()
+            channel.send(request.get("id"), ERROR, error_type=STEP_ERROR, message=str(exc))
         except Exception as exc:
             traceback.print_exc()
             message = f"{type(exc).__name__}: {exc}"

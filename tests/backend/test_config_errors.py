@@ -8,7 +8,7 @@ import pytest
 
 from art_sglang import ConfigError, SGLangBackend, SGLangConfig, TrainerConfig
 from art_sglang.devices import DeviceLayout
-from art_sglang.train_args import build_train_options
+from art_sglang.training.options import TrainOptions
 
 CPU_SHARED = DeviceLayout("shared", "reference", (), (), "forced for tests")
 
@@ -70,41 +70,49 @@ def test_sleep_turns_on_the_memory_saver_and_refuses_it_switched_off():
         )
 
 
-def _options(**overrides):
-    values = dict(
-        learning_rate=1e-5, loss_fn="ppo", epsilon=None, epsilon_high=None, scale_rewards=True,
-        normalize_advantages=True, kl_penalty_coef=0.0, max_grad_norm=None,
-        allow_training_without_logprobs=False, save_checkpoint=True, extra={},
-    )  # fmt: skip
-    values.update(overrides)
-    return build_train_options(**values)
-
-
-def test_art_options_at_their_default_are_accepted_and_mapped():
-    options = _options(extra={"advantage_balance": 0.0, "importance_sampling_level": "token"}, epsilon=0.1)
-    assert options.epsilon == 0.1 and options.epsilon_high == 0.1
-    assert _options(normalize_advantages=False).scale_rewards is False
+def test_art_defaults_and_keywords_are_accepted_and_mapped():
+    options = TrainOptions.from_keywords({})
+    assert (options.loss_fn, options.learning_rate, options.clip) == ("cispo", 5e-6, (1.0, 4.0))
+    assert TrainOptions.from_keywords({"loss_fn": "ppo"}).clip == (0.2, 0.2)
+    assert TrainOptions.from_keywords({"loss_fn": "ppo", "epsilon": 0.1}).clip == (0.1, 0.1)
+    assert TrainOptions.from_keywords({"epsilon": 0.5}).clip == (0.5, 4.0)  # ART: epsilon_high stays 4.0
+    assert TrainOptions.from_keywords({"normalize_advantages": False}).scales_rewards is False
+    # ART keywords at their default pass, with or without an effect here.
+    TrainOptions.from_keywords(
+        {"plot_tensors": False, "loss_fn_config": None, "logprob_calculation_chunk_size": 512}
+    )
+    # The older model.train(..., _config=dev.TrainConfig) form.
+    assert TrainOptions.from_dev_config({"ppo": True, "epsilon": 0.3}) == {"loss_fn": "ppo", "epsilon": 0.3}
 
 
 @pytest.mark.parametrize(
-    ("extra", "match"),
+    ("keywords", "match"),
     [
-        ({"advantage_balance": 0.5}, r"advantage_balance=0.5 is not supported.*default 0.0"),
-        ({"kl_penalty_reference_step": 3}, r"kl_penalty_reference_step=3.*base model"),
-        ({"packed_sequence_length": 4096}, r"packed_sequence_length.*TrainerConfig\(max_seq_length"),
-        ({"learning_rte": 1e-5}, r"unknown option 'learning_rte'.*takes learning_rate"),
+        ({"plot_tensors": True}, r"plot_tensors=True is not supported.*only ART's default False"),
+        ({"adam_params": {"lr": 1}}, r"adam_params=.*TrainerConfig\(adam_beta1"),
+        ({"scale_learning_rate_by_reward_std_dev": True}, r"LocalBackend ignores it too"),
+        ({"learning_rte": 1e-5}, r"unknown option\(s\) \['learning_rte'\].*takes learning_rate, loss_fn"),
+        ({"loss_fn": "grpo"}, r"loss_fn='grpo': Input should be 'cispo' or 'ppo'"),
+        ({"learning_rate": -1.0}, r"invalid train\(\) option: learning_rate=-1.0"),
+        ({"learning_rate": float("inf")}, r"learning_rate=inf: Input should be a finite number"),
+        ({"epsilon": float("nan")}, r"epsilon=nan"),
+        ({"advantage_balance": 1.5}, r"advantage_balance=1.5"),
+        ({"kl_penalty_reference_step": 1, "kl_ref_adapter_path": "/x"}, r"not both"),
     ],
 )
-def test_unsupported_or_unknown_options_are_errors(extra, match):
+def test_unsupported_unknown_or_bad_options_are_errors(keywords, match):
     with pytest.raises(ConfigError, match=match):
-        _options(extra=extra)
+        TrainOptions.from_keywords(keywords)
 
 
-def test_other_loss_functions_and_bad_values_are_errors():
-    with pytest.raises(ConfigError, match=r"loss_fn='cispo' is not supported.*use loss_fn='ppo'"):
-        _options(loss_fn="cispo")
-    with pytest.raises(ConfigError, match=r"invalid train\(\) option: learning_rate=-1.0"):
-        _options(learning_rate=-1.0)
+def test_train_signature_lists_every_option():
+    import inspect
+
+    parameters = inspect.signature(SGLangBackend.train).parameters
+    assert list(parameters)[:3] == ["self", "model", "trajectory_groups"]
+    assert {name: p.default for name, p in parameters.items() if p.kind == p.KEYWORD_ONLY} == {
+        name: info.default for name, info in TrainOptions.model_fields.items()
+    }
 
 
 def test_adapter_directories_are_checked_locally_before_loading(tmp_path):

@@ -218,3 +218,27 @@ async def test_health_answers_while_generating(server: ServerProcess, engine: st
             # 1500 tokens take seconds on CPU; the event loop answered in the meantime.
             assert not generation.done()
         assert (await generation).status_code == 200
+
+
+def test_release_of_the_kv_cache_only_keeps_weights_and_adapters(
+    client: httpx.Client, adapters: dict[str, str], engine: str, base_answer: str
+) -> None:
+    """Shared mode's cheap handoff: `tags=["kv_cache"]` frees the KV cache; base weights and loaded
+    adapters stay, so nothing needs reloading after the resume."""
+    assert _load(client, "kv@1", adapters["a"]).status_code == 200
+    try:
+        with_adapter = greedy(client, lora_path="kv@1")
+        released = client.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+        assert released.status_code == 200 and released.json() is None
+        if engine == "reference":
+            assert chat(client).status_code == 503
+            metrics = client.get("/metrics").text.splitlines()
+            weights = next(line for line in metrics if line.startswith("sglang:weight_memory_usage_gb"))
+            assert float(weights.rsplit(" ", 1)[1]) > 0.0
+        resumed = client.post("/resume_memory_occupation", json={"tags": ["kv_cache"]})
+        assert resumed.status_code == 200 and resumed.json() is None
+        assert greedy(client) == base_answer
+        assert greedy(client, lora_path="kv@1") == with_adapter
+        assert "kv@1" in _served(client)
+    finally:
+        _unload(client, "kv@1")

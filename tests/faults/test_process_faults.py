@@ -118,9 +118,11 @@ async def test_a_checkpoint_the_dead_trainer_never_reported_is_served(faulty) ->
     while trainer.is_alive():
         await asyncio.sleep(0.05)
     flat = art.TrajectoryGroup([t.model_copy(update={"reward": 0.5}) for t in groups[0].trajectories])
-    result = await backend.train(model, [flat], **TRAIN)  # no learning signal: no new step
-    assert result.step == step + 1 and model.get_inference_name() == f"agent@{step + 1}"
-    assert (await chat(_gateway(model), f"agent@{step + 1}")).status_code == 200
+    # The restarted trainer resumes at step+1; a batch without learning signal still advances (as in ART).
+    result = await backend.train(model, [flat], **TRAIN)
+    assert result.step == step + 2 and model.get_inference_name() == f"agent@{step + 2}"
+    assert (await chat(_gateway(model), f"agent@{step + 2}")).status_code == 200
+    assert (await chat(_gateway(model), f"agent@{step + 1}")).status_code == 200  # on disk: loaded on request
 
 
 async def test_a_stopped_server_is_restarted_and_requests_wait(faulty) -> None:

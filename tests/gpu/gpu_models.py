@@ -1,12 +1,12 @@
 """Random-init Qwen2 models for the GPU suite and benchmarks, built offline in seconds.
 
-`tiny`: correctness (head_dim 64 like the model the device kit verified SGLang with). `qwen2.5-1.5b-shape`:
-timings; Qwen2.5-1.5B's layer shapes (hidden 1536, 28 layers, 12 query / 2 KV heads, MLP 8960, tied
+`tiny`: correctness (head_dim 64 like the model the device kit verified SGLang with). `qwen2.5-1.5b-shape`
+and `qwen2.5-7b-shape` (6.6B parameters, 13 GB): timings; Qwen2.5-1.5B's and -7B's layer shapes (hidden 1536, 28 layers, 12 query / 2 KV heads, MLP 8960, tied
 embeddings) with the project's 4k tokenizer, so its vocabulary, and with it the LM head, is smaller than the
 real model's 151k. Serving and training cost do not depend on the weights' values. Saved in bfloat16,
 the dtype both SGLang and the trainer run it in.
 
-    python tests/gpu/gpu_models.py OUT_DIR      # writes OUT_DIR/tiny and OUT_DIR/qwen2.5-1.5b-shape
+    python tests/gpu/gpu_models.py OUT_DIR [SHAPE ...]   # OUT_DIR/<shape> for each (default: tiny, 1.5B)
 """
 
 from __future__ import annotations
@@ -24,6 +24,14 @@ SHAPES: dict[str, dict[str, int | bool]] = {
         "kv_heads": 2,
         "intermediate": 8960,
         "tie": True,
+    },
+    "qwen2.5-7b-shape": {
+        "hidden": 3584,
+        "layers": 28,
+        "heads": 28,
+        "kv_heads": 4,
+        "intermediate": 18944,
+        "tie": False,
     },
 }
 _MARKER = "gpu_model.json"
@@ -71,7 +79,7 @@ def build_gpu_model(out: str | Path, shape: str = "tiny") -> Path:
 
 def main() -> None:
     root = Path(sys.argv[1])
-    for shape in SHAPES:
+    for shape in sys.argv[2:] or ["tiny", "qwen2.5-1.5b-shape"]:
         path = build_gpu_model(root / shape, shape)
         print(f"{shape}: {path}")
 

@@ -1,4 +1,4 @@
-"""Fixtures of the trainer tests: the tiny model's tokenizer and its chat tokenizer."""
+"""Fixtures of the trainer tests: the tiny model's chat tokenizer."""
 
 from __future__ import annotations
 
@@ -6,14 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
 from art_sglang.training.tokenize import ChatTokenizer
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tiny_model_path: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
 @pytest.fixture(scope="session")

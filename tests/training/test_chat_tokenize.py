@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 from training_helpers import make_choice
 
-from art_sglang.errors import TrainingInputError
-from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats, tokenize_groups
+from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats
 from art_sglang.training.validation import groups_to_wire
 from art_sglang.trajectories import Trajectory, TrajectoryGroup
 
@@ -132,21 +131,6 @@ def test_template_that_rewrites_history_splits_sequences(tokenizer: Any, tiny_mo
         ["two<|im_end|>"],
     ]
     assert "..." in tokenizer.decode(seqs[1].input_ids)
-
-
-def test_sequence_longer_than_limit_is_an_input_error(chat: ChatTokenizer, tokenizer: Any) -> None:
-    long = Trajectory(
-        messages_and_choices=[{"role": "user", "content": "word " * 50}, make_choice(tokenizer, "x")],
-        reward=1.0,
-    )
-    short = Trajectory(
-        messages_and_choices=[{"role": "user", "content": "hi"}, make_choice(tokenizer, "x")], reward=0.0
-    )
-    groups = groups_to_wire([TrajectoryGroup([short]), TrajectoryGroup([short, long])])
-    with pytest.raises(
-        TrainingInputError, match=r"group 1, trajectory 1: \d+ tokens, longer than max_seq_length=40"
-    ):
-        tokenize_groups(chat, groups, max_seq_length=40)
 
 
 def test_tool_call_choice_is_trained_with_its_logprobs(chat: ChatTokenizer, tokenizer: Any) -> None:

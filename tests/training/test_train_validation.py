@@ -34,13 +34,14 @@ def test_non_finite_reward(tokenizer: Any, reward: float) -> None:
         check(groups)
 
 
-def test_no_assistant_choice(tokenizer: Any) -> None:
+def test_trajectories_without_a_choice_are_context_unless_none_has_one(tokenizer: Any) -> None:
     plain = Trajectory(
         messages_and_choices=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
         reward=1.0,
     )
-    with pytest.raises(TrainingInputError, match=r"group 0, trajectory 1: no assistant Choice"):
-        check([TrajectoryGroup([good(tokenizer), plain])])
+    check([TrajectoryGroup([good(tokenizer), plain])])  # as ART: the plain one is context
+    with pytest.raises(TrainingInputError, match=r"no trajectory of any group has an assistant Choice"):
+        check([TrajectoryGroup([plain, plain]), TrajectoryGroup([plain])])
 
 
 def test_empty_group_and_no_groups(tokenizer: Any) -> None:
@@ -90,6 +91,25 @@ def test_non_finite_logprob(tokenizer: Any) -> None:
         TrainingInputError, match=r"group 0, trajectory 0, choice 0: logprob 1 must be a finite"
     ):
         check([TrajectoryGroup([bad])])
+
+
+@pytest.mark.parametrize("value", [-9999.0, -1e4, 0.5])
+def test_implausible_logprob(tokenizer: Any, value: float) -> None:
+    # -9999 is a common stand-in for -inf; a positive logprob is not a probability.
+    choice = make_choice(tokenizer, "a 1", [-1.0, value, -1.0])
+    bad = Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, choice], reward=0.0)
+    with pytest.raises(
+        TrainingInputError, match=r"group 0, trajectory 0, choice 0: logprob 1 is .*not a sampled token"
+    ):
+        check([TrajectoryGroup([bad])])
+    fine = make_choice(tokenizer, "a 1", [-1.0, -900.0, 0.0])  # very low and zero are plausible
+    check(
+        [
+            TrajectoryGroup(
+                [Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, fine], reward=0.0)]
+            )
+        ]
+    )
 
 
 def test_tokens_holding_part_of_a_character(tokenizer: Any) -> None:

@@ -108,12 +108,16 @@ async def test_bad_input_changes_nothing(tiny_model_path: Path, tmp_path: Path, 
         nan = [*good, TrajectoryGroup([trajectory("q", make_choice(tokenizer, "1"), float("nan"))])]
         with pytest.raises(TrainingInputError, match="group 2, trajectory 0: reward must be a finite number"):
             await proc.train(nan, OPTIONS)
-        # Checked only by the worker (needs the tokenizer): the sequence length.
-        long = [*good, TrajectoryGroup([trajectory("word " * 80, make_choice(tokenizer, "1"), 1.0)])]
+        # Checked only by the worker (needs the model): token ids within the vocabulary.
+        alien = make_choice(tokenizer, "1 2")
+        # The ids the server sampled, one per logprob entry, the last from another vocabulary.
+        alien.token_ids = [5] * (len(alien.logprobs.content) - 1) + [10**6]
+        foreign = [*good, TrajectoryGroup([trajectory("q", alien, 1.0)])]
         with pytest.raises(
-            TrainingInputError, match=r"group 2, trajectory 0: .* longer than max_seq_length=64"
+            TrainingInputError,
+            match=r"group 2, trajectory 0: token id 1000000 is outside the model's vocabulary",
         ):
-            await proc.train(long, OPTIONS)
+            await proc.train(foreign, OPTIONS)
         assert {p: p.stat().st_mtime_ns for p in folder.rglob("*")} == before
         assert list_checkpoints(folder) == [0]
         # The worker is still healthy and the step number unchanged.

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -31,7 +31,13 @@ from .http_common import (
 from .metrics import render_metrics
 from .openai_api import router as openai_router
 from .sampling import SamplingOptions
-from .schemas import GenerateRequest, LoadLoRARequest, UnloadLoRARequest, UpdateWeightsFromDiskRequest
+from .schemas import (
+    GenerateRequest,
+    LoadLoRARequest,
+    MemoryOccupationRequest,
+    UnloadLoRARequest,
+    UpdateWeightsFromDiskRequest,
+)
 
 logger = logging.getLogger("art_sglang.server.reference")
 
@@ -344,20 +350,12 @@ def create_app(args: ServerArgs, engine: ReferenceEngine) -> FastAPI:
         return Response(content=FLUSH_MESSAGE, status_code=200)
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
-    async def release_memory_occupation() -> JSONResponse:
-        try:
-            await asyncio.to_thread(engine.release_memory)
-        except Exception as exc:
-            return engine_error_response(exc)
-        return JSONResponse(None)
+    async def release_memory_occupation(request: Request) -> JSONResponse:
+        return await _memory_call(request, engine.release_memory)
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-    async def resume_memory_occupation() -> JSONResponse:
-        try:
-            await asyncio.to_thread(engine.resume_memory)
-        except Exception as exc:
-            return engine_error_response(exc)
-        return JSONResponse(None)
+    async def resume_memory_occupation(request: Request) -> JSONResponse:
+        return await _memory_call(request, engine.resume_memory)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest, request: Request) -> JSONResponse:
@@ -373,6 +371,17 @@ def create_app(args: ServerArgs, engine: ReferenceEngine) -> FastAPI:
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
 
     return app
+
+
+async def _memory_call(request: Request, call: Callable[[list[str] | None], None]) -> JSONResponse:
+    """Release/resume with the request's optional `tags` (a GET or an empty body means all memory)."""
+    raw = await request.body()
+    try:
+        tags = MemoryOccupationRequest.model_validate_json(raw).tags if raw.strip() else None
+        await asyncio.to_thread(call, tags)
+    except Exception as exc:
+        return engine_error_response(exc)
+    return JSONResponse(None)
 
 
 def _lora_result(success: bool, message: str, loaded: dict[str, str] | None) -> JSONResponse:

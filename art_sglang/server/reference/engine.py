@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from ..client import KV_CACHE_TAG, MEMORY_TAGS, WEIGHTS_TAG
 from .adapters import BASE_KEY, AdapterRegistry, LoadedAdapter, adapter_rank
 from .cli import ServerArgs
 from .prefix_cache import PrefixCache
@@ -202,7 +203,7 @@ class ReferenceEngine:
         # A plain flag, not a threading.Event: shutdown() runs in a signal handler, and Event.set() takes a
         # lock that a second signal arriving inside the first handler would wait on forever.
         self._shutting_down = False
-        self._released = False
+        self._released: set[str] = set()  # memory tags released ("kv_cache", "weights")
         self._backup: dict[str, torch.Tensor] | None = None
         # Shapes the served model needs, checked against new weights (also while released).
         self._shapes = {n: p.shape for n, p in self._weight_params().items()}
@@ -223,7 +224,7 @@ class ReferenceEngine:
     # --- state -------------------------------------------------------------------------------------
     @property
     def released(self) -> bool:
-        return self._released
+        return bool(self._released)
 
     @property
     def busy(self) -> bool:
@@ -471,7 +472,7 @@ class ReferenceEngine:
         """Replace the base weights with the checkpoint at `path`; adapters stay loaded."""
         with self._lock:
             weights = self._read_weights(path)
-            if self._released:
+            if WEIGHTS_TAG in self._released:
                 # Resume will restore these instead of the old ones.
                 self._backup = weights if self.args.enable_weights_cpu_backup else None
             else:
@@ -482,36 +483,48 @@ class ReferenceEngine:
             self.prefix_cache.clear()
             gc.collect()
 
-    def release_memory(self) -> None:
-        """Free the prefix cache and the base weights. Without --enable-memory-saver this does nothing
-        (as SGLang). With --enable-weights-cpu-backup the weights are kept in RAM for resume (on CPU the
-        backup is the weights themselves, so only the cache is freed); without it they are dropped and
-        re-read from disk on resume. Generation while released is refused (503)."""
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Release what `tags` names, as SGLang does ("kv_cache", "weights"; none = both). Without
+        --enable-memory-saver this does nothing (as SGLang). "kv_cache" clears the prefix cache; "weights"
+        drops the base weights — with --enable-weights-cpu-backup they are kept in RAM for resume (on CPU
+        the backup is the weights themselves), without it they are re-read from disk on resume.
+        Generation while anything is released is refused (503)."""
+        wanted = _memory_tags(tags)
         with self._lock:
             if not self.args.enable_memory_saver:
                 logger.info("release_memory_occupation: nothing to release without --enable-memory-saver")
                 return
-            if self._released:
-                return
-            self.prefix_cache.clear()
-            params = self._weight_params()
-            self._backup = (
-                {n: p.data for n, p in params.items()} if self.args.enable_weights_cpu_backup else None
-            )
-            for param in params.values():
-                param.data = torch.empty(0, dtype=param.dtype)
-            self._released = True
+            fresh = wanted - self._released
+            if KV_CACHE_TAG in fresh:
+                self.prefix_cache.clear()
+            if WEIGHTS_TAG in fresh:
+                params = self._weight_params()
+                self._backup = (
+                    {n: p.data for n, p in params.items()} if self.args.enable_weights_cpu_backup else None
+                )
+                for param in params.values():
+                    param.data = torch.empty(0, dtype=param.dtype)
+            self._released |= fresh
             gc.collect()
 
-    def resume_memory(self) -> None:
-        """Restore the weights released by `release_memory` (from the backup, else from disk)."""
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take back what `tags` names (none = everything): weights from the backup, else from disk."""
+        wanted = _memory_tags(tags)
         with self._lock:
-            if not self._released:
-                return
-            weights = self._backup if self._backup is not None else self._read_weights(self.weights_path)
-            self._assign(weights)
-            self._backup = None
-            self._released = False
+            if WEIGHTS_TAG in wanted & self._released:
+                weights = self._backup if self._backup is not None else self._read_weights(self.weights_path)
+                self._assign(weights)
+                self._backup = None
+            self._released -= wanted
 
     def model_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self._weight_params().values())
+
+
+def _memory_tags(tags: Sequence[str] | None) -> set[str]:
+    """SGLang's reading of `tags`: none or empty means every kind of memory; an unknown tag is an error."""
+    wanted = set(tags or MEMORY_TAGS)
+    unknown = wanted - set(MEMORY_TAGS)
+    if unknown:
+        raise ValueError(f"unknown memory tags {sorted(unknown)}; known: {list(MEMORY_TAGS)}")
+    return wanted

@@ -97,6 +97,10 @@ class UnloadLoRARequest(_Body):
     lora_name: str
 
 
+class MemoryOccupationRequest(_Body):
+    tags: list[str] | None = None
+
+
 class UpdateWeightsFromDiskRequest(_Body):
     model_path: str
     load_format: str | None = None
