@@ -15,7 +15,6 @@ import os
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from subprocess import Popen
@@ -23,14 +22,12 @@ from typing import IO, Any
 
 from ..config import TrainerConfig
 from ..errors import TrainerError, TrainingError, TrainingInputError
-from ..process_tree import kill_process_tree, spawn_logged
-from ..server.process import display_command, read_log_tail
+from ..process_tree import EXIT_GRACE_SECONDS, ManagedProcess
 from ..trajectories import TrajectoryGroup
 from .options import StepOutcome, TrainOptions
 from .validation import WireGroup, groups_to_wire, validate_groups
 from .worker import ERROR, INPUT_ERROR, PROGRESS, RESULT, STEP_ERROR
 
-_EXIT_GRACE_SECONDS = 5.0
 _SHUTDOWN_WAIT_SECONDS = 10.0
 
 ProgressCallback = Callable[[dict[str, Any]], None]
@@ -40,8 +37,9 @@ _ERRORS: dict[Any, type[TrainerError] | type[TrainingInputError]] = {
 }
 
 
-class TrainerProcess:
-    """One trainer worker: loads the base model once and serves many `train()` calls, one at a time."""
+class TrainerProcess(ManagedProcess):
+    """One trainer worker: loads the base model once and serves many `train()` calls, one at a time (see
+    `ManagedProcess` for when its tree is killed)."""
 
     def __init__(
         self,
@@ -56,19 +54,12 @@ class TrainerProcess:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.config = config
         self.gpu_ids = gpu_ids
-        self.log_path = Path(log_path)
+        super().__init__("trainer worker", log_path)
         self.info: dict[str, Any] = {}  # the worker's answer to init: step, resumed, backend, device
-        self._popen: Popen[bytes] | None = None
-        self._finalizer: weakref.finalize | None = None
         self._lines: _Lines | None = None
         self.step: int | None = None  # the newest step the worker reported
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
-        self._log_start = 0
-
-    @property
-    def pid(self) -> int | None:
-        return self._popen.pid if self._popen is not None else None
 
     def command(self) -> list[str]:
         return [self.config.trainer_python or sys.executable, "-m", "art_sglang.training.worker"]
@@ -89,7 +80,10 @@ class TrainerProcess:
         if self.is_alive() and self.step is not None:
             return self.step
         await self.stop()  # the remains of a worker that died
-        self._launch()
+        # Popen on the event loop's thread on purpose: the parent-death signal follows the forking thread.
+        popen = self._launch(self.command(), self.environment(), pipes=True, note=f" gpus={self.gpu_ids}")
+        assert popen.stdout is not None
+        self._lines = _Lines(popen.stdout)
         try:
             self.info = await self._request(
                 "init",
@@ -102,21 +96,6 @@ class TrainerProcess:
             raise
         self.step = int(self.info["step"])
         return self.step
-
-    def _launch(self) -> None:
-        # Popen on the event loop's thread on purpose: the parent-death signal follows the forking thread.
-        command = self.command()
-        popen, self._log_start = spawn_logged(
-            command,
-            self.log_path,
-            header=f"starting trainer: {display_command(command)} gpus={self.gpu_ids}",
-            env=self.environment(),
-            pipes=True,
-        )
-        self._popen = popen
-        self._finalizer = weakref.finalize(self, kill_process_tree, popen.pid, _EXIT_GRACE_SECONDS)
-        assert popen.stdout is not None
-        self._lines = _Lines(popen.stdout)
 
     async def train(
         self,
@@ -161,42 +140,29 @@ class TrainerProcess:
         await self._kill(ask_first=not self._lock.locked())
 
     async def _kill(self, ask_first: bool = False) -> None:
-        popen, self._popen = self._popen, None
+        popen = self._popen
         if popen is None:
             return
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        if popen.poll() is None and ask_first:
+        if ask_first and self.is_alive():
             with contextlib.suppress(OSError, ValueError):
                 await asyncio.to_thread(_write, popen.stdin, {"id": 0, "cmd": "shutdown"})
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(popen.wait, _SHUTDOWN_WAIT_SECONDS)
-        await asyncio.to_thread(kill_process_tree, popen.pid, _EXIT_GRACE_SECONDS)
-        popen.poll()
+        await self._terminate(EXIT_GRACE_SECONDS)
         for stream in (popen.stdin, popen.stdout):
             with contextlib.suppress(OSError):
                 if stream is not None:
                     stream.close()
 
-    def is_alive(self) -> bool:
-        return self._popen is not None and self._popen.poll() is None
-
-    def log_tail(self, lines: int = 40) -> str:
-        return read_log_tail(self.log_path, self._log_start, lines)
-
     def _died(self, what: str) -> TrainerError:
-        code = self._popen.poll() if self._popen is not None else None
-        return TrainerError(
-            f"the trainer worker {what} (exit code {code}).\nlog: {self.log_path}\n"
-            f"--- last lines of the log ---\n{self.log_tail()}"
-        )
+        return TrainerError(self.describe_death(what))
 
     async def _request(self, cmd: str, *, on_progress: ProgressCallback | None = None, **fields: Any) -> dict:
         async with self._lock:
             popen, lines = self._popen, self._lines
             if popen is None or lines is None:
                 raise TrainerError(f"the trainer is not running (not started, or stopped); cannot {cmd}")
-            if popen.poll() is not None:
+            if not self.is_alive():
                 raise self._died("is not running")
             rid = next(self._ids)
             try:
@@ -243,7 +209,7 @@ def _write(stream: IO[bytes] | None, request: dict[str, Any]) -> None:
 
 def _wait_quietly(popen: Popen[bytes]) -> None:
     with contextlib.suppress(Exception):
-        popen.wait(_EXIT_GRACE_SECONDS)
+        popen.wait(EXIT_GRACE_SECONDS)
 
 
 class _Lines:
