@@ -220,8 +220,12 @@ class AdapterGateway:
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        # No cookie jar: cookies the server sets belong to the client that asked, not to every client.
         self._session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None),
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         try:
             site = web.TCPSite(runner, self.host, self.port)
