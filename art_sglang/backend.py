@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from tqdm import tqdm
@@ -583,6 +584,9 @@ class SGLangBackend:
                 gpu_ids=self._gpu_ids("inference"),
                 use_gateway=self._use_gateway,
             )
+            if self.sglang_config.weight_sync_method != "disk":
+                # Merged weights hold one step only; an older step's adapter on top would be wrong.
+                self._service.serve_on_demand(self._checkpoint_of)
             self._handoff = GpuHandoff(self.handoff_strategy, self._service, release)
             self._sync = make_weight_sync(
                 self.sglang_config.weight_sync_method, self._service, self.sglang_config.adapters_to_keep
@@ -607,6 +611,18 @@ class SGLangBackend:
             mem_fraction_static=config.mem_fraction_static,
             fraction_set_by_user="mem_fraction_static" in config.model_fields_set,
         )
+
+    def _checkpoint_of(self, name: str) -> Path | None:
+        """The checkpoint folder of `<model>@<step>` if that step of a registered model is on disk."""
+        model_name, _, step = name.rpartition("@")
+        for entry in self._models.values():
+            if (
+                entry.model.name == model_name
+                and step.isdigit()
+                and int(step) in entry.store.checkpoint_steps()
+            ):
+                return entry.store.checkpoint_dir(int(step))
+        return None
 
     def _gpu_ids(self, role: Literal["inference", "training"]) -> list[str]:
         """GPU ids (indices or UUIDs, as the user's CUDA_VISIBLE_DEVICES names them) for a child's

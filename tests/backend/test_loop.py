@@ -109,11 +109,30 @@ async def test_three_steps_hot_load_and_keep_the_newest_adapters(loop: Loop) -> 
         assert on_server == {f"agent@{s}" for s in range(max(0, step - KEEP + 1), step + 1)}
         assert (await chat(loop.gateway_url, f"agent@{step}")).status_code == 200
         if step >= KEEP:
-            assert (await chat(loop.gateway_url, f"agent@{step - KEEP}")).status_code == 404
+            assert f"agent@{step - KEEP}" not in on_server
     assert loop.store.checkpoint_steps() == [0, 1, 2, 3]
     rows = [row for row in read_rows(loop.store.history) if "train/loss" in row]
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(row["time/train_s"] > 0 for row in rows)
+
+
+async def test_an_older_step_on_disk_is_loaded_on_request(loop: Loop) -> None:
+    older = loop.model.get_inference_name(step=1)
+    assert older == "agent@1" and older not in await server_models(loop.server_url)
+    assert (await chat(loop.gateway_url, older)).status_code == 200
+    assert older in await server_models(loop.server_url)
+    missing = await chat(loop.gateway_url, loop.model.get_inference_name(step=99))
+    assert missing.status_code == 404 and "No checkpoint of that step is on disk" in missing.text
+    # The next sync's keep-count unloads it again (the newest steps stay).
+    current = await loop.model.get_step()
+    await loop.backend.train(
+        loop.model,
+        await sample_groups(loop.model, seed=9),
+        learning_rate=1e-3,
+        allow_training_without_logprobs=True,
+    )
+    listed = {name for name in await server_models(loop.server_url) if name.startswith("agent@")}
+    assert listed == {f"agent@{current}", f"agent@{current + 1}"}
 
 
 async def test_requests_in_flight_during_a_hot_load_all_complete(loop: Loop) -> None:
