@@ -30,6 +30,7 @@ from .gpu_budget import SharedPlan, model_weights_bytes, plan_shared_gpu
 from .history import append_row
 from .inference import InferenceService
 from .internal_config import ModelSettings, internal_config_of, model_settings
+from .model import Model
 from .model_store import ModelStore, base_model_problem, name_problem
 from .run_lock import RunLock
 from .shared_mode import GpuHandoff, HandoffStrategy
@@ -319,7 +320,9 @@ class SGLangBackend:
             timings["time/step_s"] = time.monotonic() - started
             metrics = {**outcome.metrics, **timings}
             row = {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
-            await asyncio.to_thread(append_row, entry.store.history, entry.step, row)
+            written = await asyncio.to_thread(append_row, entry.store.history, entry.step, row)
+            if isinstance(model, Model):  # ART's own models report to W&B themselves, from model.log
+                await model._report(entry.step, written)
             if verbose:
                 logger.info("%s step %d: %s", model.name, entry.step, json.dumps(metrics, default=str))
             path = outcome.checkpoint_path if train_options.save_checkpoint else None
