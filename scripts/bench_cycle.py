@@ -145,7 +145,7 @@ def summarize(rows: list[dict[str, Any]], *, register_s: float, close_s: float) 
         "mean_reward": [row["report"].mean_reward for row in rows],
         "step_reached": [row["step"] for row in rows],
         "greedy_same_after_step": [row["same"] for row in rows],
-        **{f"gpu_mib_{key}": [row["memory"][key] for row in rows] for key in rows[0]["memory"]},
+        **{f"gpu_mib_{key}": [row["memory"][key] for row in rows] for key in gpu_memory(None)},
         "register_s": register_s,
         "close_s": close_s,
     }
