@@ -24,7 +24,17 @@ from .errors import (
 from .gather import gather_trajectory_groups
 from .model import Backend, Model, TrainableModel
 from .trajectories import History, Trajectory, TrajectoryGroup
-from .types import Message, MessageOrChoice, Messages, MessagesAndChoices, Tools, TrainConfig, TrainResult
+from .types import (
+    LocalTrainResult,
+    Message,
+    MessageOrChoice,
+    Messages,
+    MessagesAndChoices,
+    Tools,
+    TrainConfig,
+    TrainResult,
+    TrainSFTConfig,
+)
 
 __all__ = [
     "AdapterLoadError",
@@ -34,6 +44,7 @@ __all__ = [
     "ConfigError",
     "DeviceConfig",
     "History",
+    "LocalTrainResult",
     "Message",
     "MessageOrChoice",
     "Messages",
@@ -49,6 +60,7 @@ __all__ = [
     "Tools",
     "TrainConfig",
     "TrainResult",
+    "TrainSFTConfig",
     "TrainableModel",
     "TrainerConfig",
     "TrainerError",

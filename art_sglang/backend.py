@@ -16,8 +16,9 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from tqdm import tqdm
@@ -28,14 +29,17 @@ from .errors import ConfigError, ModelNotRegisteredError, TrainingInputError
 from .gpu_budget import SharedPlan, model_weights_bytes, plan_shared_gpu
 from .history import append_row
 from .inference import InferenceService
+from .internal_config import ModelSettings, internal_config_of, model_settings
 from .model import Model
-from .model_store import ModelStore
+from .model_store import ModelStore, base_model_problem, name_problem
+from .run_lock import RunLock
 from .shared_mode import GpuHandoff, HandoffStrategy
 from .training.options import TrainOptions
 from .training.process import TrainerProcess
+from .training.sft import SFTBatch, sft_batches, validate_sft
 from .training.validation import groups_to_wire, validate_groups
-from .trajectories import TrajectoryGroup
-from .types import TrainResult
+from .trajectories import Trajectory, TrajectoryGroup
+from .types import LocalTrainResult
 from .weight_sync import SyncTarget, make_weight_sync
 
 logger = logging.getLogger(__name__)
@@ -52,6 +56,7 @@ class _Registered:
     store: ModelStore
     trainer: TrainerProcess
     step: int
+    lock: RunLock  # the model directory's, held while the model is registered
 
     def target(self, step: int) -> SyncTarget:
         checkpoint = self.store.checkpoint_dir(step)
@@ -90,16 +95,22 @@ class SGLangBackend:
         self.trainer_config = trainer_config or TrainerConfig()
         config = sglang_config or SGLangConfig()
         _check_compatible(config, self.trainer_config)
-        self.layout = layout or choose_layout(
+        self.shared_strategy = shared_strategy
+        # What the first model's _internal_config may still change (server flags, GPUs): see register.
+        self._requested_config = config
+        self._device_request = (device_config, engine)
+        self._devices_given = (
+            layout is not None or inference_device is not None or training_devices is not None
+        )
+        self._initial_layout = layout or choose_layout(
             device_config,
             inference_device=inference_device,
             training_devices=training_devices,
             engine=engine,
             tensor_parallel_size=config.tensor_parallel_size,
         )
-        self.shared_strategy = shared_strategy
-        self.handoff_strategy: HandoffStrategy = shared_strategy if self.layout.mode == "shared" else "none"
-        self.sglang_config = _with_memory_saver(config) if self.handoff_strategy == "sleep" else config
+        self._configure(self._initial_layout, config)
+        self._chosen_config = config  # the server's settings before shared mode's memory plan
         self._path = path
         self._use_gateway = gateway
         self._service: InferenceService | None = None
@@ -115,11 +126,26 @@ class SGLangBackend:
             f", shared strategy {shared_strategy!r}" if self.layout.mode == "shared" else "",
         )
 
+    def _configure(self, layout: DeviceLayout, config: SGLangConfig) -> None:
+        """Set the device layout and the server config that follows from it (shared mode's memory saver)."""
+        self.layout = layout
+        self.handoff_strategy: HandoffStrategy = self.shared_strategy if layout.mode == "shared" else "none"
+        self.sglang_config = _with_memory_saver(config) if self.handoff_strategy == "sleep" else config
+
     # --- ART's backend protocol ------------------------------------------------------------------------
     async def register(self, model: Any) -> None:
         """Write model.json; for a trainable model start the trainer (resuming its newest checkpoint) and
-        the server, and load the current step's adapter as `<name>@<step>`. Registering again is a no-op."""
+        the server, and load the current step's adapter as `<name>@<step>`. Registering again is a no-op.
+
+        Everything is checked before anything is written or started: names, the base model, the model's
+        `_internal_config`, and that no other live backend has the model's directory (`ConfigError`). A
+        registration that fails leaves the backend as it was (the first model's failure stops the server
+        it started, so another base model can follow)."""
         self._check_open()
+        for field in ("name", "project"):
+            problem = name_problem(getattr(model, field))
+            if problem is not None:
+                raise ConfigError(f"model {field} {problem}")
         store = ModelStore(self._path, model.project, model.name)
         if not model.trainable:
             model.base_path = self._path
@@ -137,35 +163,51 @@ class SGLangBackend:
                 existing.model = model
                 model.base_path = self._path
                 return
-            self._check_can_add(model)  # before anything is written
-            model.base_path = self._path  # as ART's LocalBackend: model.log() writes where we do
-            await asyncio.to_thread(_write_model_files, store, model)
-            service = await self._ensure_service(model.base_model, store)
-            assert self._handoff is not None
-            trainer = TrainerProcess(
-                model.base_model,
-                store.checkpoints_dir,
-                self.trainer_config,
-                gpu_ids=self._gpu_ids("training"),
-                log_path=store.trainer_log,
-            )
+            settings = self._check_can_add(model, store)
+            lock = RunLock(store.dir)
+            lock.acquire()
             try:
-                if self._handoff.trainer_keeps_weights:
-                    # Both fit side by side on their GPU(s): load them at the same time.
-                    step, _ = await _gather_all(trainer.start(), service.start())
-                else:
-                    # The trainer loads onto the GPU and moves to host memory before the server claims it.
-                    async with self._handoff.trainer_turn(trainer):
-                        step = await trainer.start()
-                    await service.start()
-                entry = _Registered(model, store, trainer, step)
-                await self._serve_step(entry, step, may_restart=False)
+                entry = await self._start_model(model, store, settings, lock)
             except BaseException:
-                await trainer.stop()
+                lock.release()
+                if not self._models and self._service is not None:
+                    await self._service.close()
+                    self._service = self._handoff = None
                 raise
             self._models[key] = entry
-            logger.info("registered %s at step %d (%s)", model.name, step, store.dir)
+            logger.info("registered %s at step %d (%s)", model.name, entry.step, store.dir)
         self._ensure_watchdog()
+
+    async def _start_model(
+        self, model: Any, store: ModelStore, settings: ModelSettings, lock: RunLock
+    ) -> _Registered:
+        """Write the model's files, start its trainer (resuming its checkpoint) and serve its step."""
+        model.base_path = self._path  # as ART's LocalBackend: model.log() writes where we do
+        await asyncio.to_thread(_write_model_files, store, model, settings)
+        service = await self._ensure_service(model.base_model, store)
+        assert self._handoff is not None
+        trainer = TrainerProcess(
+            model.base_model,
+            store.checkpoints_dir,
+            settings.trainer,
+            gpu_ids=self._gpu_ids("training"),
+            log_path=store.trainer_log,
+        )
+        try:
+            if self._handoff.trainer_keeps_weights:
+                # Both fit side by side on their GPU(s): load them at the same time.
+                step, _ = await _gather_all(trainer.start(), service.start())
+            else:
+                # The trainer loads onto the GPU and moves to host memory before the server claims it.
+                async with self._handoff.trainer_turn(trainer):
+                    step = await trainer.start()
+                await service.start()
+            entry = _Registered(model, store, trainer, step, lock)
+            await self._serve_step(entry, step, may_restart=False)
+        except BaseException:
+            await trainer.stop()
+            raise
+        return entry
 
     async def _prepare_backend_for_training(self, model: Any, config: Any | None = None) -> tuple[str, str]:
         """(OpenAI base URL ending in /v1, API key) for the model's rollouts."""
@@ -217,7 +259,7 @@ class SGLangBackend:
                 await self._service.remove_adapter(f"{model.name}@{step}")
             await asyncio.to_thread(entry.store.delete_checkpoints, doomed)
 
-    async def train(self, model: Any, trajectory_groups: Iterable[Any], **options: Any) -> TrainResult:
+    async def train(self, model: Any, trajectory_groups: Iterable[Any], **options: Any) -> LocalTrainResult:
         """One RL step on `trajectory_groups`; returns once `<name>@<new step>` answers requests.
 
         Keywords are ART 0.5.18 `LocalBackend.train`'s, with its defaults (loss_fn="cispo",
@@ -236,8 +278,8 @@ class SGLangBackend:
             groups_to_wire(groups),
             allow_training_without_logprobs=train_options.allow_training_without_logprobs,
         )
-        _check_row_length(train_options, self.trainer_config)
         entry = self._entry(model)
+        _check_row_length(train_options, entry.trainer.config)
         self._ensure_watchdog()
         async with self._lock:
             service, handoff = self._service, self._handoff
@@ -273,7 +315,7 @@ class SGLangBackend:
             if dropped:
                 logger.warning(
                     "%s step %d: dropped %d sequences longer than the packed row length (max_seq_length=%d)",
-                    model.name, outcome.step, dropped, self.trainer_config.max_seq_length,
+                    model.name, outcome.step, dropped, entry.trainer.config.max_seq_length,
                 )  # fmt: skip
             timings["time/step_s"] = time.monotonic() - started
             metrics = {**outcome.metrics, **timings}
@@ -284,7 +326,64 @@ class SGLangBackend:
             if verbose:
                 logger.info("%s step %d: %s", model.name, entry.step, json.dumps(metrics, default=str))
             path = outcome.checkpoint_path if train_options.save_checkpoint else None
-            return TrainResult(step=entry.step, metrics=metrics, checkpoint_path=str(path) if path else None)
+            return LocalTrainResult(
+                step=entry.step, metrics=metrics, checkpoint_path=str(path) if path else None
+            )
+
+    async def _train_sft(
+        self,
+        model: Any,
+        trajectories: Iterable[Any],
+        config: Any,
+        dev_config: dict[str, Any] | None = None,
+        verbose: bool = False,
+    ) -> AsyncIterator[dict[str, float]]:
+        """Supervised fine-tuning (ART's backend protocol): yields each batch's metrics as the trainer
+        reports them, and ends once `<name>@<new step>` answers requests. `config` is ART's or our
+        `TrainSFTConfig`; ART's experimental `_config` has no options, so any key is refused.
+
+        Input is checked before anything starts; the training (handoff, trainer, weight sync) runs as one
+        task, so a caller that stops iterating early does not leave the step half done."""
+        self._check_open()
+        if dev_config:
+            raise ConfigError(
+                f"train_sft(_config={dict(dev_config)!r}): ART's dev TrainSFTConfig has no options"
+            )
+        wire = [_as_trajectory(t, index).model_dump(mode="python") for index, t in enumerate(trajectories)]
+        validate_sft(wire)
+        batches = sft_batches(wire, config.learning_rate, config.batch_size)
+        entry = self._entry(model)
+        self._ensure_watchdog()
+        reports: asyncio.Queue[dict[str, float]] = asyncio.Queue()
+        run = asyncio.ensure_future(self._run_sft(entry, batches, reports.put_nowait, verbose))
+        while not (run.done() and reports.empty()):
+            report = asyncio.ensure_future(reports.get())
+            await asyncio.wait({report, run}, return_when=asyncio.FIRST_COMPLETED)
+            if report.done():
+                yield report.result()
+            else:
+                report.cancel()
+        run.result()  # the training's error, if any
+
+    async def _run_sft(self, entry: _Registered, batches: list[SFTBatch], report: Any, verbose: bool) -> None:
+        async with self._lock:
+            service, handoff = self._service, self._handoff
+            assert service is not None and handoff is not None
+            await service.recover()
+            async with handoff.trainer_turn(entry.trainer) as turn:
+                if not entry.trainer.is_alive():
+                    logger.warning(
+                        "trainer of %s is not running; restarting it from its checkpoint", entry.model.name
+                    )
+                    await entry.trainer.start()
+                outcome = await entry.trainer.sft(
+                    batches, on_progress=lambda event: report(event.get("metrics") or {})
+                )
+                await self._sync.prepare(entry.target(outcome.step))
+            timings = turn.timings
+            timings.update(await self._serve_step(entry, outcome.step, may_restart=not turn.restarted_server))
+            if verbose:
+                logger.info("%s SFT step %d: %s", entry.model.name, entry.step, json.dumps(timings))
 
     async def _log(self, model: Any, trajectory_groups: list[Any], split: str = "val") -> None:
         """Store the groups that `model.log()` recorded under `trajectories/<split>/<step>.jsonl`."""
@@ -306,7 +405,11 @@ class SGLangBackend:
         stops = [entry.trainer.stop() for entry in self._models.values()]
         if self._service is not None:
             stops.append(self._service.close())
-        await _gather_all(*stops)
+        try:
+            await _gather_all(*stops)
+        finally:
+            for entry in self._models.values():
+                entry.lock.release()
 
     async def __aenter__(self) -> SGLangBackend:
         return self
@@ -373,9 +476,64 @@ class SGLangBackend:
             )
         return entry
 
-    def _check_can_add(self, model: Any) -> None:
+    def _check_can_add(self, model: Any, store: ModelStore) -> ModelSettings:
+        """The model's settings, once it is certain this backend can serve and train it."""
+        problem = base_model_problem(model.base_model)
+        if problem is not None:
+            raise ConfigError(f"model {model.name!r}: {problem}")
+        for project, name in self._models:
+            if name == model.name and project != model.project:
+                # Adapters are served as <name>@<step>: two projects' models of one name would share them.
+                raise ConfigError(
+                    f"a model named {model.name!r} (project {project!r}) is already registered on this "
+                    f"backend, and served adapter names are <name>@<step>: give the model of project "
+                    f"{model.project!r} another name, or use a second SGLangBackend"
+                )
+        settings = model_settings(internal_config_of(model), self.trainer_config)
         if self._service is None:
-            return
+            self._apply_first_model_settings(settings, store)
+        else:
+            self._check_same_server(model, settings)
+        _check_compatible(self.sglang_config, settings.trainer)
+        return settings
+
+    def _apply_first_model_settings(self, settings: ModelSettings, store: ModelStore) -> None:
+        """The first model's `_internal_config` may choose the server's flags and the GPUs."""
+        config = self._requested_config.model_copy(update=_server_updates(settings, store))
+        # Validated again with only the fields set, so settings the user left alone stay defaults.
+        config = SGLangConfig.model_validate(config.model_dump(exclude_unset=True))
+        layout = self._initial_layout
+        if settings.inference_gpu_ids is not None and settings.trainer_gpu_ids is not None:
+            layout = self._layout_for(settings.inference_gpu_ids, settings.trainer_gpu_ids, config)
+        self._configure(layout, config)
+        self._chosen_config = config
+
+    def _layout_for(self, inference: list[int], training: list[int], config: SGLangConfig) -> DeviceLayout:
+        if self._devices_given:
+            raise ConfigError(
+                "_internal_config sets trainer_gpu_ids/inference_gpu_ids, and SGLangBackend was given its "
+                "devices too: set the GPUs in one place"
+            )
+        if len(inference) != config.tensor_parallel_size:
+            raise ConfigError(
+                f"_internal_config inference_gpu_ids={inference} must list tensor_parallel_size="
+                f"{config.tensor_parallel_size} GPU(s) (consecutive, from the first)"
+            )
+        device_config, engine = self._device_request
+        try:
+            return choose_layout(
+                device_config,
+                inference_device=inference[0],
+                training_devices=training,
+                engine=engine,
+                tensor_parallel_size=config.tensor_parallel_size,
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"_internal_config trainer_gpu_ids/inference_gpu_ids: {exc}") from None
+
+    def _check_same_server(self, model: Any, settings: ModelSettings) -> None:
+        """A later model shares the running server: it may not ask for different server settings."""
+        assert self._service is not None
         if self._service.base_model != model.base_model:
             raise ConfigError(
                 f"this backend serves base model {self._service.base_model!r}; model {model.name!r} uses "
@@ -385,6 +543,21 @@ class SGLangBackend:
             raise ConfigError(
                 "weight_sync_method='disk' merges one model's weights into the server's base weights, so "
                 "only one model can be registered: use weight_sync_method='lora' to serve several"
+            )
+        different: dict[str, Any] = {
+            key: value
+            for key, value in settings.server_updates.items()
+            if getattr(self._chosen_config, key) != value
+        }
+        if settings.chat_template is not None:
+            different["chat_template"] = "(the model's own template)"
+        if settings.inference_gpu_ids is not None:
+            different["inference_gpu_ids"] = settings.inference_gpu_ids
+        if different:
+            raise ConfigError(
+                f"model {model.name!r} asks for server settings {different} in _internal_config, but this "
+                "backend's server already runs for another model: one server serves every model of a "
+                "backend, so use a second SGLangBackend"
             )
 
     async def _ensure_service(self, base_model: str, store: ModelStore) -> InferenceService:
@@ -414,6 +587,9 @@ class SGLangBackend:
                 gpu_ids=self._gpu_ids("inference"),
                 use_gateway=self._use_gateway,
             )
+            if self.sglang_config.weight_sync_method != "disk":
+                # Merged weights hold one step only; an older step's adapter on top would be wrong.
+                self._service.serve_on_demand(self._checkpoint_of)
             self._handoff = GpuHandoff(self.handoff_strategy, self._service, release)
             self._sync = make_weight_sync(
                 self.sglang_config.weight_sync_method, self._service, self.sglang_config.adapters_to_keep
@@ -438,6 +614,18 @@ class SGLangBackend:
             mem_fraction_static=config.mem_fraction_static,
             fraction_set_by_user="mem_fraction_static" in config.model_fields_set,
         )
+
+    def _checkpoint_of(self, name: str) -> Path | None:
+        """The checkpoint folder of `<model>@<step>` if that step of a registered model is on disk."""
+        model_name, _, step = name.rpartition("@")
+        for entry in self._models.values():
+            if (
+                entry.model.name == model_name
+                and step.isdigit()
+                and int(step) in entry.store.checkpoint_steps()
+            ):
+                return entry.store.checkpoint_dir(int(step))
+        return None
 
     def _gpu_ids(self, role: Literal["inference", "training"]) -> list[str]:
         """GPU ids (indices or UUIDs, as the user's CUDA_VISIBLE_DEVICES names them) for a child's
@@ -487,6 +675,17 @@ def _check_row_length(options: TrainOptions, trainer: TrainerConfig) -> None:
         )
 
 
+def _server_updates(settings: ModelSettings, store: ModelStore) -> dict[str, Any]:
+    """SGLangConfig fields from a model's settings; a template given as text goes to a file the server
+    reads (SGLang's --chat-template takes a path)."""
+    updates = dict(settings.server_updates)
+    if settings.chat_template_path is not None:
+        updates["chat_template"] = settings.chat_template_path
+    elif settings.chat_template is not None:
+        updates["chat_template"] = str(store.chat_template_file)
+    return updates
+
+
 def _with_memory_saver(config: SGLangConfig) -> SGLangConfig:
     """Shared mode with "sleep" needs SGLang's memory saver and CPU weight backup: without them
     release_memory_occupation answers 200 and frees nothing."""
@@ -500,6 +699,11 @@ def _with_memory_saver(config: SGLangConfig) -> SGLangConfig:
 
 def _as_groups(groups: Iterable[Any]) -> list[TrajectoryGroup]:
     """Our TrajectoryGroups; ART's (openpipe-art) are converted through their JSON form."""
+    if groups is None or isinstance(groups, (str, bytes)) or not hasattr(groups, "__iter__"):
+        raise TrainingInputError(
+            f"train() takes a list of trajectory groups, got {type(groups).__name__}: pass what "
+            "gather_trajectory_groups(...) returned"
+        )
     result = []
     for index, group in enumerate(groups):
         if isinstance(group, TrajectoryGroup):
@@ -516,14 +720,27 @@ def _as_groups(groups: Iterable[Any]) -> list[TrajectoryGroup]:
     return result
 
 
+def _as_trajectory(trajectory: Any, index: int) -> Trajectory:
+    """Our Trajectory; ART's are converted through their JSON form."""
+    if isinstance(trajectory, Trajectory):
+        return trajectory
+    if hasattr(trajectory, "model_dump") and hasattr(trajectory, "messages_and_choices"):
+        return Trajectory.model_validate(trajectory.model_dump())
+    raise TrainingInputError(
+        f"SFT item {index} is a {type(trajectory).__name__}, not a Trajectory: build them with art.Trajectory(...)"
+    )
+
+
 def _model_json(model: Any) -> dict[str, Any]:
     # ART's model_dump includes its private config; whatever is not JSON becomes its repr.
     return json.loads(json.dumps(model.model_dump(), default=str))
 
 
-def _write_model_files(store: ModelStore, model: Any) -> None:
+def _write_model_files(store: ModelStore, model: Any, settings: ModelSettings | None = None) -> None:
     store.create()
     store.write_model_json(_model_json(model))
+    if settings is not None and settings.chat_template is not None and settings.chat_template_path is None:
+        store.chat_template_file.write_text(settings.chat_template, encoding="utf-8")
 
 
 def _append_lines(path: Any, lines: list[str]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -77,6 +77,12 @@ class SGLangConfig(BaseModel):
         description=f"Seconds to wait for the server to become healthy (env {SERVER_TIMEOUT_ENV}).",
     )
     tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel size of the server.")
+    unresponsive_timeout: float = Field(
+        120.0,
+        gt=0,
+        description="Seconds a running server may fail to answer GET /health before it is restarted "
+        "(a hung or stopped process, not only a dead one).",
+    )
 
     # --- launch flags the backend relies on ----------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address the server binds to.")
@@ -107,6 +113,15 @@ class SGLangConfig(BaseModel):
         False, description="Skip CUDA-graph capture: faster start, slower decode."
     )
     api_key: str | None = Field(None, description="API key the server requires; None = no key.")
+    tool_call_parser: str | None = Field(
+        "hermes",
+        description="SGLang --tool-call-parser: how `<tool_call>` markup in a completion becomes "
+        "`message.tool_calls` on requests with `tools` ('hermes', as ART's vLLM server; 'qwen25' for "
+        "Qwen2.5's own format; None = tool calls stay in the text).",
+    )
+    chat_template: str | None = Field(
+        None, description="SGLang --chat-template: a template file (or builtin name); None = the model's."
+    )
     server_python: str | None = Field(
         None,
         description=f"Python of the isolated server venv; None finds {SERVER_VENV_DIR}/bin/python "
@@ -171,6 +186,8 @@ class SGLangConfig(BaseModel):
             (self.enable_weights_cpu_backup, ["--enable-weights-cpu-backup"]),
             (self.disable_cuda_graph, ["--disable-cuda-graph"]),
             (self.api_key is not None, ["--api-key", str(self.api_key)]),
+            (self.tool_call_parser is not None, ["--tool-call-parser", str(self.tool_call_parser)]),
+            (self.chat_template is not None, ["--chat-template", str(self.chat_template)]),
         ]
         for wanted, flag in optional:
             if wanted:
@@ -230,8 +247,25 @@ class TrainerConfig(BaseModel):
     )
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1 (ART: 0.9).")
     adam_beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2 (ART: 0.99).")
+    adam_epsilon: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
     weight_decay: float = Field(
-        0.1, ge=0, allow_inf_nan=False, description="AdamW decoupled weight decay (ART: 0.1)."
+        0.1, ge=0, allow_inf_nan=False, description="AdamW decoupled weight decay of RL steps (ART: 0.1)."
+    )
+    load_in_4bit: bool = Field(
+        False, description="Load the base model 4-bit quantized for training (Unsloth on a GPU only)."
+    )
+    chat_template: str | None = Field(
+        None, description="Jinja chat template text used to tokenize training data; None = the model's."
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra chat-template variables for training tokenization (as requests send them).",
     )
     seed: int = Field(0, description="Seed for LoRA init and any sampling in the trainer.")
     trainer_python: str | None = Field(None, description="Python that runs the trainer; None = this one.")
+    step_timeout: float = Field(
+        3600.0,
+        gt=0,
+        description="Seconds one training step (or offload/reload) may take; longer is an error and the "
+        "trainer is restarted at the next step.",
+    )

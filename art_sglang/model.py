@@ -11,8 +11,9 @@ import asyncio
 import logging
 import math
 import statistics
+import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,17 +23,17 @@ from pydantic_core import PydanticSerializationError
 
 from .errors import ConfigError, ModelNotRegisteredError
 from .history import append_row, read_rows
-from .model_store import HISTORY_FILE
+from .model_store import HISTORY_FILE, name_problem
 from .tracking import WandbReporter, metric_key
 from .training.options import TrainOptions
 from .trajectories import Trajectory, TrajectoryGroup
-from .types import TrainConfig, TrainResult
+from .types import TrainConfig, TrainResult, TrainSFTConfig
 
 logger = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-    """What models call on their backend (ART 0.5.x's `art.Backend`, minus SFT).
+    """What models call on their backend (ART 0.5.x's `art.Backend`).
 
     Optional: `async def _log(model, trajectory_groups, split) -> None`; when a backend defines it,
     `Model.log` hands it the logged groups after writing the history row.
@@ -53,6 +54,15 @@ class Backend(Protocol):
     async def train(
         self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], **options: Any
     ) -> TrainResult: ...
+
+    def _train_sft(
+        self,
+        model: TrainableModel,
+        trajectories: Iterable[Trajectory],
+        config: TrainSFTConfig,
+        dev_config: dict[str, Any],
+        verbose: bool = False,
+    ) -> AsyncIterator[dict[str, float]]: ...  # one metrics dict per batch
 
     async def close(self) -> None: ...
 
@@ -84,9 +94,9 @@ class Model(BaseModel):
     @field_validator("name", "project")
     @classmethod
     def _usable_in_paths(cls, value: str) -> str:
-        # Both become directory names, and `name@step` is the served adapter name.
-        if not value.strip() or value in {".", ".."} or any(c in value for c in "/\\@"):
-            raise ValueError(f"{value!r} cannot be used: give a non-empty name without '/', '\\' or '@'")
+        problem = name_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     def backend(self) -> Backend:
@@ -124,15 +134,22 @@ class Model(BaseModel):
             )
         key = (self.inference_base_url, self.inference_api_key)
         if self._openai_client is None or self._openai_client_key != key:
-            self._openai_client = AsyncOpenAI(
+            client = AsyncOpenAI(
                 base_url=self.inference_base_url,
                 api_key=self.inference_api_key,
                 # Long generations queue behind many concurrent rollouts: the default 10 min read timeout
                 # cuts them short (ART uses 20 min); a server that is not there should fail fast.
                 timeout=Timeout(1200.0, connect=5.0),
             )
+            kwargs = self._chat_template_kwargs()
+            # As ART's client: chat requests render with the model's chat_template_kwargs, the same ones
+            # the trainer tokenizes with.
+            self._openai_client = client if kwargs is None else _TemplateKwargsClient(client, kwargs)  # type: ignore[assignment]
             self._openai_client_key = key
-        return self._openai_client
+        return self._openai_client  # type: ignore[return-value]
+
+    def _chat_template_kwargs(self) -> dict[str, Any] | None:
+        return None
 
     def get_inference_name(self, step: int | None = None) -> str:
         """The `model=` to send: the backend's name for the step (latest when None)."""
@@ -187,10 +204,25 @@ class Model(BaseModel):
 
 
 class TrainableModel(Model):
-    """A model trained by a backend on top of `base_model` (a Hugging Face id or local path)."""
+    """A model trained by a backend on top of `base_model` (a Hugging Face id or local path).
+
+    `_internal_config` takes ART's `art.dev.InternalModelConfig` (a dict: `peft_args`, `init_args`,
+    `trainer_args`, `engine_args`, `chat_template*`, `*_gpu_ids`); the backend maps every key it has an
+    equivalent for and refuses the others at register.
+    """
 
     base_model: str
     trainable: bool = True
+
+    _internal_config: dict[str, Any] | None = PrivateAttr(None)
+
+    def __init__(self, *, _internal_config: Mapping[str, Any] | None = None, **data: Any) -> None:
+        super().__init__(**data)
+        self._internal_config = dict(_internal_config) if _internal_config is not None else None
+
+    def _chat_template_kwargs(self) -> dict[str, Any] | None:
+        kwargs = (self._internal_config or {}).get("chat_template_kwargs")
+        return dict(kwargs) if kwargs is not None else None
 
     async def register(self, backend: Backend, _openai_client_config: Any | None = None) -> None:
         """Attach to the backend, which starts serving the latest checkpoint, and point the model at it."""
@@ -232,6 +264,27 @@ class TrainableModel(Model):
         keywords.update(TrainOptions.from_dev_config(_config or {}))
         return await self.backend().train(self, list(trajectory_groups), verbose=verbose, **keywords)
 
+    async def train_sft(
+        self,
+        trajectories: Iterable[Trajectory],
+        config: TrainSFTConfig | None = None,
+        _config: dict[str, Any] | None = None,
+        verbose: bool = False,
+    ) -> None:
+        """Supervised fine-tuning on `trajectories` (their assistant messages are the targets), as ART's
+        `model.train_sft`: one optimizer step per batch, one new step (checkpoint and served adapter) per
+        call, and the batches' averaged metrics appended to history.jsonl under `train/`."""
+        config = config or TrainSFTConfig()
+        started = time.monotonic()
+        samples = [
+            metrics
+            async for metrics in self.backend()._train_sft(self, trajectories, config, _config or {}, verbose)
+        ]
+        if samples:
+            averaged = {key: statistics.fmean(s[key] for s in samples if key in s) for key in samples[0]}
+            averaged["time/step_trainer_s"] = time.monotonic() - started
+            await self.log(None, split="train", metrics=averaged, step=await self.get_step())
+
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> None:
         """Delete every checkpoint but the latest and the best by `best_checkpoint_metric` (highest mean
         per step in history.jsonl)."""
@@ -242,6 +295,52 @@ class TrainableModel(Model):
         if best is not None:
             steps_to_keep.append(best)
         await backend._delete_checkpoint_files(self, sorted(set(steps_to_keep)))
+
+
+class _TemplateKwargsClient:
+    """An `AsyncOpenAI` client whose chat completions carry `chat_template_kwargs` in their body (a value
+    the caller passes in `extra_body` wins); everything else is the client's own."""
+
+    def __init__(self, client: AsyncOpenAI, kwargs: dict[str, Any]) -> None:
+        self._client = client
+        self._kwargs = kwargs
+
+    @property
+    def chat(self) -> Any:
+        return _Namespace(
+            self._client.chat, completions=_Completions(self._client.chat.completions, self._kwargs)
+        )
+
+    def with_options(self, **options: Any) -> _TemplateKwargsClient:
+        return _TemplateKwargsClient(self._client.with_options(**options), self._kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+class _Completions:
+    def __init__(self, completions: Any, kwargs: dict[str, Any]) -> None:
+        self._completions = completions
+        self._kwargs = kwargs
+
+    async def create(self, *args: Any, **params: Any) -> Any:
+        extra = dict(params.pop("extra_body", None) or {})
+        extra.setdefault("chat_template_kwargs", self._kwargs)
+        return await self._completions.create(*args, extra_body=extra, **params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._completions, name)
+
+
+class _Namespace:
+    """`wrapped` with some attributes replaced."""
+
+    def __init__(self, wrapped: Any, **replaced: Any) -> None:
+        self._wrapped = wrapped
+        self._replaced = replaced
+
+    def __getattr__(self, name: str) -> Any:
+        return self._replaced[name] if name in self._replaced else getattr(self._wrapped, name)
 
 
 def best_step(history: Path, metric: str) -> int | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -63,6 +64,11 @@ class ModelStore:
         """Where `weight_sync_method="disk"` writes the merged full model of `step`."""
         return self.dir / "merged" / f"{step:04d}"
 
+    @property
+    def chat_template_file(self) -> Path:
+        """Where a chat template given as text in `_internal_config` is written for the server."""
+        return self.dir / "chat_template.jinja"
+
     def trajectories_file(self, split: str, step: int) -> Path:
         return self.dir / "trajectories" / split / f"{step:04d}.jsonl"
 
@@ -99,6 +105,36 @@ class ModelStore:
                     shutil.rmtree(doomed)
             deleted.append(step)
         return deleted
+
+
+def name_problem(value: str) -> str | None:
+    """Why `value` cannot name a model or project, or None. Both become directory names, the model's
+    adapters are served as `<name>@<step>`, and SGLang reads `<base>:<adapter>` in a request's model."""
+    if not isinstance(value, str) or not value.strip() or value in {".", ".."}:
+        return f"{value!r} cannot be used: give a non-empty name"
+    bad = sorted({c for c in value if c in "/\\@:" or ord(c) < 32 or ord(c) == 127})
+    if bad:
+        return f"{value!r} cannot be used: it contains {', '.join(repr(c) for c in bad)} (no '/', '\\', '@', ':' or control characters)"
+    return None
+
+
+def base_model_problem(base_model: str) -> str | None:
+    """Why `base_model` can be neither a local model directory nor a model-hub id, or None.
+
+    Without this check a missing local path reaches the hub client, whose "Repo id must be in the form
+    'repo_name' or 'namespace/repo_name'" hides that the directory does not exist.
+    """
+    if Path(base_model).expanduser().exists():
+        return None
+    looks_local = base_model.startswith(("/", ".", "~")) or base_model.count("/") > 1
+    if looks_local or not _HUB_ID.match(base_model):
+        return (
+            f"base model {base_model!r} does not exist (no such directory, and not a model-hub id 'org/name')"
+        )
+    return None
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 def adapter_problem(path: Path) -> str | None:

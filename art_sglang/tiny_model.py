@@ -27,11 +27,24 @@ _MARKER = "tiny_model.json"
 
 
 def build_tiny_model(
-    out: str | os.PathLike[str], *, hidden: int = 64, layers: int = 2, vocab: int = 2048, seed: int = 0
+    out: str | os.PathLike[str],
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    vocab: int = 2048,
+    seed: int = 0,
+    logit_scale: float = 1.0,
 ) -> Path:
-    """Write tokenizer + random-init Qwen2 (float32) to `out` and return it. Reuses a finished build."""
+    """Write tokenizer + random-init Qwen2 (float32) to `out` and return it. Reuses a finished build.
+
+    `logit_scale` multiplies the output layer's random weights: at 1 the logits stay within about ±1
+    (normalised hidden states times rows of std 0.02), so LoRA training, which leaves that layer alone,
+    can shift probabilities but not make one continuation certain; ~25 lets a few SFT steps teach an
+    exact text (tests that need the model to produce a tool call)."""
     out = Path(out)
     spec = {"hidden": hidden, "layers": layers, "vocab": vocab, "seed": seed}
+    if logit_scale != 1.0:
+        spec["logit_scale"] = logit_scale
     marker = out / _MARKER
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out
@@ -73,7 +86,9 @@ def build_tiny_model(
         bos_token_id=None,
     )
     torch.manual_seed(seed)
-    Qwen2ForCausalLM(config).save_pretrained(out)
+    model = Qwen2ForCausalLM(config)
+    model.lm_head.weight.data *= logit_scale
+    model.save_pretrained(out)
     marker.write_text(json.dumps(spec))
     return out
 

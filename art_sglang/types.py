@@ -7,7 +7,7 @@ sampled completion is a `Choice` (it carries the logprobs the trainer needs).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from openai.types.chat.chat_completion import Choice
 from openai.types.chat.chat_completion_message_param import ChatCompletionMessageParam
@@ -16,6 +16,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, 
 
 __all__ = [
     "Choice",
+    "LocalTrainResult",
     "Message",
     "MessageOrChoice",
     "Messages",
@@ -23,6 +24,7 @@ __all__ = [
     "Tools",
     "TrainConfig",
     "TrainResult",
+    "TrainSFTConfig",
 ]
 
 # Messages are TypedDicts; validating them would reject the many shapes the OpenAI API accepts.
@@ -58,11 +60,27 @@ class TrainConfig(BaseModel):
     kl_penalty_coef: float = Field(0.0, ge=0, validation_alias=AliasChoices("kl_penalty_coef", "beta"))
 
 
+class TrainSFTConfig(BaseModel):
+    """Options of `model.train_sft(trajectories, config=TrainSFTConfig(...))`, as ART's: one learning rate
+    for every batch or one per batch, and the trajectories per batch ("auto" = 2, ART's default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float | list[float] = 5e-5
+    batch_size: int | Literal["auto"] = "auto"
+
+
 @dataclass
 class TrainResult:
-    """What `backend.train()` returns: the step reached, the aggregated training metrics and (as ART's
-    `LocalTrainResult`) the new checkpoint's folder, None with `save_checkpoint=False`."""
+    """What a backend's `train()` returns: the step reached and the aggregated training metrics."""
 
     step: int
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class LocalTrainResult(TrainResult):
+    """What `SGLangBackend.train()` returns, as ART's `LocalBackend.train()`: also the new checkpoint's
+    folder, None with `save_checkpoint=False`."""
+
     checkpoint_path: str | None = None

@@ -50,6 +50,13 @@ def test_names_and_fields_match_openpipe_art(openpipe_art):
     assert set(art.TrajectoryGroup.model_fields) == set(ART.TrajectoryGroup.model_fields)
     assert [f.name for f in dataclasses.fields(art.TrainResult)] == ["step", "metrics"]
     assert [f.name for f in dataclasses.fields(ART.TrainResult)] == ["step", "metrics"]
+    local = ["step", "metrics", "checkpoint_path"]
+    assert [f.name for f in dataclasses.fields(art.LocalTrainResult)] == local
+    assert [f.name for f in dataclasses.fields(ART.LocalTrainResult)] == local
+    assert set(art.TrainSFTConfig.model_fields) == set(ART.TrainSFTConfig.model_fields)
+    assert art.TrainSFTConfig().model_dump() == ART.TrainSFTConfig().model_dump()
+    assert set(art.TrainSFTConfig.model_fields) == set(ART.TrainSFTConfig.model_fields)
+    assert art.TrainSFTConfig().model_dump() == ART.TrainSFTConfig().model_dump()
     for field in ("learning_rate", "kl_penalty_coef"):
         assert art.TrainConfig().model_dump()[field] == ART.TrainConfig().model_dump()[field]
     ours = set(art.TrainableModel.model_fields)
@@ -62,6 +69,7 @@ def test_names_and_fields_match_openpipe_art(openpipe_art):
         "get_step",
         "log",
         "delete_checkpoints",
+        "train_sft",
     ):
         assert callable(getattr(art.TrainableModel, method)) and hasattr(ART.TrainableModel, method)
 
@@ -173,7 +181,7 @@ def test_prompted_model_client_and_names():
     assert prompted.get_inference_name() == "served-name"
 
 
-@pytest.mark.parametrize("bad", ["", "a/b", "a@1", "..", "a\\b"])
+@pytest.mark.parametrize("bad", ["", "a/b", "a@1", "..", "a\\b", "a:b", "a\x00b", "a\nb"])
 def test_model_names_must_be_usable_in_paths_and_adapter_names(bad):
     with pytest.raises(ValueError, match="cannot be used"):
         art.TrainableModel(name=bad, project="p", base_model="tiny")

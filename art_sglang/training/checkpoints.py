@@ -1,7 +1,11 @@
 """Checkpoint folders `<checkpoint_dir>/<step:04d>/`: a PEFT adapter (adapter_config.json +
 adapter_model.safetensors, loadable by peft and by SGLang's /load_lora_adapter), optimizer.pt and
 trainer_state.json. A checkpoint is written into `<step:04d>.tmp-<random>` in the same folder, every
-file fsynced, then renamed into place, so a crash never leaves a folder that `latest_checkpoint` picks."""
+file fsynced, then renamed into place, so a crash never leaves a half-written folder under a step name.
+
+ART's LocalBackend writes the same layout with the adapter files only; such a folder is a checkpoint too
+(resumed with a fresh optimizer). A folder under a step name that is not a readable adapter is never
+deleted or replaced: `set_aside` renames it to `<step:04d>.broken-<time>`."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,15 +27,27 @@ TRAINER_STATE = "trainer_state.json"
 CHECKPOINT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER, TRAINER_STATE)
 _STEP_DIR = re.compile(r"^\d{4,}$")
 _TMP_MARK = ".tmp-"
+_BROKEN_MARK = ".broken-"
 
 
 def checkpoint_path(checkpoint_dir: Path, step: int) -> Path:
     return Path(checkpoint_dir) / f"{step:04d}"
 
 
+def has_adapter(path: Path) -> bool:
+    """The adapter files are there and adapter_config.json parses (this backend's checkpoint, or ART's)."""
+    if not all((path / name).is_file() for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)):
+        return False
+    try:
+        json.loads((path / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def is_complete(path: Path) -> bool:
-    """All four files present and trainer_state.json readable."""
-    if not all((path / name).is_file() for name in CHECKPOINT_FILES):
+    """All four files present and trainer_state.json readable (a checkpoint this trainer wrote)."""
+    if not has_adapter(path) or not all((path / name).is_file() for name in CHECKPOINT_FILES):
         return False
     try:
         json.loads((path / TRAINER_STATE).read_text())
@@ -40,13 +57,34 @@ def is_complete(path: Path) -> bool:
 
 
 def list_checkpoints(checkpoint_dir: Path) -> list[int]:
-    """Steps of the complete checkpoints, ascending; temp and partial folders are ignored."""
+    """Steps whose folder holds an adapter, ascending; temp and set-aside folders are ignored."""
     folder = Path(checkpoint_dir)
     if not folder.is_dir():
         return []
     return sorted(
-        int(p.name) for p in folder.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and is_complete(p)
+        int(p.name) for p in folder.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and has_adapter(p)
     )
+
+
+def step_folders(checkpoint_dir: Path) -> list[Path]:
+    """Every folder named as a step, newest first, whatever it holds."""
+    folder = Path(checkpoint_dir)
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+    return sorted(found, key=lambda p: int(p.name), reverse=True)
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a checkpoint folder that cannot be used to `<name>.broken-<time>` (kept for inspection,
+    never again taken for a step) and return the new path."""
+    target = path.with_name(f"{path.name}{_BROKEN_MARK}{time.strftime('%Y%m%d-%H%M%S')}")
+    suffix = 0
+    while target.exists():
+        suffix += 1
+        target = target.with_name(f"{target.name.split('~')[0]}~{suffix}")
+    os.replace(path, target)
+    return target
 
 
 def latest_checkpoint(checkpoint_dir: Path) -> int | None:
@@ -64,8 +102,8 @@ def remove_stale_temp_dirs(checkpoint_dir: Path) -> None:
 
 
 def write_checkpoint(checkpoint_dir: Path, step: int, write: Callable[[Path], None]) -> Path:
-    """Run `write(tmp)` to fill a temp folder, fsync it, and rename it to `<step:04d>`. A partial
-    folder already at that name (e.g. from a crash without the temp naming) is replaced."""
+    """Run `write(tmp)` to fill a temp folder, fsync it, and rename it to `<step:04d>`. A folder already
+    at that name that holds no adapter is set aside first; one that holds an adapter is never replaced."""
     folder = Path(checkpoint_dir)
     folder.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(folder, step)
@@ -79,9 +117,9 @@ def write_checkpoint(checkpoint_dir: Path, step: int, write: Callable[[Path], No
             _fsync(path)
         _fsync(tmp)
         if final.exists():
-            if is_complete(final):
+            if has_adapter(final):
                 raise FileExistsError(f"checkpoint {final} already exists")
-            shutil.rmtree(final)
+            set_aside(final)
         os.replace(tmp, final)
         _fsync(folder)
     except BaseException:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 
 from ..config import TrainerConfig
+from ..cpu_threads import limit_threads_for_small_model
 from ..errors import TrainerError
 
 Backend = Literal["unsloth", "peft"]
@@ -58,6 +59,8 @@ def load_model(base_model: str, config: TrainerConfig) -> LoadedModel:
         model, tokenizer = _load_unsloth(base_model, config, dtype, checkpointing)
     else:
         model, tokenizer = _load_peft(base_model, config, dtype, checkpointing, cuda)
+    if not cuda:
+        limit_threads_for_small_model(model)
     device = torch.device("cuda" if cuda else "cpu")
     return LoadedModel(model, tokenizer, device, dtype, backend, checkpointing)
 

@@ -42,7 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..chat_format import template_tool_calls, template_tools
 from ..errors import TrainingInputError
+from ..token_bounds import longest_token_bytes, min_tokens
 from .validation import (
     WireGroup,
     content_entry_count,
@@ -82,9 +84,11 @@ class TokenizeStats:
     no_logprobs: int = 0
     choices: int = 0
     exact_ids: int = 0
+    too_long_skipped: int = 0
 
     def metrics(self) -> dict[str, float]:
         return {
+            "tokenize/too_long_skipped": float(self.too_long_skipped),
             "tokenize/choices": float(self.choices),
             "tokenize/exact_ids": float(self.exact_ids),
             "tokenize/retokenized": float(self.choices - self.exact_ids),
@@ -109,20 +113,34 @@ class _Builder:
 class ChatTokenizer:
     """Renders wire-format trajectories (see validation.py) with a Hugging Face tokenizer."""
 
-    def __init__(self, tokenizer: Any, *, end_of_turn_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        end_of_turn_ids: list[int] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         ids = end_of_turn_ids if end_of_turn_ids is not None else [tokenizer.eos_token_id]
         self.end_of_turn = {tokenizer.convert_ids_to_tokens(i): i for i in ids if i is not None}
+        # The chat_template_kwargs rollouts send with every request, so training renders what sampling saw.
+        self.template_kwargs = dict(template_kwargs or {})
 
     @classmethod
-    def for_model(cls, tokenizer: Any, model_path: str | Path) -> ChatTokenizer:
+    def for_model(
+        cls, tokenizer: Any, model_path: str | Path, *, template_kwargs: dict[str, Any] | None = None
+    ) -> ChatTokenizer:
         """End-of-turn tokens = the tokenizer's EOS plus generation_config.json's eos_token_id(s)."""
         ids = [tokenizer.eos_token_id]
         config = Path(model_path) / "generation_config.json"
         if config.exists():
             extra = json.loads(config.read_text()).get("eos_token_id")
             ids += extra if isinstance(extra, list) else [extra]
-        return cls(tokenizer, end_of_turn_ids=list(dict.fromkeys(i for i in ids if i is not None)))
+        return cls(
+            tokenizer,
+            end_of_turn_ids=list(dict.fromkeys(i for i in ids if i is not None)),
+            template_kwargs=template_kwargs,
+        )
 
     def tokenize_trajectory(
         self, trajectory: WireGroup, *, group: int, index: int, stats: TokenizeStats
@@ -242,7 +260,11 @@ class ChatTokenizer:
         if not messages:
             return ""
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+            messages,
+            tools=template_tools(tools),
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            **self.template_kwargs,
         )
 
     def _encode(self, text: str) -> list[int]:
@@ -250,40 +272,55 @@ class ChatTokenizer:
 
 
 def _as_message(item: Any) -> dict[str, Any]:
-    """The chat-template form of a message or Choice: string content, and tool-call arguments as the
-    JSON object they encode (chat templates render them as objects; a string would be quoted twice)."""
+    """The chat-template form of a message or Choice: string content, and tool calls as SGLang hands
+    them to the template (chat_format.py: arguments as the JSON object they encode, SGLang's key order)."""
     message = (item.get("message") or {}) if is_choice(item) else item
     out: dict[str, Any] = {**message, "content": message.get("content") or ""}
     if is_choice(item):
         out = {"role": "assistant", "content": out["content"]}
     if message.get("tool_calls"):
-        out["tool_calls"] = [_decoded_arguments(call) for call in message["tool_calls"]]
+        out["tool_calls"] = template_tool_calls(message["tool_calls"])
     return out
 
 
-def _decoded_arguments(call: dict[str, Any]) -> dict[str, Any]:
-    function = call.get("function") or {}
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            decoded = json.loads(arguments)
-        except ValueError:
-            return call
-        if isinstance(decoded, dict):
-            return {**call, "function": {**function, "arguments": decoded}}
-    return call
-
-
 def tokenize_groups(
-    chat: ChatTokenizer, groups: list[WireGroup]
+    chat: ChatTokenizer, groups: list[WireGroup], *, max_seq_length: int | None = None
 ) -> tuple[list[list[list[TokenizedSequence]]], TokenizeStats]:
-    """Sequences per group per trajectory (none for a trajectory without a Choice: it is context)."""
+    """Sequences per group per trajectory (none for a trajectory without a Choice: it is context).
+
+    With `max_seq_length`, a trajectory whose text alone cannot fit is not rendered or tokenized at all
+    (it would be dropped as too long after seconds of tokenizing); it has no sequences and is counted in
+    `tokenize/too_long_skipped`."""
     stats = TokenizeStats()
-    out = [
-        [
-            chat.tokenize_trajectory(trajectory, group=gi, index=ti, stats=stats)
-            for ti, trajectory in enumerate(group["trajectories"])
-        ]
-        for gi, group in enumerate(groups)
-    ]
+    longest = longest_token_bytes(chat.tokenizer)
+    out: list[list[list[TokenizedSequence]]] = []
+    for gi, group in enumerate(groups):
+        per_trajectory = []
+        for ti, trajectory in enumerate(group["trajectories"]):
+            if max_seq_length is not None and _certainly_too_long(trajectory, longest, max_seq_length):
+                stats.too_long_skipped += 1
+                per_trajectory.append([])
+                continue
+            per_trajectory.append(chat.tokenize_trajectory(trajectory, group=gi, index=ti, stats=stats))
+        out.append(per_trajectory)
     return out, stats
+
+
+def _certainly_too_long(trajectory: WireGroup, longest: int, max_seq_length: int) -> bool:
+    """Some sequence of the trajectory needs more than `max_seq_length` tokens. The sequence that ends
+    with a history's last Choice renders every message before it; earlier assistant turns are left out
+    of the bound, as a template may rewrite them (e.g. drop their reasoning)."""
+    for items, _ in histories(trajectory):
+        last = max((i for i, item in enumerate(items) if is_choice(item)), default=None)
+        if last is None:
+            continue
+        kept = [
+            _as_message(item) for i, item in enumerate(items[: last + 1]) if i == last or not _assistant(item)
+        ]
+        if min_tokens(kept, longest) > max_seq_length:
+            return True
+    return False
+
+
+def _assistant(item: Any) -> bool:
+    return is_choice(item) or (isinstance(item, dict) and item.get("role") == "assistant")

@@ -30,6 +30,7 @@ from .loss import ROW_MEAN_EPS, TokenInputs, sampled_token_logprobs, token_loss
 from .model_loading import LoadedModel, load_model
 from .options import StepOutcome, TrainOptions
 from .packing import plan_micro_batches, plan_rows, row_length
+from .sft import SFTBatch, run_sft
 from .tokenize import ChatTokenizer, TokenizedSequence, tokenize_groups
 from .validation import WireGroup, validate_groups
 
@@ -66,7 +67,11 @@ class Trainer:
         self.config = config
         self.loaded: LoadedModel = load_model(base_model, config)
         self.model = self.loaded.model
-        self.chat = ChatTokenizer.for_model(self.loaded.tokenizer, base_model)
+        if config.chat_template is not None:
+            self.loaded.tokenizer.chat_template = config.chat_template
+        self.chat = ChatTokenizer.for_model(
+            self.loaded.tokenizer, base_model, template_kwargs=config.chat_template_kwargs
+        )
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # The learning rate is set per row; AdamW's moments persist across calls and checkpoints.
@@ -74,6 +79,8 @@ class Trainer:
         self.step = 0
         self.resumed = False
         self._reference_adapters: dict[str, dict[str, torch.Tensor]] = {}
+        self.notes: list[str] = []  # what resume did differently (set aside, fresh optimizer), for the log
+        self.last_mode: str | None = None  # "rl" or "sft": switching clears AdamW's moments, as ART does
 
     @property
     def device(self) -> torch.device:
@@ -83,23 +90,37 @@ class Trainer:
         return {
             "lr": learning_rate,
             "betas": (self.config.adam_beta1, self.config.adam_beta2),
+            "eps": self.config.adam_epsilon,
             "weight_decay": self.config.weight_decay,
         }
 
     # --- checkpoints ---------------------------------------------------------------------------------
     def resume_or_init(self) -> int:
-        """Resume the newest complete checkpoint (adapter + optimizer + rng), or write step 0 = the fresh
-        adapter (LoRA B = 0, so it equals the base model). Returns the step."""
+        """Resume the newest checkpoint (adapter, and optimizer + rng when it has them), or write step 0 =
+        the fresh adapter (LoRA B = 0, so it equals the base model). Returns the step.
+
+        A newest folder that cannot be read (a truncated file, a folder without an adapter) is set aside
+        under a `.broken-` name and the one before it is resumed; a checkpoint with the adapter only (as
+        ART writes them) is resumed with a fresh optimizer. Both are noted in `self.notes`."""
         ckpt.remove_stale_temp_dirs(self.checkpoint_dir)
-        latest = ckpt.latest_checkpoint(self.checkpoint_dir)
-        if latest is None:
-            self.step = 0
-            self._save({})
-            return 0
-        self._load_checkpoint(ckpt.checkpoint_path(self.checkpoint_dir, latest))
-        self.step = latest
-        self.resumed = True
-        return latest
+        for folder in ckpt.step_folders(self.checkpoint_dir):
+            try:
+                state = read_checkpoint(folder, self.device)
+            except CheckpointUnreadable as exc:
+                aside = ckpt.set_aside(folder)
+                self._note(f"checkpoint {folder.name} cannot be resumed ({exc}); set aside as {aside.name}")
+                continue
+            self._apply_checkpoint(folder, state)
+            self.step = int(folder.name)
+            self.resumed = True
+            return self.step
+        self.step = 0
+        self._save({})
+        return 0
+
+    def _note(self, text: str) -> None:
+        print(f"resume: {text}", file=sys.stderr)
+        self.notes.append(text)
 
     def save_checkpoint(self, metrics: dict[str, float]) -> Path:
         def write(tmp: Path) -> None:
@@ -130,25 +151,60 @@ class Trainer:
                 f"{_write_failure(exc, self.checkpoint_dir)}"
             ) from exc
 
-    def _load_checkpoint(self, path: Path) -> None:
+    def _apply_checkpoint(self, path: Path, state: CheckpointState) -> None:
         from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
 
-        state = load_file(str(path / ckpt.ADAPTER_WEIGHTS), device=str(self.device))
-        result = set_peft_model_state_dict(self.model, state)
+        self._check_lora_shape(path, state.adapter_config)
+        result = set_peft_model_state_dict(self.model, state.weights)
         if result.unexpected_keys:
             raise TrainerError(
                 f"checkpoint {path} has weights this model lacks: {result.unexpected_keys[:5]}"
             )
-        self.optimizer.load_state_dict(torch.load(path / ckpt.OPTIMIZER, map_location=self.device))
-        _set_rng_state(ckpt.read_trainer_state(path).get("rng") or {})
+        if state.optimizer is None:
+            self._note(
+                f"checkpoint {path.name} has no {ckpt.OPTIMIZER} (ART writes none): the optimizer starts fresh"
+            )
+        else:
+            self.optimizer.load_state_dict(state.optimizer)
+        _set_rng_state((state.trainer_state or {}).get("rng") or {})
+
+    def _check_lora_shape(self, path: Path, adapter_config: dict[str, Any]) -> None:
+        """A checkpoint of another LoRA shape cannot continue this run's adapter: say which setting differs."""
+        ours = {"r": self.config.lora_rank, "lora_alpha": self.config.lora_alpha}
+        theirs = {key: adapter_config.get(key) for key in ours}
+        if theirs != ours:
+            raise TrainerError(
+                f"checkpoint {path} is a LoRA with {theirs}, but this trainer is configured with {ours}: set "
+                "TrainerConfig(lora_rank=..., lora_alpha=...) or _internal_config peft_args r/lora_alpha "
+                "to the checkpoint's values"
+            )
 
     # --- training ------------------------------------------------------------------------------------
+    def enter_mode(self, mode: str) -> None:
+        """As ART: switching between RL and SFT clears AdamW's moments; SFT runs without weight decay."""
+        if self.last_mode is not None and self.last_mode != mode:
+            self.optimizer.state.clear()
+        self.last_mode = mode
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = 0.0 if mode == "sft" else self.config.weight_decay
+
+    def train_sft(self, batches: list[SFTBatch], progress: Progress) -> StepOutcome:
+        """One SFT call (training/sft.py): an optimizer step per batch, then one new checkpoint."""
+        self.enter_mode("sft")
+        try:
+            metrics = run_sft(self, batches, progress)
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        self.step += 1
+        return StepOutcome(self.step, metrics, self._save(metrics), trained=True)
+
     def train(self, groups: list[WireGroup], options: TrainOptions, progress: Progress) -> StepOutcome:
         started = time.perf_counter()
+        self.enter_mode("rl")
         validate_groups(groups, allow_training_without_logprobs=options.allow_training_without_logprobs)
         reference = self._reference_path(options)
-        tokenized, stats = tokenize_groups(self.chat, groups)
+        tokenized, stats = tokenize_groups(self.chat, groups, max_seq_length=self.config.max_seq_length)
         self._check_token_ids(tokenized)
         rewards = [[float(t["reward"]) for t in g["trajectories"]] for g in groups]
         advantages = group_advantages(rewards, scale_rewards=options.scales_rewards)
@@ -489,6 +545,13 @@ class Trainer:
             self._move(self.device)
         return {"free_bytes": float(free), "waited_s": waited}
 
+    def _move(self, device: torch.device) -> None:
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.to(device)
+
 
 def _weighted_sequences(
     tokenized: list[list[list[TokenizedSequence]]], advantages: list[list[float] | None]
@@ -528,6 +591,54 @@ def _write_failure(exc: BaseException, folder: Path) -> str:
     if code == errno.EFBIG:
         return f"a file exceeds the allowed file size (ulimit -f): raise the limit and train again ({text})"
     return text.splitlines()[0]
+
+
+class CheckpointUnreadable(Exception):
+    """A checkpoint file is missing, truncated or corrupt; the message names the file."""
+
+
+@dataclass
+class CheckpointState:
+    """A checkpoint read into memory, every file checked before anything is applied to the model."""
+
+    adapter_config: dict[str, Any]
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] | None  # None: the folder has none (ART's layout)
+    trainer_state: dict[str, Any] | None
+
+
+def read_checkpoint(path: Path, device: torch.device) -> CheckpointState:
+    """Read a checkpoint folder; CheckpointUnreadable names the first file that cannot be used."""
+    import json
+
+    from safetensors.torch import load_file
+
+    def unreadable(name: str, exc: BaseException | str) -> CheckpointUnreadable:
+        return CheckpointUnreadable(f"{path / name}: {exc}")
+
+    try:
+        adapter_config = json.loads((path / ckpt.ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        raise unreadable(ckpt.ADAPTER_CONFIG, exc) from None
+    try:
+        weights = load_file(str(path / ckpt.ADAPTER_WEIGHTS), device=str(device))
+    except Exception as exc:  # safetensors raises its own error types for a truncated file
+        raise unreadable(ckpt.ADAPTER_WEIGHTS, exc) from None
+    optimizer = None
+    if (path / ckpt.OPTIMIZER).exists():
+        try:
+            optimizer = torch.load(path / ckpt.OPTIMIZER, map_location=device)
+        except Exception as exc:  # torch.load raises pickle, zip and runtime errors alike
+            raise unreadable(ckpt.OPTIMIZER, exc) from None
+    trainer_state = None
+    if (path / ckpt.TRAINER_STATE).exists():
+        try:
+            trainer_state = ckpt.read_trainer_state(path)
+        except (OSError, ValueError) as exc:
+            raise unreadable(ckpt.TRAINER_STATE, exc) from None
+    elif optimizer is not None:
+        raise unreadable(ckpt.TRAINER_STATE, "missing next to the optimizer state")
+    return CheckpointState(adapter_config, weights, optimizer, trainer_state)
 
 
 def save_adapter(model: Any, folder: Path, base_model: str) -> None:

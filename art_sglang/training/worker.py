@@ -3,7 +3,8 @@
 JSON lines over stdin/stdout. Each request `{"id": n, "cmd": ...}` is answered by zero or more
 `{"id": n, "event": "progress", "data": {...}}` lines and then exactly one `{"id": n, "event":
 "result", "data": {...}}` or `{"id": n, "event": "error", "error_type": ..., "message": ...}`.
-Commands: `init` (base_model, checkpoint_dir, config → step), `train` (groups, options → outcome),
+Commands: `init` (base_model, checkpoint_dir, config → step, resume notes), `train` (groups, options →
+outcome), `sft` (batches of trajectories with learning rates → one progress event per batch, outcome),
 `offload`, `reload`, `shutdown`. stdout carries protocol lines only: everything else (library prints,
 warnings, C-level output) is redirected to stderr, which the parent writes to logs/trainer.log.
 Heavy imports happen inside `main` so that the parent can import the protocol names cheaply.
@@ -17,8 +18,7 @@ import sys
 import traceback
 from typing import IO, Any
 
-PROGRESS, RESULT, ERROR = "progress", "result", "error"
-INPUT_ERROR, STEP_ERROR, TRAINER_ERROR = "TrainingInputError", "TrainingError", "TrainerError"
+from .protocol import ERROR, INPUT_ERROR, PROGRESS, RESULT, STEP_ERROR, TRAINER_ERROR
 
 
 class _Channel:
@@ -47,6 +47,7 @@ def main() -> None:
     from ..config import TrainerConfig
     from ..errors import TrainingError, TrainingInputError
     from .options import TrainOptions
+    from .sft import SFTBatch
     from .trainer import Trainer
 
     trainer: Trainer | None = None
@@ -64,7 +65,12 @@ def main() -> None:
                 config = TrainerConfig.model_validate(request["config"])
                 trainer = Trainer(request["base_model"], request["checkpoint_dir"], config)
                 step = trainer.resume_or_init()
-                data = {"step": step, "resumed": trainer.resumed, "backend": trainer.loaded.backend}
+                data = {
+                    "step": step,
+                    "resumed": trainer.resumed,
+                    "backend": trainer.loaded.backend,
+                    "notes": trainer.notes,
+                }
                 channel.send(rid, RESULT, data={**data, "device": str(trainer.device)})
                 continue
             if trainer is None:
@@ -73,6 +79,12 @@ def main() -> None:
                 options = TrainOptions.model_validate(request["options"])
                 outcome = trainer.train(
                     request["groups"], options, lambda data, rid=rid: channel.send(rid, PROGRESS, data=data)
+                )
+                channel.send(rid, RESULT, data=outcome.__dict__)
+            elif cmd == "sft":
+                batches = [SFTBatch(b["trajectories"], float(b["learning_rate"])) for b in request["batches"]]
+                outcome = trainer.train_sft(
+                    batches, lambda data, rid=rid: channel.send(rid, PROGRESS, data=data)
                 )
                 channel.send(rid, RESULT, data=outcome.__dict__)
             elif cmd == "offload":

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from training_helpers import make_choice
 
+from art_sglang.chat_format import template_tools
 from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats
 from art_sglang.training.validation import groups_to_wire
 from art_sglang.trajectories import Trajectory, TrajectoryGroup
@@ -53,13 +54,13 @@ def test_only_sampled_choices_are_trained(chat: ChatTokenizer, tokenizer: Any) -
     stats = TokenizeStats()
     sent = wire(trajectory)
     [seq] = chat.tokenize_trajectory(sent, group=0, index=0, stats=stats)
-    # The whole conversation is the template's rendering, tools included.
+    # The whole conversation is the template's rendering, tools included in SGLang's form of them.
     rendered = tokenizer.apply_chat_template(
         [
             m if isinstance(m, dict) else {"role": "assistant", "content": m.message.content}
             for m in trajectory.messages_and_choices
         ],
-        tools=sent["tools"],
+        tools=template_tools(sent["tools"]),
         tokenize=False,
     )
     assert '"name": "add"' in rendered

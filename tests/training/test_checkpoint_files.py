@@ -24,7 +24,7 @@ def test_write_list_latest(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0000", "0002", "0010"]  # no temp left
 
 
-def test_partial_and_temp_folders_are_ignored(tmp_path: Path) -> None:
+def test_partial_and_temp_folders_are_not_checkpoints(tmp_path: Path) -> None:
     ckpt.write_checkpoint(tmp_path, 1, fill)
     partial = tmp_path / "0005"
     partial.mkdir()
@@ -36,12 +36,27 @@ def test_partial_and_temp_folders_are_ignored(tmp_path: Path) -> None:
     broken.mkdir()
     fill(broken)
     (broken / ckpt.TRAINER_STATE).write_text("{trunc")
-    assert ckpt.list_checkpoints(tmp_path) == [1]
+    # 0007's adapter is intact (it can be served); resume sets it aside for its trainer state.
+    assert ckpt.list_checkpoints(tmp_path) == [1, 7]
+    assert not ckpt.is_complete(broken)
     ckpt.remove_stale_temp_dirs(tmp_path)
     assert not temp.exists()
-    # A partial folder at the target step is replaced by the complete write.
+    # A folder without an adapter at the target step is set aside, not deleted, by the complete write.
     ckpt.write_checkpoint(tmp_path, 5, fill)
-    assert ckpt.list_checkpoints(tmp_path) == [1, 5]
+    assert ckpt.list_checkpoints(tmp_path) == [1, 5, 7]
+    [aside] = [p for p in tmp_path.iterdir() if p.name.startswith("0005.broken-")]
+    assert sorted(f.name for f in aside.iterdir()) == [ckpt.ADAPTER_CONFIG]
+
+
+def test_adapter_only_folder_as_art_writes_it_is_a_checkpoint_and_never_replaced(tmp_path: Path) -> None:
+    art_step = tmp_path / "0003"
+    art_step.mkdir()
+    for name in (ckpt.ADAPTER_CONFIG, ckpt.ADAPTER_WEIGHTS):
+        (art_step / name).write_text("{}")
+    assert ckpt.list_checkpoints(tmp_path) == [3] and not ckpt.is_complete(art_step)
+    with pytest.raises(FileExistsError):
+        ckpt.write_checkpoint(tmp_path, 3, fill)
+    assert sorted(f.name for f in art_step.iterdir()) == [ckpt.ADAPTER_CONFIG, ckpt.ADAPTER_WEIGHTS]
 
 
 def test_failed_write_leaves_nothing(tmp_path: Path) -> None:

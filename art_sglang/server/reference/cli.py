@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from .tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,8 @@ class ServerArgs(BaseModel):
     enable_weights_cpu_backup: bool = False
     disable_cuda_graph: bool = False
     api_key: str | None = None
+    tool_call_parser: str | None = None
+    chat_template: str | None = None
     random_seed: int | None = None
     log_level: str = "info"
     ignored_args: list[str] = Field(default_factory=list, description="Unknown flags, kept for the log.")
@@ -106,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--enable-weights-cpu-backup", action="store_true")
     add("--disable-cuda-graph", action="store_true")
     add("--api-key")
+    add("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="Parsers of the <tool_call> JSON markup.")
+    add("--chat-template", help="A chat template file (builtin template names are SGLang's only).")
     add("--random-seed", type=int)
     add("--log-level", default="info")
     return parser
@@ -113,7 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     """Parse `argv`; unknown flags are kept in `ignored_args` instead of failing."""
-    namespace, unknown = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    namespace, unknown = parser.parse_known_args(argv)
+    if namespace.chat_template is not None and not Path(namespace.chat_template).is_file():
+        parser.error(
+            f"--chat-template {namespace.chat_template}: no such file (the reference engine reads files)"
+        )
     values = vars(namespace)
     values["lora_paths"] = _parse_lora_paths(values["lora_paths"])
     return ServerArgs(**values, ignored_args=unknown)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -21,6 +20,9 @@ from typing import Any, Literal
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from ...chat_format import template_messages, template_tools
+from ...cpu_threads import limit_threads_for_small_model
+from ...token_bounds import longest_token_bytes, min_tokens
 from ..client import KV_CACHE_TAG, MEMORY_TAGS, WEIGHTS_TAG
 from .adapters import BASE_KEY, AdapterRegistry, LoadedAdapter, adapter_rank
 from .cli import ServerArgs
@@ -28,8 +30,6 @@ from .prefix_cache import PrefixCache
 from .sampling import SamplingOptions, choose_token, logprobs_of
 
 logger = logging.getLogger(__name__)
-
-_SINGLE_THREAD_PARAMS = 50_000_000
 
 
 class EngineReleasedError(RuntimeError):
@@ -162,16 +162,16 @@ class ReferenceEngine:
         self.args = args
         started = time.perf_counter()
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+        if args.chat_template is not None:
+            self.tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
         self.hf_config = AutoConfig.from_pretrained(args.model_path)
         model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32).eval()
-        if "OMP_NUM_THREADS" not in os.environ and model.num_parameters() < _SINGLE_THREAD_PARAMS:
-            # A small model decodes one token in ~1 ms on one core; more intra-op threads only add
-            # synchronisation, which costs 10x or more on a busy machine (measured on 2 shared cores).
-            torch.set_num_threads(1)
+        limit_threads_for_small_model(model)
         self.context_length = args.context_length or int(
             getattr(self.hf_config, "max_position_embeddings", 0) or 4096
         )
         self.eos_ids = self._eos_ids(model)
+        self._longest_token = longest_token_bytes(self.tokenizer)
         generation = model.generation_config
         self._sampling_defaults = {
             key: getattr(generation, key)
@@ -247,20 +247,32 @@ class ReferenceEngine:
         tools: list[dict[str, Any]] | None,
         kwargs: dict[str, Any] | None,
     ) -> list[int]:
-        """Token ids of the chat template applied to `messages`, ending with the assistant's turn."""
+        """Token ids of the chat template applied to `messages`, ending with the assistant's turn. Text
+        that cannot fit the context whatever its tokens is refused before it is tokenized."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise PromptError("The model has no chat template; use /v1/completions or /generate.")
+        self._check_text_fits(messages)
         try:
             with self._tokenizer_lock:
+                # SGLang renders its own dumps of the request's tools and tool calls (chat_format.py).
                 ids = self.tokenizer.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False,
-                    **(kwargs or {}),
+                    template_messages(messages), tools=template_tools(tools), add_generation_prompt=True,
+                    tokenize=True, return_dict=False, **(kwargs or {}),
                 )  # fmt: skip
         except Exception as exc:  # jinja and tokenizer errors alike mean "these messages do not render"
             raise PromptError(f"Failed to apply the chat template: {exc}") from exc
         return list(ids)
 
+    def _check_text_fits(self, messages: list[Any]) -> None:
+        at_least = min_tokens(messages, self._longest_token)
+        if at_least >= self.context_length:
+            raise RequestTooLongError(
+                f"The input (at least {at_least} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)."
+            )
+
     def encode_text(self, text: str) -> list[int]:
+        self._check_text_fits([text])
         with self._tokenizer_lock:
             return list(self.tokenizer(text).input_ids)
 

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from . import tool_calls
 from .engine import GenerationRequest, GenerationResult, ReferenceEngine, TokenLogprob
 from .http_common import (
     Delta,
@@ -169,28 +170,41 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     engine = _engine(request)
     note(request, model=body.model)
 
+    names = _parsed_tools(engine, body)
+
     def prepare() -> list[GenerationRequest]:
         prompt_ids = engine.encode_chat(body.messages, body.tools, body.chat_template_kwargs)
         sampling = _sampling(engine, body, body.max_new_tokens)
+        if names is not None:
+            sampling.skip_special_tokens = False  # as SGLang: tool-call markup may be special tokens
         sampling.verify()
         engine.check_length(len(prompt_ids), sampling.max_new_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else 0
         return _choices(engine, prompt_ids, sampling, body, top)
 
-    stream = (lambda prepared: _chat_stream(engine, body, prepared, request)) if body.stream else None
+    if isinstance(names, Response):
+        return names
+    stream = (lambda prepared: _chat_stream(engine, body, prepared, request, names)) if body.stream else None
     results = await _run(engine, request, prepare, stream)
     if isinstance(results, Response):
         return results
     choices = []
     for index, result in enumerate(results):
         finish, matched = _finish(result)
+        content, calls = result.text, None
+        parsed = tool_calls.parse(result.text, names) if names is not None else None
+        if parsed is not None:
+            content, found = parsed
+            calls = [call.as_openai(i) for i, call in enumerate(found)]
+            if finish == "stop":
+                finish, matched = "tool_calls", None
         choice: dict[str, Any] = {
             "index": index,
             "message": {
                 "role": "assistant",
-                "content": result.text,
+                "content": content,
                 "reasoning_content": None,
-                "tool_calls": None,
+                "tool_calls": calls,
             },
             "logprobs": {"content": [_chat_logprob(engine, e) for e in result.output_logprobs]}
             if body.logprobs
@@ -203,6 +217,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             choice["token_ids"] = result.output_ids
         choices.append(choice)
     return _response("chat.completion", engine, body, choices, results)
+
+
+def _parsed_tools(engine: ReferenceEngine, body: ChatCompletionRequest) -> set[str] | Response | None:
+    """The tool names whose calls are parsed out of completions (None: no parsing), or SGLang-style 400
+    for a tool_choice this engine cannot honour (SGLang constrains decoding for them)."""
+    if not body.tools or body.tool_choice == "none" or engine.args.tool_call_parser is None:
+        return None
+    if body.tool_choice not in (None, "auto"):
+        return error_response(
+            f"tool_choice={body.tool_choice!r} needs constrained decoding, which the reference engine does "
+            "not implement: use tool_choice='auto'"
+        )
+    return tool_calls.tool_names(body.tools)
 
 
 def _response(
@@ -227,8 +254,14 @@ def _response(
 
 
 def _chat_stream(
-    engine: ReferenceEngine, body: ChatCompletionRequest, requests: list[GenerationRequest], request: Request
+    engine: ReferenceEngine,
+    body: ChatCompletionRequest,
+    requests: list[GenerationRequest],
+    request: Request,
+    names: set[str] | None,
 ) -> AsyncIterator[str]:
+    splitters = {index: tool_calls.StreamSplitter() for index in range(len(requests))}
+
     def choice(
         index: int, delta: dict[str, Any], logprobs: Any = None, finish: Any = None, matched: Any = None
     ) -> dict[str, Any]:
@@ -244,13 +277,27 @@ def _chat_stream(
         logprobs = None
         if body.logprobs and item.logprob is not None:
             logprobs = {"content": [_chat_logprob(engine, item.logprob)]}
-        if not item.text and logprobs is None:
+        text = splitters[item.index].push(item.text) if names is not None else item.text
+        if not text and logprobs is None:
             return None
-        return choice(item.index, {"content": item.text}, logprobs)
+        return choice(item.index, {"content": text} if text else {}, logprobs)
 
-    def last(index: int, result: GenerationResult) -> dict[str, Any]:
+    def last(index: int, result: GenerationResult) -> list[dict[str, Any]]:
         finish, matched = _finish(result)
-        return choice(index, {}, finish=finish, matched=matched)
+        chunks = []
+        if names is not None:
+            rest, calls = splitters[index].finish(names)
+            if rest:
+                chunks.append(choice(index, {"content": rest}))
+            for position, call in enumerate(calls):
+                head = call.as_openai(position)
+                head["function"] = {"name": call.name, "arguments": ""}
+                chunks.append(choice(index, {"tool_calls": [head]}))
+                tail = {"index": position, "function": {"arguments": call.arguments}}
+                chunks.append(choice(index, {"tool_calls": [tail]}))
+            if splitters[index].in_call and finish == "stop":
+                finish, matched = "tool_calls", None
+        return [*chunks, choice(index, {}, finish=finish, matched=matched)]
 
     return _stream(
         engine,
@@ -273,10 +320,10 @@ async def _stream(
     kind: str,
     first: Callable[[int], dict[str, Any]] | None,
     piece: Callable[[Delta], dict[str, Any] | None],
-    last: Callable[[int, GenerationResult], dict[str, Any]],
+    last: Callable[[int, GenerationResult], list[dict[str, Any]]],
 ) -> AsyncIterator[str]:
     """SGLang's OpenAI event stream: per choice an optional `first` chunk, one per streamed `piece` (None:
-    nothing to send), and a `last` one with the finish reason; then usage if asked, and [DONE]. An engine
+    nothing to send), and the `last` ones (tool calls held back, then the finish reason); then usage if asked, and [DONE]. An engine
     failure mid-stream is sent as an error event."""
     rid, created = uuid.uuid4().hex, int(time.time())
 
@@ -297,7 +344,8 @@ async def _stream(
                     yield chunk([choice])
                 continue
             results.append(item.result)
-            yield chunk([last(item.index, item.result)])
+            for closing in last(item.index, item.result):
+                yield chunk([closing])
         if body.include_usage:
             yield chunk([], usage=_usage(results, body.n, engine.args.enable_cache_report))
     except Exception as exc:
@@ -369,15 +417,11 @@ def _completion_stream(
             "matched_stop": None,
         }
 
-    def last(index: int, result: GenerationResult) -> dict[str, Any]:
+    def last(index: int, result: GenerationResult) -> list[dict[str, Any]]:
         finish, matched = _finish(result)
-        return {
-            "index": index,
-            "text": "",
-            "logprobs": None,
-            "finish_reason": finish,
-            "matched_stop": matched,
-        }
+        return [
+            {"index": index, "text": "", "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+        ]
 
     return _stream(
         engine, body, requests, request, kind="text_completion", first=None, piece=piece, last=last
