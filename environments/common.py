@@ -55,6 +55,7 @@ class StepReport:
     rollout_s: float
     train_s: float
     metrics: dict[str, float] = field(default_factory=dict)  # means of the trajectories' metrics
+    train_metrics: dict[str, float] = field(default_factory=dict)  # the step's TrainResult metrics
 
     @property
     def mean_reward(self) -> float:
@@ -142,6 +143,7 @@ async def train_loop(
             rollout_s,
             result.metrics.get("time/step_s", 0.0),
             metrics,
+            dict(result.metrics),
         )
         reports.append(report)
         if on_step is not None:

@@ -103,7 +103,7 @@ async def run_strategy(args: argparse.Namespace, strategy: str, steps: int) -> d
             after = await greedy(model, previous, args.greedy_tokens)
             rows.append({"report": report, "step": await model.get_step(), "same": before == after,
                          "memory": gpu_memory(sampler)})  # fmt: skip
-            print(f"{strategy} step {index + 1}/{steps}: {json.dumps(report.metrics)}", flush=True)
+            print(f"{strategy} step {index + 1}/{steps}: {json.dumps(report.train_metrics)}", flush=True)
     finally:
         closing = time.perf_counter()
         await backend.close()
@@ -130,7 +130,7 @@ def summarize(rows: list[dict[str, Any]], *, register_s: float, close_s: float) 
     """Per-step lists (one entry per step, in order) from the steps' TrainResult metrics."""
 
     def metric(key: str) -> list[float | None]:
-        return [row["report"].metrics.get(key) for row in rows]
+        return [row["report"].train_metrics.get(key) for row in rows]
 
     step_s, train_s = metric("time/step_s"), metric("time/train_s")
     return {
