@@ -25,6 +25,7 @@ from .gather import gather_trajectory_groups
 from .model import Backend, Model, TrainableModel
 from .trajectories import History, Trajectory, TrajectoryGroup
 from .types import (
+    LocalTrainResult,
     Message,
     MessageOrChoice,
     Messages,
@@ -43,6 +44,7 @@ __all__ = [
     "ConfigError",
     "DeviceConfig",
     "History",
+    "LocalTrainResult",
     "Message",
     "MessageOrChoice",
     "Messages",

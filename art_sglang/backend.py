@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from tqdm import tqdm
@@ -29,6 +30,7 @@ from .gpu_budget import SharedPlan, model_weights_bytes, plan_shared_gpu
 from .history import append_row
 from .inference import InferenceService
 from .internal_config import ModelSettings, internal_config_of, model_settings
+from .model import Model
 from .model_store import ModelStore, base_model_problem, name_problem
 from .run_lock import RunLock
 from .shared_mode import GpuHandoff, HandoffStrategy
@@ -37,7 +39,7 @@ from .training.process import TrainerProcess
 from .training.sft import SFTBatch, sft_batches, validate_sft
 from .training.validation import groups_to_wire, validate_groups
 from .trajectories import Trajectory, TrajectoryGroup
-from .types import TrainResult
+from .types import LocalTrainResult
 from .weight_sync import SyncTarget, make_weight_sync
 
 logger = logging.getLogger(__name__)
@@ -257,7 +259,7 @@ class SGLangBackend:
                 await self._service.remove_adapter(f"{model.name}@{step}")
             await asyncio.to_thread(entry.store.delete_checkpoints, doomed)
 
-    async def train(self, model: Any, trajectory_groups: Iterable[Any], **options: Any) -> TrainResult:
+    async def train(self, model: Any, trajectory_groups: Iterable[Any], **options: Any) -> LocalTrainResult:
         """One RL step on `trajectory_groups`; returns once `<name>@<new step>` answers requests.
 
         Keywords are ART 0.5.18 `LocalBackend.train`'s, with its defaults (loss_fn="cispo",
@@ -318,11 +320,15 @@ class SGLangBackend:
             timings["time/step_s"] = time.monotonic() - started
             metrics = {**outcome.metrics, **timings}
             row = {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
-            await asyncio.to_thread(append_row, entry.store.history, entry.step, row)
+            written = await asyncio.to_thread(append_row, entry.store.history, entry.step, row)
+            if isinstance(model, Model):  # ART's own models report to W&B themselves, from model.log
+                await model._report(entry.step, written)
             if verbose:
                 logger.info("%s step %d: %s", model.name, entry.step, json.dumps(metrics, default=str))
             path = outcome.checkpoint_path if train_options.save_checkpoint else None
-            return TrainResult(step=entry.step, metrics=metrics, checkpoint_path=str(path) if path else None)
+            return LocalTrainResult(
+                step=entry.step, metrics=metrics, checkpoint_path=str(path) if path else None
+            )
 
     async def _train_sft(
         self,
@@ -581,6 +587,9 @@ class SGLangBackend:
                 gpu_ids=self._gpu_ids("inference"),
                 use_gateway=self._use_gateway,
             )
+            if self.sglang_config.weight_sync_method != "disk":
+                # Merged weights hold one step only; an older step's adapter on top would be wrong.
+                self._service.serve_on_demand(self._checkpoint_of)
             self._handoff = GpuHandoff(self.handoff_strategy, self._service, release)
             self._sync = make_weight_sync(
                 self.sglang_config.weight_sync_method, self._service, self.sglang_config.adapters_to_keep
@@ -605,6 +614,18 @@ class SGLangBackend:
             mem_fraction_static=config.mem_fraction_static,
             fraction_set_by_user="mem_fraction_static" in config.model_fields_set,
         )
+
+    def _checkpoint_of(self, name: str) -> Path | None:
+        """The checkpoint folder of `<model>@<step>` if that step of a registered model is on disk."""
+        model_name, _, step = name.rpartition("@")
+        for entry in self._models.values():
+            if (
+                entry.model.name == model_name
+                and step.isdigit()
+                and int(step) in entry.store.checkpoint_steps()
+            ):
+                return entry.store.checkpoint_dir(int(step))
+        return None
 
     def _gpu_ids(self, role: Literal["inference", "training"]) -> list[str]:
         """GPU ids (indices or UUIDs, as the user's CUDA_VISIBLE_DEVICES names them) for a child's

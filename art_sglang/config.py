@@ -77,6 +77,12 @@ class SGLangConfig(BaseModel):
         description=f"Seconds to wait for the server to become healthy (env {SERVER_TIMEOUT_ENV}).",
     )
     tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel size of the server.")
+    unresponsive_timeout: float = Field(
+        120.0,
+        gt=0,
+        description="Seconds a running server may fail to answer GET /health before it is restarted "
+        "(a hung or stopped process, not only a dead one).",
+    )
 
     # --- launch flags the backend relies on ----------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address the server binds to.")
@@ -257,3 +263,9 @@ class TrainerConfig(BaseModel):
     )
     seed: int = Field(0, description="Seed for LoRA init and any sampling in the trainer.")
     trainer_python: str | None = Field(None, description="Python that runs the trainer; None = this one.")
+    step_timeout: float = Field(
+        3600.0,
+        gt=0,
+        description="Seconds one training step (or offload/reload) may take; longer is an error and the "
+        "trainer is restarted at the next step.",
+    )

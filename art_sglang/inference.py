@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -25,6 +25,7 @@ import httpx
 from .config import SGLangConfig
 from .errors import AdapterLoadError, ServerCrashedError, ServerRequestError
 from .model_store import check_adapter
+from .process_tree import EXIT_GRACE_SECONDS
 from .server.client import MEMORY_TAGS, WEIGHTS_TAG, ServerClient
 from .server.gateway import ANY, AdapterGateway
 from .server.process import ServerProcess
@@ -32,6 +33,8 @@ from .server.process import ServerProcess
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 120.0
+# A server being replaced because it died or hangs gets this long to exit on SIGTERM before SIGKILL.
+_HUNG_GRACE_S = 5.0
 
 
 class InferenceService:
@@ -51,7 +54,16 @@ class InferenceService:
         self._config = config
         self._base_model = base_model
         self._process = ServerProcess(config, base_model, engine=engine, log_path=log_path, gpu_ids=gpu_ids)
-        self._gateway = AdapterGateway("http://127.0.0.1:0", api_key=config.api_key) if use_gateway else None
+        self._gateway: AdapterGateway | None = None
+        if use_gateway:
+            # A request the dead server refuses waits for the restart (as long as a start may take).
+            self._gateway = AdapterGateway(
+                "http://127.0.0.1:0",
+                api_key=config.api_key,
+                upstream_key=config.api_key,
+                unreachable_wait=config.server_timeout,
+            )
+        self._find_checkpoint: Callable[[str], Path | None] | None = None
         self._drain_timeout = drain_timeout
         self._adapters: dict[str, Path] = {}  # loaded (and wanted after every start), oldest first
         self._aliases: dict[str, str] = {}  # names served by the base slot (merged weights)
@@ -62,6 +74,7 @@ class InferenceService:
         # the GPU (shared mode) and after close(). Crash recovery restarts only a server meant to serve.
         self._serving = False
         self._released_tags: tuple[str, ...] = ()  # GPU memory kinds released for the trainer
+        self._unanswered_since: float | None = None  # first failed health check in a row
         self._holds = 0  # nested holds of the gateway; requests wait while > 0
         self._lock = asyncio.Lock()  # one command at a time changes the server
 
@@ -108,16 +121,31 @@ class InferenceService:
     def _base_id(self) -> str:
         return self._base_ids[0] if self._base_ids else self._base_model
 
+    def serve_on_demand(self, find_checkpoint: Callable[[str], Path | None]) -> None:
+        """Load a name that is not served when a request asks for it, if `find_checkpoint(name)` finds its
+        adapter on disk (older steps); other names stay 404. Call from the backend's event loop."""
+        self._find_checkpoint = find_checkpoint
+        if self._gateway is not None:
+            self._gateway.set_loader(self._load_on_demand, asyncio.get_running_loop())
+
+    async def _load_on_demand(self, name: str) -> bool:
+        path = self._find_checkpoint(name) if self._find_checkpoint is not None else None
+        if path is None or not self._serving:
+            return False
+        logger.info("loading %s on request (%s)", name, path)
+        await self.add_adapter(name, path)
+        return True
+
     # --- holding requests --------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def holding(self) -> AsyncIterator[None]:
-        """New requests wait in the gateway for the block; it starts once the requests in flight finished.
-        Holds nest: requests flow again when the outermost block ends."""
+    async def holding(self, *, drain: bool = True) -> AsyncIterator[None]:
+        """New requests wait in the gateway for the block; with `drain` it starts once the requests in
+        flight finished. Holds nest: requests flow again when the outermost block ends."""
         self._holds += 1
         try:
             if self._gateway is not None:
                 await self._gateway.hold()
-                if not await self._gateway.wait_idle(ANY, self._drain_timeout):
+                if drain and not await self._gateway.wait_idle(ANY, self._drain_timeout):
                     logger.warning("requests still in flight after %.0f s; going on", self._drain_timeout)
             yield
         finally:
@@ -146,23 +174,50 @@ class InferenceService:
             await self._process.stop()
 
     async def recover(self) -> bool:
-        """Restart a server that died while meant to serve, with every adapter loaded again before a
-        request reaches it. Returns whether it restarted the server."""
-        if not self._serving or self._process.is_alive():
+        """Restart a server that should serve but died, or has not answered `GET /health` for
+        `unresponsive_timeout` seconds (hung or stopped), with every adapter loaded again before a request
+        reaches it. Returns whether it restarted the server. Does nothing while another command runs."""
+        if not self._serving or self._lock.locked():
             return False
+        if self._process.is_alive():
+            problem = await self._unresponsive()
+            if problem is None:
+                return False
+        else:
+            problem = "died"
         async with self._lock:
-            if not self._serving or self._process.is_alive():
+            if not self._serving:
                 return False
             logger.warning(
-                "the inference server died; restarting it. Last lines of its log:\n%s",
+                "the inference server %s; restarting it. Last lines of its log:\n%s",
+                problem,
                 self._process.log_tail(),
             )
-            return await self._bring_up()
+            # Requests in flight are lost with the process; none is waited for.
+            async with self.holding(drain=False):
+                await self._process.stop(timeout=_HUNG_GRACE_S)
+                await self._bring_up()
+            return True
+
+    async def _unresponsive(self) -> str | None:
+        """What is wrong with a running server that does not answer health checks long enough, else None."""
+        timeout = self._config.unresponsive_timeout
+        if self._client is not None and await self._client.health(timeout=min(timeout, 10.0)):
+            self._unanswered_since = None
+            return None
+        now = time.monotonic()
+        if self._unanswered_since is None:
+            self._unanswered_since = now
+        if now - self._unanswered_since < timeout:
+            return None
+        self._unanswered_since = None
+        return f"did not answer GET /health for {timeout:g} s"
 
     async def close(self) -> None:
-        """Stop the server, the gateway and the client. Idempotent."""
+        """Stop the server, the gateway and the client. Idempotent. The server gets the short grace period:
+        at close nothing on it is worth waiting for, and SGLang's scheduler sleeps 5 s on SIGTERM."""
         self._serving = False
-        await self._process.stop()
+        await self._process.stop(timeout=EXIT_GRACE_SECONDS)
         if self._gateway is not None:
             self._gateway.close()
         if self._client is not None:
@@ -174,7 +229,8 @@ class InferenceService:
         that enforces the invariant after a start). Call with the lock held."""
         if self._process.is_alive() and self._client is not None:
             return False
-        async with self.holding():
+        # Nothing to drain: the callers that stop a serving server drained it first.
+        async with self.holding(drain=False):
             began = time.monotonic()
             await self._process.start()
             if self._client is not None:
@@ -264,8 +320,8 @@ class InferenceService:
                 logger.warning("unloading %s failed: %s", name, exc)
 
     async def keep_newest(self, prefix: str, keep: int) -> None:
-        """Unload all but the `keep` newest adapters whose name starts with `prefix`."""
-        mine = [name for name in self._adapters if name.startswith(prefix)]
+        """Unload all but the `keep` newest adapters (highest step) whose name starts with `prefix`."""
+        mine = sorted((name for name in self._adapters if name.startswith(prefix)), key=_step_of)
         for name in mine[: max(len(mine) - keep, 0)]:
             await self.remove_adapter(name)
 
@@ -344,3 +400,9 @@ class InferenceService:
     async def flush_cache(self) -> None:
         async with self._lock:
             await self._admin().flush_cache()
+
+
+def _step_of(name: str) -> int:
+    """The step of `<model>@<step>` (-1 for another form)."""
+    step = name.rpartition("@")[2]
+    return int(step) if step.isdigit() else -1

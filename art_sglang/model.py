@@ -24,6 +24,7 @@ from pydantic_core import PydanticSerializationError
 from .errors import ConfigError, ModelNotRegisteredError
 from .history import append_row, read_rows
 from .model_store import HISTORY_FILE, name_problem
+from .tracking import WandbReporter, metric_key
 from .training.options import TrainOptions
 from .trajectories import Trajectory, TrajectoryGroup
 from .types import TrainConfig, TrainResult, TrainSFTConfig
@@ -83,8 +84,10 @@ class Model(BaseModel):
     inference_base_url: str | None = None
     inference_model_name: str | None = None  # sent instead of `name` when set
     base_path: str = ".art"
+    report_metrics: list[str] | None = None  # as ART: None = W&B when WANDB_API_KEY is set; [] = off
 
     _backend: Backend | None = PrivateAttr(None)
+    _wandb: WandbReporter | None = PrivateAttr(None)
     _openai_client: AsyncOpenAI | None = PrivateAttr(None)
     _openai_client_key: tuple[str, str] | None = PrivateAttr(None)
 
@@ -175,15 +178,25 @@ class Model(BaseModel):
         `_log(model, groups, split)` then also receives the groups (e.g. to store the trajectories).
         """
         groups = _as_groups(trajectories)
-        row = {f"{split}/{key}": value for key, value in _summarize(groups).items()}
-        # Keys of `metrics` that already name a section ("train/loss", "time/step_s") are kept as given.
-        row.update({key if "/" in key else f"{split}/{key}": value for key, value in (metrics or {}).items()})
+        row = {metric_key(key, split): value for key, value in _summarize(groups).items()}
+        # ART's names: keys that already name a section or split ("loss/train", "time/step_s") are kept.
+        row.update({metric_key(key, split): value for key, value in (metrics or {}).items()})
         if row:
             step = await self.get_step() if step is None else step
-            await asyncio.to_thread(append_row, Path(self._get_output_dir()) / HISTORY_FILE, step, row)
+            written = await asyncio.to_thread(
+                append_row, Path(self._get_output_dir()) / HISTORY_FILE, step, row
+            )
+            await self._report(step, written)
         backend_log = getattr(self._backend, "_log", None)
         if backend_log is not None and groups:
             await backend_log(self, groups, split)
+
+    async def _report(self, step: int, row: dict[str, Any]) -> None:
+        """Mirror a history row to W&B when reporting is on (see art_sglang.tracking)."""
+        if self._wandb is None:
+            self._wandb = WandbReporter(self.project, self.name, self.report_metrics)
+        if self._wandb.enabled:
+            await asyncio.to_thread(self._wandb.report, step, row)
 
     def _get_output_dir(self) -> str:
         """`<base_path>/<project>/models/<name>` (a str, as in ART)."""

@@ -1,15 +1,20 @@
-"""Process-tree helpers shared by the server and trainer handles: start a logged child in its own
-session, kill a whole tree reliably, and ask Linux to kill a child when its parent dies."""
+"""Child processes of the backend: `ManagedProcess`, the base of the server and trainer handles (start a
+logged child in its own session, its log tail, "died with exit code" messages, stop its whole tree, kill
+it at interpreter exit or when the handle is collected), and the process-tree helpers under it (kill a
+tree reliably, ask Linux to kill a child when its parent dies)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,6 +24,97 @@ from typing import Any
 import psutil
 
 _PR_SET_PDEATHSIG = 1
+LOG_TAIL_LINES = 40
+# At interpreter exit, when a forgotten handle is collected, or when clearing a crashed tree, nobody waits
+# on the child any more, so a short grace period is enough before SIGKILL.
+EXIT_GRACE_SECONDS = 5.0
+_SECRET_FLAGS = ("--api-key", "--admin-api-key")
+
+
+class ManagedProcess:
+    """One child process (and its tree) logging to `log_path`, named `label` in messages.
+
+    Subclasses build the command and decide how to talk to the child; this base starts it in its own
+    session (`_launch`), reads its log tail, words its death, and stops its whole tree (`_terminate`). The
+    tree is also killed at interpreter exit, when the handle is garbage collected, and (on Linux) by the
+    kernel when the thread that started it dies — so start it from a long-lived thread such as the main
+    thread or the event loop's.
+    """
+
+    def __init__(self, label: str, log_path: Path) -> None:
+        self.label = label
+        self.log_path = Path(log_path)
+        self._popen: Popen[bytes] | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._log_start = 0  # byte offset in the log where the current launch begins
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen is not None else None
+
+    def _launch(
+        self, command: list[str], env: dict[str, str], *, pipes: bool, note: str = ""
+    ) -> Popen[bytes]:
+        """Start `command` (see `spawn_logged`); runs on the caller's thread on purpose (parent-death signal)."""
+        header = f"starting {self.label}: {display_command(command)}{note}"
+        popen, self._log_start = spawn_logged(command, self.log_path, header=header, env=env, pipes=pipes)
+        self._popen = popen
+        self._finalizer = weakref.finalize(self, kill_process_tree, popen.pid, EXIT_GRACE_SECONDS)
+        return popen
+
+    def exit_code(self) -> int | None:
+        """The exit code once it exited (negative: killed by that signal), None while it runs or before
+        it started. Leaves the child unreaped (see `peek_exit_code`)."""
+        return peek_exit_code(self._popen) if self._popen is not None else None
+
+    def is_alive(self) -> bool:
+        return self._popen is not None and peek_exit_code(self._popen) is None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last lines this launch wrote to the log."""
+        return read_log_tail(self.log_path, self._log_start, lines)
+
+    def describe_death(self, what: str) -> str:
+        """ "The <label> (pid N) <what> (exit code C)." with the log's path and tail."""
+        pid = f" (pid {self._popen.pid})" if self._popen is not None else ""
+        return (
+            f"The {self.label}{pid} {what} (exit code {self.exit_code()}).\n"
+            f"log: {self.log_path}\n--- last lines of the log ---\n{self.log_tail()}"
+        )
+
+    async def _terminate(self, timeout: float) -> Popen[bytes] | None:
+        """SIGTERM the tree, SIGKILL what is left after `timeout` s, reap it. Returns the Popen that was
+        running (None if none) for the subclass's own cleanup. Idempotent."""
+        popen, self._popen = self._popen, None
+        if popen is None:
+            return None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        await asyncio.to_thread(kill_process_tree, popen.pid, timeout)
+        popen.poll()  # reaped by now; keeps the Popen's own bookkeeping consistent
+        return popen
+
+
+def display_command(command: list[str]) -> str:
+    """The command as a shell line, with secrets hidden (it goes to logs and error messages)."""
+    shown = list(command)
+    for i, arg in enumerate(shown[:-1]):
+        if arg in _SECRET_FLAGS:
+            shown[i + 1] = "REDACTED"
+    return shlex.join(shown)
+
+
+def read_log_tail(path: Path, start: int = 0, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of the log written after byte offset `start` ('' if there is no log)."""
+    try:
+        with path.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            # 64 KiB comfortably holds 40 lines, even of tracebacks.
+            f.seek(max(start, size - 65536))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
 
 
 def spawn_logged(

@@ -16,6 +16,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, 
 
 __all__ = [
     "Choice",
+    "LocalTrainResult",
     "Message",
     "MessageOrChoice",
     "Messages",
@@ -71,9 +72,15 @@ class TrainSFTConfig(BaseModel):
 
 @dataclass
 class TrainResult:
-    """What `backend.train()` returns: the step reached, the aggregated training metrics and (as ART's
-    `LocalTrainResult`) the new checkpoint's folder, None with `save_checkpoint=False`."""
+    """What a backend's `train()` returns: the step reached and the aggregated training metrics."""
 
     step: int
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class LocalTrainResult(TrainResult):
+    """What `SGLangBackend.train()` returns, as ART's `LocalBackend.train()`: also the new checkpoint's
+    folder, None with `save_checkpoint=False`."""
+
     checkpoint_path: str | None = None

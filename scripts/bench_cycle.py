@@ -51,7 +51,8 @@ from gpu_helpers import MemorySampler
 import art_sglang as art
 from art_sglang import SGLangBackend, TrainerConfig
 from art_sglang.devices import DeviceLayout
-from environments.char_share import CharShareTask, train_loop
+from environments.char_share import CharShareTask
+from environments.common import train_loop
 
 STRATEGIES = ("sleep/kv_cache", "sleep/all", "restart")
 GREEDY_PROMPT = [{"role": "user", "content": "Write a line of Python that prints a greeting."}]
@@ -145,7 +146,7 @@ def summarize(rows: list[dict[str, Any]], *, register_s: float, close_s: float) 
         "mean_reward": [row["report"].mean_reward for row in rows],
         "step_reached": [row["step"] for row in rows],
         "greedy_same_after_step": [row["same"] for row in rows],
-        **{f"gpu_mib_{key}": [row["memory"][key] for row in rows] for key in rows[0]["memory"]},
+        **{f"gpu_mib_{key}": [row["memory"][key] for row in rows] for key in gpu_memory(None)},
         "register_s": register_s,
         "close_s": close_s,
     }

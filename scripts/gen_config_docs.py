@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from art_sglang.config import DeviceConfig, SGLangConfig, TrainerConfig
+from art_sglang.training.options import TrainOptions
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 HEADER = """# Configuration reference
@@ -32,7 +33,7 @@ def _default(model: type[BaseModel], name: str) -> str:
 
 def render() -> str:
     parts = [HEADER]
-    for model in (SGLangConfig, DeviceConfig, TrainerConfig):
+    for model in (SGLangConfig, DeviceConfig, TrainerConfig, TrainOptions):
         parts.append(f"\n## {model.__name__}\n\n{(model.__doc__ or '').strip()}\n")
         parts.append("| field | type | default | meaning |\n|---|---|---|---|")
         for name, field in model.model_fields.items():

@@ -48,13 +48,13 @@ def test_names_and_fields_match_openpipe_art(openpipe_art):
     ART = openpipe_art
     assert set(art.Trajectory.model_fields) == set(ART.Trajectory.model_fields)
     assert set(art.TrajectoryGroup.model_fields) == set(ART.TrajectoryGroup.model_fields)
-    # ART's LocalBackend returns LocalTrainResult: TrainResult plus the step's checkpoint_path.
-    ours = [f.name for f in dataclasses.fields(art.TrainResult)]
-    assert (
-        ours
-        == [f.name for f in dataclasses.fields(ART.LocalTrainResult)]
-        == ["step", "metrics", "checkpoint_path"]
-    )
+    assert [f.name for f in dataclasses.fields(art.TrainResult)] == ["step", "metrics"]
+    assert [f.name for f in dataclasses.fields(ART.TrainResult)] == ["step", "metrics"]
+    local = ["step", "metrics", "checkpoint_path"]
+    assert [f.name for f in dataclasses.fields(art.LocalTrainResult)] == local
+    assert [f.name for f in dataclasses.fields(ART.LocalTrainResult)] == local
+    assert set(art.TrainSFTConfig.model_fields) == set(ART.TrainSFTConfig.model_fields)
+    assert art.TrainSFTConfig().model_dump() == ART.TrainSFTConfig().model_dump()
     assert set(art.TrainSFTConfig.model_fields) == set(ART.TrainSFTConfig.model_fields)
     assert art.TrainSFTConfig().model_dump() == ART.TrainSFTConfig().model_dump()
     for field in ("learning_rate", "kl_penalty_coef"):

@@ -109,16 +109,17 @@ class ServerClient:
             server_message=message,
         )
 
-    async def _probe(self, path: str) -> bool:
+    async def _probe(self, path: str, timeout: float | None = None) -> bool:
         try:
-            response = await self._http.get(path)
+            response = await self._http.get(path, timeout=timeout or self._http.timeout)
         except httpx.TransportError:
             return False
         return response.status_code == 200
 
-    async def health(self) -> bool:
-        """Whether the server process answers (`GET /health` is 200); False if unreachable."""
-        return await self._probe("/health")
+    async def health(self, timeout: float | None = None) -> bool:
+        """Whether the server process answers (`GET /health` is 200) within `timeout` seconds (the client's
+        default if None); False if unreachable or too slow."""
+        return await self._probe("/health", timeout)
 
     async def health_generate(self) -> bool:
         """Whether the server can generate a token (`GET /health_generate` is 200); False if unreachable."""

@@ -6,15 +6,12 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shlex
 import socket
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from subprocess import Popen
 from typing import Literal
 
 import httpx
@@ -22,7 +19,7 @@ from tqdm import tqdm
 
 from art_sglang.config import SGLANG_ENV_DEFAULTS, SGLangConfig
 from art_sglang.errors import ServerCrashedError, ServerStartError
-from art_sglang.process_tree import kill_process_tree, peek_exit_code, spawn_logged
+from art_sglang.process_tree import EXIT_GRACE_SECONDS, ManagedProcess, display_command, peek_exit_code
 
 Engine = Literal["sglang", "reference"]
 
@@ -30,11 +27,7 @@ ENGINE_MODULES: dict[Engine, str] = {
     "sglang": "sglang.launch_server",
     "reference": "art_sglang.server.reference",
 }
-LOG_TAIL_LINES = 40
 _POLL_SECONDS = 0.25
-# At interpreter exit, when a forgotten handle is collected, or when clearing a crashed tree, nobody waits
-# on the server any more, so a short grace period is enough before SIGKILL.
-_EXIT_GRACE_SECONDS = 5.0
 
 # Ports handed to servers of this interpreter and not released yet, so that servers started at the same
 # time never get the same "free" port before either has bound it.
@@ -93,35 +86,9 @@ def _connect_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def display_command(command: list[str]) -> str:
-    """The command as a shell line, with the API key hidden (it goes to logs and error messages)."""
-    shown = list(command)
-    for i, arg in enumerate(shown[:-1]):
-        if arg == "--api-key":
-            shown[i + 1] = "REDACTED"
-    return shlex.join(shown)
-
-
-def read_log_tail(path: Path, start: int = 0, lines: int = LOG_TAIL_LINES) -> str:
-    """The last `lines` lines of the log written after byte offset `start` ('' if there is no log)."""
-    try:
-        with path.open("rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            # 64 KiB comfortably holds 40 lines, even of tracebacks.
-            f.seek(max(start, size - 65536))
-            data = f.read()
-    except OSError:
-        return ""
-    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
-
-
-class ServerProcess:
-    """An inference server subprocess in its own session, logging to `log_path`.
-
-    The server is killed with its whole tree by `stop()`, at interpreter exit, when this handle is garbage
-    collected, and (on Linux) by the kernel when the thread that started it dies — so start it from a
-    long-lived thread such as the main thread or the event loop's.
-    """
+class ServerProcess(ManagedProcess):
+    """An inference server subprocess in its own session, logging to `log_path` (see `ManagedProcess` for
+    when its tree is killed)."""
 
     def __init__(
         self,
@@ -132,15 +99,12 @@ class ServerProcess:
         log_path: Path,
         gpu_ids: Sequence[int | str] | None = None,
     ) -> None:
+        super().__init__(f"{engine} server", log_path)
         self.config = config
         self.model_path = model_path
         self.engine: Engine = engine
-        self.log_path = Path(log_path)
         self.gpu_ids = gpu_ids
         self._port: int | None = config.port
-        self._popen: Popen[bytes] | None = None
-        self._finalizer: weakref.finalize | None = None
-        self._log_start = 0  # byte offset in the log where the current launch begins
 
     @property
     def port(self) -> int:
@@ -152,10 +116,6 @@ class ServerProcess:
     def base_url(self) -> str:
         """`http://<host>:<port>` without `/v1`."""
         return f"http://{_connect_host(self.config.host)}:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self._popen.pid if self._popen is not None else None
 
     def command(self) -> list[str]:
         """The launch command; SGLang runs under the server venv's python, the reference engine under ours."""
@@ -185,28 +145,21 @@ class ServerProcess:
             return
         if self._popen is not None:
             # It crashed: clear what is left of its tree (and its exit hook) first.
-            await self.stop(timeout=_EXIT_GRACE_SECONDS)
+            await self.stop(timeout=EXIT_GRACE_SECONDS)
         self._port = self.config.port or _claim_port(self.config.host, self._port)
         command = self.command()
         # Popen runs on the event loop's thread on purpose: the parent-death signal is tied to the forking
         # thread, and an executor thread may exit while the server still runs.
         try:
-            self._popen, self._log_start = spawn_logged(
-                command,
-                self.log_path,
-                header=f"starting: {display_command(command)}",
-                env=self.environment(),
-                pipes=False,
-            )
+            self._launch(command, self.environment(), pipes=False)
         except OSError as exc:  # e.g. the server venv's python does not exist
             self._release_auto_port()
             raise ServerStartError(f"Could not run {display_command(command)}: {exc}") from exc
-        self._finalizer = weakref.finalize(self, kill_process_tree, self._popen.pid, _EXIT_GRACE_SECONDS)
         try:
             await self._wait_healthy(command)
         except BaseException:
             # Timeout, early exit, or the caller gave up (cancellation, Ctrl-C): never leave it running.
-            await self.stop(timeout=_EXIT_GRACE_SECONDS)
+            await self.stop(timeout=EXIT_GRACE_SECONDS)
             raise
 
     async def _wait_healthy(self, command: list[str]) -> None:
@@ -250,21 +203,11 @@ class ServerProcess:
             f"log: {self.log_path}\n--- last lines of the log ---\n{self.log_tail()}"
         )
 
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        """The last lines this launch wrote to the log."""
-        return read_log_tail(self.log_path, self._log_start, lines)
-
     async def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the server's process group, then SIGKILL every process of its tree still alive after
         `timeout` seconds. Idempotent; fine if the server already died."""
-        popen, self._popen = self._popen, None
-        if popen is None:
-            return
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        await asyncio.to_thread(kill_process_tree, popen.pid, timeout)
-        popen.poll()  # reaped by now; keeps the Popen's own bookkeeping consistent
-        self._release_auto_port()  # a restart claims it again if it is still free
+        if await self._terminate(timeout) is not None:
+            self._release_auto_port()  # a restart claims it again if it is still free
 
     def _release_auto_port(self) -> None:
         if self.config.port is None and self._port is not None:
@@ -275,16 +218,9 @@ class ServerProcess:
         await self.stop()
         await self.start()
 
-    def is_alive(self) -> bool:
-        return self._popen is not None and peek_exit_code(self._popen) is None
-
     def check_alive(self) -> None:
         """Raise `ServerCrashedError` (with the log tail) unless the server process is running."""
         if self._popen is None:
-            raise ServerCrashedError(f"The {self.engine} server is not running (not started, or stopped).")
-        code = peek_exit_code(self._popen)
-        if code is not None:
-            raise ServerCrashedError(
-                f"The {self.engine} server (pid {self._popen.pid}) died with exit code {code}.\n"
-                f"log: {self.log_path}\n--- last lines of the log ---\n{self.log_tail()}"
-            )
+            raise ServerCrashedError(f"The {self.label} is not running (not started, or stopped).")
+        if not self.is_alive():
+            raise ServerCrashedError(self.describe_death("died"))

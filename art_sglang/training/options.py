@@ -36,10 +36,8 @@ def _refused(default: Any, advice: str) -> Any:
 
 
 class TrainOptions(BaseModel):
-    """Keywords of `backend.train(model, groups, **options)`, as ART 0.5.18's `LocalBackend.train`.
-
-    The model shape, optimizer and memory knobs live in `TrainerConfig`.
-    """
+    """Keywords of `backend.train(model, groups, **options)`, as ART 0.5.18's `LocalBackend.train` (the
+    model shape, optimizer and memory knobs live in `TrainerConfig`)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 

@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 import threading
-import weakref
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from subprocess import Popen
@@ -23,8 +23,7 @@ from typing import IO, Any
 
 from ..config import TrainerConfig
 from ..errors import TrainerError, TrainingError, TrainingInputError
-from ..process_tree import kill_process_tree, spawn_logged
-from ..server.process import display_command, read_log_tail
+from ..process_tree import EXIT_GRACE_SECONDS, ManagedProcess
 from ..trajectories import TrajectoryGroup
 from .options import StepOutcome, TrainOptions
 from .protocol import ERROR, INPUT_ERROR, PROGRESS, RESULT, STEP_ERROR
@@ -33,7 +32,6 @@ from .validation import WireGroup, groups_to_wire, validate_groups
 
 logger = logging.getLogger(__name__)
 
-_EXIT_GRACE_SECONDS = 5.0
 _SHUTDOWN_WAIT_SECONDS = 10.0
 
 ProgressCallback = Callable[[dict[str, Any]], None]
@@ -43,8 +41,9 @@ _ERRORS: dict[Any, type[TrainerError] | type[TrainingInputError]] = {
 }
 
 
-class TrainerProcess:
-    """One trainer worker: loads the base model once and serves many `train()` calls, one at a time."""
+class TrainerProcess(ManagedProcess):
+    """One trainer worker: loads the base model once and serves many `train()` calls, one at a time (see
+    `ManagedProcess` for when its tree is killed)."""
 
     def __init__(
         self,
@@ -59,19 +58,12 @@ class TrainerProcess:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.config = config
         self.gpu_ids = gpu_ids
-        self.log_path = Path(log_path)
+        super().__init__("trainer worker", log_path)
         self.info: dict[str, Any] = {}  # the worker's answer to init: step, resumed, backend, device
-        self._popen: Popen[bytes] | None = None
-        self._finalizer: weakref.finalize | None = None
         self._lines: _Lines | None = None
         self.step: int | None = None  # the newest step the worker reported
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
-        self._log_start = 0
-
-    @property
-    def pid(self) -> int | None:
-        return self._popen.pid if self._popen is not None else None
 
     def command(self) -> list[str]:
         return [self.config.trainer_python or sys.executable, "-m", "art_sglang.training.worker"]
@@ -92,7 +84,10 @@ class TrainerProcess:
         if self.is_alive() and self.step is not None:
             return self.step
         await self.stop()  # the remains of a worker that died
-        self._launch()
+        # Popen on the event loop's thread on purpose: the parent-death signal follows the forking thread.
+        popen = self._launch(self.command(), self.environment(), pipes=True, note=f" gpus={self.gpu_ids}")
+        assert popen.stdout is not None
+        self._lines = _Lines(popen.stdout)
         try:
             self.info = await self._request(
                 "init",
@@ -107,21 +102,6 @@ class TrainerProcess:
         for note in self.info.get("notes") or []:
             logger.warning("%s: %s", self.checkpoint_dir, note)
         return self.step
-
-    def _launch(self) -> None:
-        # Popen on the event loop's thread on purpose: the parent-death signal follows the forking thread.
-        command = self.command()
-        popen, self._log_start = spawn_logged(
-            command,
-            self.log_path,
-            header=f"starting trainer: {display_command(command)} gpus={self.gpu_ids}",
-            env=self.environment(),
-            pipes=True,
-        )
-        self._popen = popen
-        self._finalizer = weakref.finalize(self, kill_process_tree, popen.pid, _EXIT_GRACE_SECONDS)
-        assert popen.stdout is not None
-        self._lines = _Lines(popen.stdout)
 
     async def train(
         self,
@@ -174,50 +154,52 @@ class TrainerProcess:
 
     async def stop(self) -> None:
         """Ask the worker to exit, then kill whatever is left of its tree. Idempotent."""
-        popen, self._popen = self._popen, None
+        await self._kill(ask_first=not self._lock.locked())
+
+    async def _kill(self, ask_first: bool = False) -> None:
+        popen = self._popen
         if popen is None:
             return
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        if popen.poll() is None and not self._lock.locked():
+        if ask_first and self.is_alive():
             with contextlib.suppress(OSError, ValueError):
                 await asyncio.to_thread(_write, popen.stdin, {"id": 0, "cmd": "shutdown"})
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(popen.wait, _SHUTDOWN_WAIT_SECONDS)
-        await asyncio.to_thread(kill_process_tree, popen.pid, _EXIT_GRACE_SECONDS)
-        popen.poll()
+        await self._terminate(EXIT_GRACE_SECONDS)
         for stream in (popen.stdin, popen.stdout):
             with contextlib.suppress(OSError):
                 if stream is not None:
                     stream.close()
 
-    def is_alive(self) -> bool:
-        return self._popen is not None and self._popen.poll() is None
-
-    def log_tail(self, lines: int = 40) -> str:
-        return read_log_tail(self.log_path, self._log_start, lines)
-
     def _died(self, what: str) -> TrainerError:
-        code = self._popen.poll() if self._popen is not None else None
-        return TrainerError(
-            f"the trainer worker {what} (exit code {code}).\nlog: {self.log_path}\n"
-            f"--- last lines of the log ---\n{self.log_tail()}"
-        )
+        return TrainerError(self.describe_death(what))
 
     async def _request(self, cmd: str, *, on_progress: ProgressCallback | None = None, **fields: Any) -> dict:
         async with self._lock:
             popen, lines = self._popen, self._lines
             if popen is None or lines is None:
                 raise TrainerError(f"the trainer is not running (not started, or stopped); cannot {cmd}")
-            if popen.poll() is not None:
+            if not self.is_alive():
                 raise self._died("is not running")
             rid = next(self._ids)
             try:
                 await asyncio.to_thread(_write, popen.stdin, {"id": rid, "cmd": cmd, **fields})
             except (OSError, ValueError):
                 raise self._died(f"closed its input while receiving {cmd!r}") from None
+            # Loading the model at init may take long for reasons of its own (downloads); steps may not.
+            timeout = None if cmd == "init" else self.config.step_timeout
+            deadline = time.monotonic() + (timeout or 0.0)
             while True:
-                line = await lines.next()
+                try:
+                    left = None if timeout is None else max(deadline - time.monotonic(), 0.0)
+                    line = await asyncio.wait_for(lines.next(), left)
+                except asyncio.TimeoutError:
+                    await self._kill()
+                    raise TrainerError(
+                        f"the trainer worker did not finish {cmd!r} within {self.config.step_timeout:g} s "
+                        "(TrainerConfig.step_timeout); it was stopped (hung or stopped process?) and the next "
+                        f"step restarts it from its newest checkpoint.\nlog: {self.log_path}"
+                    ) from None
                 if line is None:
                     await asyncio.to_thread(_wait_quietly, popen)
                     raise self._died(f"died during {cmd!r}")
@@ -244,7 +226,7 @@ def _write(stream: IO[bytes] | None, request: dict[str, Any]) -> None:
 
 def _wait_quietly(popen: Popen[bytes]) -> None:
     with contextlib.suppress(Exception):
-        popen.wait(_EXIT_GRACE_SECONDS)
+        popen.wait(EXIT_GRACE_SECONDS)
 
 
 class _Lines:

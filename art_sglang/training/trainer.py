@@ -545,6 +545,13 @@ class Trainer:
             self._move(self.device)
         return {"free_bytes": float(free), "waited_s": waited}
 
+    def _move(self, device: torch.device) -> None:
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.to(device)
+
 
 def _weighted_sequences(
     tokenized: list[list[list[TokenizedSequence]]], advantages: list[list[float] | None]

@@ -13,6 +13,7 @@
 #     vLLM on the same workloads; bench-engines (seconds when both ran before, else runs what is missing)
 #   models-7b (~2 min): builds qwen2.5-7b-shape; BENCH_MODEL=/root/models/qwen2.5-7b-shape then points
 #     the benchmarks at it
+#   bench-multiturn (~5 min): tic-tac-toe through the backend, prefix-cache hit rate per turn
 set -uo pipefail
 # shellcheck source=scripts/device/env.sh
 source scripts/device/env.sh
@@ -49,6 +50,8 @@ for name in "$@"; do
                         --json "$results/bench_engines.json" --markdown "$results/bench_engines.md") ;;
     models-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-shape) ;;
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
+    bench-multiturn) cmd=(python3 scripts/bench_multiturn.py --model "$big" "${kernels[@]}"
+                          --json "$results/bench_multiturn.json" --markdown "$results/bench_multiturn.md") ;;
     *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
   esac
   echo "=== $name: ${cmd[*]}" | tee "$OUT/$name.log"

@@ -13,7 +13,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # environments/ is a top-level folder of the checkout
 
 import art_sglang as art  # noqa: E402
-from environments.char_share import CharShareTask, rollout  # noqa: E402
+from environments.char_share import CharShareTask  # noqa: E402
 
 TASK = CharShareTask(max_tokens=6)
 
@@ -26,7 +26,7 @@ async def sample_groups(
     return await art.gather_trajectory_groups(
         (
             art.TrajectoryGroup(
-                rollout(model, TASK, TASK.prompts[g], seed * 1000 + g * 10 + i) for i in range(size)
+                TASK.rollout(model, TASK.prompts[g], seed * 1000 + g * 10 + i) for i in range(size)
             )
             for g in range(groups)
         ),

@@ -23,7 +23,7 @@ import pytest_asyncio
 from backend_helpers import REPO, chat, sample_groups, server_models, tree_snapshot
 
 import art_sglang as art
-from art_sglang import ConfigError, SGLangBackend, SGLangConfig, TrainingInputError
+from art_sglang import ConfigError, SGLangBackend, SGLangConfig, TrainingError, TrainingInputError
 from art_sglang.history import read_rows
 from art_sglang.model_store import ModelStore
 
@@ -109,11 +109,30 @@ async def test_three_steps_hot_load_and_keep_the_newest_adapters(loop: Loop) -> 
         assert on_server == {f"agent@{s}" for s in range(max(0, step - KEEP + 1), step + 1)}
         assert (await chat(loop.gateway_url, f"agent@{step}")).status_code == 200
         if step >= KEEP:
-            assert (await chat(loop.gateway_url, f"agent@{step - KEEP}")).status_code == 404
+            assert f"agent@{step - KEEP}" not in on_server
     assert loop.store.checkpoint_steps() == [0, 1, 2, 3]
     rows = [row for row in read_rows(loop.store.history) if "train/loss" in row]
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(row["time/train_s"] > 0 for row in rows)
+
+
+async def test_an_older_step_on_disk_is_loaded_on_request(loop: Loop) -> None:
+    older = loop.model.get_inference_name(step=1)
+    assert older == "agent@1" and older not in await server_models(loop.server_url)
+    assert (await chat(loop.gateway_url, older)).status_code == 200
+    assert older in await server_models(loop.server_url)
+    missing = await chat(loop.gateway_url, loop.model.get_inference_name(step=99))
+    assert missing.status_code == 404 and "No checkpoint of that step is on disk" in missing.text
+    # The next sync's keep-count unloads it again (the newest steps stay).
+    current = await loop.model.get_step()
+    await loop.backend.train(
+        loop.model,
+        await sample_groups(loop.model, seed=9),
+        learning_rate=1e-3,
+        allow_training_without_logprobs=True,
+    )
+    listed = {name for name in await server_models(loop.server_url) if name.startswith("agent@")}
+    assert listed == {f"agent@{current}", f"agent@{current + 1}"}
 
 
 async def test_requests_in_flight_during_a_hot_load_all_complete(loop: Loop) -> None:
@@ -160,6 +179,12 @@ async def test_bad_input_fails_before_training_and_changes_nothing(loop: Loop) -
     nan = good[0].trajectories[0].model_copy(update={"reward": float("nan")})
     with pytest.raises(TrainingInputError, match="reward must be a finite number"):
         await loop.backend.train(loop.model, [art.TrajectoryGroup([nan, *good[0].trajectories[1:]])])
+    with pytest.raises(ConfigError, match="plot_tensors=True is not supported"):
+        await loop.backend.train(loop.model, good, plot_tensors=True)
+    with pytest.raises(
+        ConfigError, match=r"packed_sequence_length=65536 exceeds TrainerConfig\(max_seq_length"
+    ):
+        await loop.backend.train(loop.model, good, packed_sequence_length=65536)
     with pytest.raises(ConfigError, match="adam_params"):
         await loop.backend.train(loop.model, good, adam_params={"lr": 1.0})
     assert await loop.model.get_step() == step
@@ -168,15 +193,46 @@ async def test_bad_input_fails_before_training_and_changes_nothing(loop: Loop) -
     assert (await chat(loop.gateway_url, loop.model.get_inference_name())).status_code == 200
 
 
-async def test_equal_rewards_advance_the_step_without_an_optimizer_step(loop: Loop) -> None:
+async def test_equal_rewards_advance_the_step_and_serve_it(loop: Loop) -> None:
+    # As ART: no optimizer step, but a new step (a copy of the last checkpoint), served like any other.
     step = await loop.model.get_step()
     groups = await sample_groups(loop.model, seed=7, groups=1)
     flat = art.TrajectoryGroup([t.model_copy(update={"reward": 0.5}) for t in groups[0].trajectories])
     result = await loop.backend.train(loop.model, [flat], allow_training_without_logprobs=True)
-    # As ART: the step advances with a copy of the last checkpoint, and it is served.
     assert result.step == step + 1 and await loop.model.get_step() == step + 1
     assert result.metrics["groups_skipped"] == 1.0 and result.metrics["gradient_steps"] == 0.0
-    assert (await chat(loop.gateway_url, loop.model.get_inference_name())).status_code == 200
+    assert loop.model.get_inference_name() == f"agent@{step + 1}"
+    assert (await chat(loop.gateway_url, f"agent@{step + 1}")).status_code == 200
+    assert result.checkpoint_path == str(loop.store.checkpoint_dir(step + 1))
+
+
+async def test_a_poisoned_step_is_refused_and_nothing_moves(loop: Loop) -> None:
+    step = await loop.model.get_step()
+    served = loop.model.get_inference_name()
+    saved = tree_snapshot(loop.store.checkpoints_dir)
+    groups = await sample_groups(loop.model, seed=13, groups=1)
+    for index, trajectory in enumerate(groups[0].trajectories):
+        trajectory.reward = float(index)  # distinct rewards: the first has a negative advantage
+    worst = groups[0].trajectories[0]
+    choice = next(item for item in worst.messages_and_choices if not isinstance(item, dict))
+    # A finite, plausible logprob that makes PPO's ratio overflow on a negative advantage.
+    choice.logprobs.content[0].logprob = -900.0
+    with pytest.raises(TrainingError, match=r"the loss is not finite"):
+        await loop.backend.train(loop.model, groups, loss_fn="ppo", learning_rate=1e-3)
+    assert await loop.model.get_step() == step and loop.model.get_inference_name() == served
+    assert tree_snapshot(loop.store.checkpoints_dir) == saved
+    assert (await chat(loop.gateway_url, served)).status_code == 200
+    # history.jsonl stays JSON that any reader accepts, even with non-finite metrics logged.
+    await loop.model.log(metrics={"custom": float("inf")}, split="train")
+    rows = [
+        json.loads(line, parse_constant=pytest.fail) for line in loop.store.history.read_text().splitlines()
+    ]
+    assert rows[-1]["train/custom"] is None
+    result = await loop.backend.train(
+        loop.model, await sample_groups(loop.model, seed=14), learning_rate=1e-3, save_checkpoint=False
+    )
+    assert result.step == step + 1 and result.checkpoint_path is None  # as ART: saved, just not reported
+    assert loop.store.checkpoint_steps()[-1] == step + 1
 
 
 async def test_log_records_history_and_trajectories(loop: Loop) -> None:

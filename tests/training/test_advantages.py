@@ -30,3 +30,15 @@ def test_zero_variance_groups_are_skipped_and_counted() -> None:
     assert adv.per_group[0] is None and adv.per_group[2] is None and adv.per_group[3] is None
     assert adv.per_group[1] is not None
     assert adv.groups_skipped == 3 and adv.groups_trained == 1
+
+
+def test_huge_rewards_give_finite_normalized_advantages() -> None:
+    # ±1e39 overflows float32; the normalization runs in float64, so the trained advantages are ±1.
+    from art_sglang.training.advantages import balance, batch_scale, trajectory_weight
+
+    per_group = group_advantages([[1e39, -1e39]], scale_rewards=False).per_group[0]
+    assert per_group == [1e39, -1e39]
+    items = [(4, a, trajectory_weight(4)) for a in per_group]
+    scale = batch_scale(items, advantage_balance=0.0)
+    assert scale.advantage_scale is not None
+    assert [balance(a, 0.0) * scale.advantage_scale for a in per_group] == pytest.approx([1.0, -1.0])

@@ -99,7 +99,7 @@ async def test_resume_continues_adapter_and_optimizer(
 
 
 async def test_bad_input_changes_nothing(tiny_model_path: Path, tmp_path: Path, tokenizer: Any) -> None:
-    proc = trainer(tiny_model_path, tmp_path, max_seq_length=64)
+    proc = trainer(tiny_model_path, tmp_path)
     try:
         await proc.start()
         folder = tmp_path / "checkpoints"

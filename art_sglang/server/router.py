@@ -1,0 +1,187 @@
+"""The adapter gateway's routing rule, as pure functions over (method, target, body, what is served): which
+requests reach the server, on which canonical path, with which body, and what the others are answered.
+
+Why a rule at all: SGLang 0.5.17 selects an adapter only by `model="<base>:<adapter>"` or the `lora_path`
+field; a bare `model="<adapter>"` is answered with HTTP 200 *by the base model*, the requested name echoed
+back, whether or not an adapter of that name is loaded. A rollout on the wrong weights would look like
+success. So:
+
+- Only what rollouts need is forwarded: the OpenAI inference routes, `/v1/models`, `/generate` and the
+  health checks. Everything else (the server's admin API: adapter loading, weight updates, memory
+  release, server info with its launch arguments) is 404 from the gateway.
+- The decision is taken on the normalized path (percent-decoded once, dot segments and repeated or
+  trailing slashes removed, lower case), and that normalized path is what the server gets, so the server
+  can never see a path the gateway did not decide on (and never answers with a redirect to itself).
+- On the inference routes the body must be a JSON object; the `model` (and `lora_path`) names must be
+  served. A loaded adapter named by `model` is forwarded with `lora_path` set to it (the response still
+  echoes the name the client sent), an alias (merged weights) is rewritten to the base id, the base
+  model's ids pass, and any other name is a 404 in OpenAI's error shape listing the loaded adapters.
+- A non-streaming chat or text completion on an adapter (or an alias) also gets `return_token_ids: true`
+  unless the client set the field itself, so each Choice carries the ids the server sampled and the
+  trainer trains on exactly those instead of re-tokenizing the text. (SGLang 0.5.17's stream chunks are
+  not recorded carrying the ids, so a rollout that needs exact ids should not stream.)
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from urllib.parse import unquote
+
+# Paths whose body names a model; the first two can carry the sampled ids (`return_token_ids`).
+INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+TOKEN_ID_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+READ_PATHS = frozenset({"/v1/models", "/health", "/health_generate"})
+
+
+@dataclass(frozen=True)
+class Served:
+    """What may be requested: loaded adapters, the base model's ids, and aliases (name -> base id) for
+    names served by the base slot (merged weights)."""
+
+    adapters: frozenset[str] = frozenset()
+    base_ids: frozenset[str] = frozenset()
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    def is_trained(self, name: object) -> bool:
+        """Whether `name` selects a trained model: an adapter, an alias, or "<base>:<adapter>"."""
+        if not isinstance(name, str):
+            return False
+        if name in self.adapters or name in self.aliases:
+            return True
+        base, sep, adapter = name.partition(":")
+        return bool(sep) and base in self.base_ids and adapter in self.adapters
+
+    def serves(self, name: str) -> bool:
+        return name in self.base_ids or self.is_trained(name)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Send `body` to the server as `method path?query`; `names` are the models it asks for."""
+
+    path: str
+    body: bytes
+    names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Answer `status` with `payload` (OpenAI's error shape). `unknown` lists the names that are not served
+    (a 404 the gateway may still turn into a forward by loading them)."""
+
+    status: int
+    payload: dict
+    unknown: tuple[str, ...] = ()
+
+
+def normalize_path(target: str) -> tuple[str, str]:
+    """(normalized path, query) of a request target: percent-decoded once, dot segments and repeated or
+    trailing slashes removed, lower case."""
+    raw, _, query = target.partition("?")
+    path = posixpath.normpath("/" + unquote(raw, errors="strict")).lower()
+    return ("/" if path in ("", ".") else "/" + path.lstrip("/")), query
+
+
+def route(
+    method: str, target: str, body: bytes, served: Served, *, authorized: bool = True
+) -> Forward | Refuse:
+    """What to do with one request. `authorized`: the client holds the gateway's key (or none is set); a
+    client without it is never told which names are served."""
+    try:
+        path, query = normalize_path(target)
+    except UnicodeDecodeError:
+        return Refuse(400, error("the request path is not valid UTF-8 after percent-decoding", "bad_path"))
+    canonical = f"{path}?{query}" if query else path
+    if path in READ_PATHS and method in ("GET", "HEAD"):
+        return Forward(canonical, body)
+    if path not in INFERENCE_PATHS:
+        return Refuse(404, error(f"the gateway does not serve {method} {path}", "not_found"))
+    if method != "POST":
+        return Refuse(405, error(f"{path} takes POST, not {method}", "method_not_allowed"))
+    payload = parse_object(body)
+    if isinstance(payload, Refuse):
+        return payload
+    names = requested_names(payload)
+    unknown = tuple(name for name in names if not served.serves(name))
+    if unknown:
+        if not authorized:
+            # Do not list the served names to a caller without the key; the server would say 401 too.
+            return Refuse(401, error("invalid API key", "invalid_api_key"))
+        loaded = sorted(served.adapters) or ["(no adapter loaded)"]
+        message = (
+            f"The model `{unknown[0]}` is not loaded on the inference server, so it would have been "
+            f"answered by the base model. Loaded adapters: {', '.join(loaded)}. "
+            "Use model.get_inference_name() for the current step."
+        )
+        return Refuse(404, error(message, "model_not_found", "model"), unknown)
+    if rewrite(payload, served, token_ids=path in TOKEN_ID_PATHS):
+        body = json.dumps(payload).encode()
+    return Forward(canonical, body, tuple(names))
+
+
+def parse_object(body: bytes) -> dict | Refuse:
+    """The body as a JSON object, or a 400 for anything else (malformed, nested too deep, not an object)."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return Refuse(400, error(f"the request body is not valid JSON: {exc}", "invalid_json"))
+    except RecursionError:
+        return Refuse(400, error("the request body's JSON is nested too deeply", "invalid_json"))
+    if not isinstance(payload, dict):
+        return Refuse(400, error("the request body must be a JSON object", "invalid_json"))
+    return payload
+
+
+def requested_names(payload: dict) -> list[str]:
+    """Model/adapter names a request asks for: `model` and `lora_path` (a string or, for batched
+    /generate, a list)."""
+    names: list[str] = []
+    for key in ("model", "lora_path"):
+        value = payload.get(key)
+        if isinstance(value, str):
+            names.append(value)
+        elif isinstance(value, list):
+            names.extend(item for item in value if isinstance(item, str))
+    return names
+
+
+def rewrite(payload: dict, served: Served, *, token_ids: bool) -> bool:
+    """Make the server use the adapter the client named; True if `payload` was changed.
+
+    A loaded adapter named by `model` gets `lora_path` (a bare name alone would be the base model); an
+    alias is replaced by its base id, in `model` and in `lora_path`. With `token_ids`, a non-streaming
+    request on an adapter or alias asks for the sampled ids unless the client decided itself."""
+    changed = False
+    model = payload.get("model")
+    lora = payload.get("lora_path")
+    if (
+        token_ids
+        and "return_token_ids" not in payload
+        and not payload.get("stream")
+        and any(served.is_trained(name) for name in (model, lora))
+    ):
+        payload["return_token_ids"] = True
+        changed = True
+    if isinstance(model, str):
+        if model in served.aliases:
+            payload["model"] = served.aliases[model]
+            changed = True
+        elif model in served.adapters and not payload.get("lora_path"):
+            payload["lora_path"] = model
+            changed = True
+    lora = payload.get("lora_path")
+    if isinstance(lora, str) and lora in served.aliases:
+        del payload["lora_path"]
+        changed = True
+    elif isinstance(lora, list) and any(item in served.aliases for item in lora):
+        payload["lora_path"] = [None if item in served.aliases else item for item in lora]
+        changed = True
+    return changed
+
+
+def error(message: str, code: str, param: str | None = None) -> dict:
+    # OpenAI's error shape, so the openai client raises NotFoundError/APIStatusError with this message.
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}

@@ -1,0 +1,245 @@
+"""What every environment shares: the `Environment` shape, the training loop, and the command line that
+`python -m environments.<name>` and scripts/demo.py run.
+
+A run trains `model` for `--steps` rounds: each round gathers `--groups` groups of `--group-size`
+rollouts (one scenario per group), logs them with `model.log(groups, split="train")` as an ART program
+does, and calls `backend.train`. At the end the per-step rewards go to `rewards.json` and
+`reward_curve.png` next to the run's history.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import shutil
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import art_sglang as art
+from art_sglang.config import DEFAULT_LORA_TARGETS, SGLangConfig, TrainerConfig
+from art_sglang.tiny_model import build_tiny_model
+
+from .reward_curve import write_results
+
+# A random tiny model's output head is fixed and nearly uniform: LoRA on the transformer layers alone
+# cannot move its logits much, so on the tiny model the head gets an adapter too, and a large rate.
+TINY_LEARNING_RATE = 5e-2
+TINY_TARGETS = [*DEFAULT_LORA_TARGETS, "lm_head"]
+REAL_LEARNING_RATE = 1e-5
+
+
+class Environment(Protocol):
+    """A task: scenarios for each step and a rollout that turns one scenario into a scored trajectory."""
+
+    name: str
+    max_tokens: int
+
+    def scenarios(self, step: int, count: int, seed: int) -> Sequence[Any]: ...
+
+    async def rollout(self, model: Any, scenario: Any, seed: int) -> art.Trajectory: ...
+
+
+@dataclass
+class StepReport:
+    """One round: `step` is the model step whose adapter produced the rollouts (trained into step+1)."""
+
+    step: int
+    rewards: list[float]
+    rollout_s: float
+    train_s: float
+    metrics: dict[str, float] = field(default_factory=dict)  # means of the trajectories' metrics
+
+    @property
+    def mean_reward(self) -> float:
+        return statistics.fmean(self.rewards)
+
+    def row(self) -> dict[str, Any]:
+        """The step's line of rewards.json."""
+        return {
+            "step": self.step,
+            "mean_reward": self.mean_reward,
+            "std_reward": statistics.pstdev(self.rewards),
+            "min_reward": min(self.rewards),
+            "max_reward": max(self.rewards),
+            "trajectories": len(self.rewards),
+            "rollout_s": self.rollout_s,
+            "train_s": self.train_s,
+            "metrics": self.metrics,
+        }
+
+
+async def complete(
+    model: Any, messages: list[Any], *, max_tokens: int, temperature: float, seed: int, **options: Any
+) -> Any:
+    """One chat completion on the model's current step with what training needs: logprobs, and the ids
+    the server sampled, so the trainer trains on exactly them (the gateway asks for them on its own;
+    asking here too keeps a rollout without the gateway exact). `options` go to the request as given."""
+    return await model.openai_client().chat.completions.create(
+        model=model.get_inference_name(),
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        logprobs=True,
+        seed=seed,
+        extra_body={"return_token_ids": True},
+        **options,
+    )
+
+
+def rollout_seed(seed: int, step: int, group: int, index: int) -> int:
+    """The sampling seed of one rollout: a function of its position only, so a run is reproducible."""
+    return ((seed * 1000 + step) * 100 + group) * 100 + index
+
+
+async def train_loop(
+    backend: Any,
+    model: Any,
+    env: Environment,
+    *,
+    steps: int,
+    groups_per_step: int = 8,
+    group_size: int = 8,
+    learning_rate: float = TINY_LEARNING_RATE,
+    seed: int = 0,
+    on_step: Callable[[StepReport], None] | None = None,
+) -> list[StepReport]:
+    """`steps` rounds of rollouts, `model.log` and `backend.train`."""
+    reports = []
+    for round_ in range(steps):
+        served = await model.get_step()
+        started = time.monotonic()
+        scenarios = env.scenarios(served, groups_per_step, seed)
+        groups = await art.gather_trajectory_groups(
+            (
+                art.TrajectoryGroup(
+                    env.rollout(model, scenario, rollout_seed(seed, round_, g, i)) for i in range(group_size)
+                )
+                for g, scenario in enumerate(scenarios)
+            ),
+            pbar_desc=f"rollouts step {served}",
+        )
+        rollout_s = time.monotonic() - started
+        for group in groups:  # completion order varies from run to run; the seed order does not
+            group.trajectories.sort(key=lambda t: t.metadata["seed"])
+        trajectories = [t for g in groups for t in g.trajectories]
+        await model.log(groups, split="train")
+        result = await backend.train(model, groups, learning_rate=learning_rate)
+        names = sorted({name for t in trajectories for name in t.metrics})
+        metrics = {
+            name: statistics.fmean(float(t.metrics[name]) for t in trajectories if name in t.metrics)
+            for name in names
+        }
+        report = StepReport(
+            served,
+            [t.reward for t in trajectories],
+            rollout_s,
+            result.metrics.get("time/step_s", 0.0),
+            metrics,
+        )
+        reports.append(report)
+        if on_step is not None:
+            on_step(report)
+    return reports
+
+
+def print_report(report: StepReport) -> None:
+    print(
+        f"step {report.step:3d}  mean reward {report.mean_reward:.3f}  "
+        f"rollouts {report.rollout_s:5.2f} s  train+sync {report.train_s:5.2f} s",
+        flush=True,
+    )
+
+
+def parse_args(description: str, argv: Sequence[str] | None, *, steps: int = 12) -> argparse.Namespace:
+    """The command line every environment takes."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument(
+        "--model", "--base-model", dest="model",
+        help="base model (HF id or path); default: the tiny offline model (CPU demo scale)",
+    )  # fmt: skip
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--groups", type=int, default=8, help="trajectory groups (scenarios) per step")
+    parser.add_argument("--group-size", type=int, default=8, help="rollouts per scenario")
+    parser.add_argument(
+        "--learning-rate", type=float, help=f"default {TINY_LEARNING_RATE} (tiny), {REAL_LEARNING_RATE}"
+    )
+    parser.add_argument("--max-tokens", type=int, help="tokens per model turn; default: the environment's")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--path", default=".art", help="where models, checkpoints and logs go")
+    parser.add_argument("--resume", action="store_true", help="continue an earlier run of this model")
+    parser.add_argument("--json", type=Path, help="also write the per-step results here")
+    parser.add_argument("--tiny-model-dir", type=Path, help="where the tiny model is built (PATH/tiny-model)")
+    backend = parser.add_argument_group("backend")
+    backend.add_argument("--engine", choices=["auto", "sglang", "reference"], default="auto")
+    backend.add_argument("--shared-strategy", choices=["sleep", "restart"], default="sleep")
+    backend.add_argument("--weight-sync", choices=["lora", "disk", "restart"], default="lora")
+    backend.add_argument("--lora-rank", type=int, default=8)
+    return parser.parse_args(argv)
+
+
+async def run(
+    env: Environment, args: argparse.Namespace, *, project: str = "environments"
+) -> list[StepReport]:
+    """Train `env` as the command line says; print each step and where the results are."""
+    root = Path(args.path)
+    tiny = args.model is None
+    base_model = str(build_tiny_model(args.tiny_model_dir or root / "tiny-model")) if tiny else args.model
+    learning_rate = args.learning_rate or (TINY_LEARNING_RATE if tiny else REAL_LEARNING_RATE)
+    if args.max_tokens is not None:
+        env = dataclasses.replace(env, max_tokens=args.max_tokens)  # type: ignore[type-var]
+    model = art.TrainableModel(name=env.name, project=project, base_model=base_model)
+    model_dir = root / project / "models" / model.name
+    if model_dir.exists() and not args.resume:
+        print(f"starting over: removing the earlier run in {model_dir} (--resume keeps it)")
+        shutil.rmtree(model_dir)
+    trainer_config = TrainerConfig(
+        lora_rank=args.lora_rank, seed=args.seed, **({"target_modules": TINY_TARGETS} if tiny else {})
+    )
+    started = time.monotonic()
+    async with art.SGLangBackend(
+        path=str(root),
+        engine=args.engine,
+        shared_strategy=args.shared_strategy,
+        sglang_config=SGLangConfig(weight_sync_method=args.weight_sync),
+        trainer_config=trainer_config,
+    ) as backend:
+        await model.register(backend)
+        print(f"{backend.layout.describe()}; serving {model.get_inference_name()}", flush=True)
+        print(f"registered in {time.monotonic() - started:.1f} s", flush=True)
+        reports = await train_loop(
+            backend,
+            model,
+            env,
+            steps=args.steps,
+            groups_per_step=args.groups,
+            group_size=args.group_size,
+            learning_rate=learning_rate,
+            seed=args.seed,
+            on_step=print_report,
+        )
+    first, last = reports[0].mean_reward, reports[-1].mean_reward
+    print(
+        f"mean reward {first:.3f} -> {last:.3f} in {len(reports)} steps, {time.monotonic() - started:.0f} s"
+    )
+    rows = [report.row() for report in reports]
+    results, png = write_results(model_dir, rows, title=f"{project}/{model.name}: reward per step")
+    print(f"per-step results: {results}")
+    print(f"reward curve: {png}" if png else "reward curve: not drawn (pip install matplotlib)")
+    print(f"history: {model_dir / 'history.jsonl'}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return reports
+
+
+def main(env: Environment, description: str, argv: Sequence[str] | None = None, **run_options: Any) -> None:
+    """Entry point of `python -m environments.<name>`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    asyncio.run(run(env, parse_args(description, argv), **run_options))

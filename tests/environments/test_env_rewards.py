@@ -1,0 +1,131 @@
+"""The environments' scenario generators, reward functions and game/tool logic, without a server (the
+calculator's tool loop runs against a scripted OpenAI client)."""
+
+from __future__ import annotations
+
+import json
+import random
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai.types.chat import ChatCompletion
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # environments/ is a top-level folder of the checkout
+
+from environments.arithmetic import ArithmeticTask, Problem, final_answer  # noqa: E402
+from environments.calculator import CALCULATOR, CalculatorTask, call_tool, evaluate  # noqa: E402
+from environments.tictactoe import opponent_move, parse_move, render, winner  # noqa: E402
+
+
+def test_arithmetic_problems_are_reproducible_and_their_answers_exact() -> None:
+    task = ArithmeticTask()
+    first, again, later = task.scenarios(0, 6, seed=1), task.scenarios(0, 6, seed=1), task.scenarios(1, 6, 1)
+    assert first == again and first != later
+    assert all(p.answer >= 0 and p.question.endswith("now?") for p in first)
+    problem = Problem("?", 1234)
+    assert task.reward("12 + 3 = 15\nAnswer: 1,234", problem) == 1.0
+    assert task.reward("Answer: 1234. Actually, answer: 1233", problem) == 0.0  # the last one counts
+    assert task.reward("1234", problem) == 0.0  # no 'Answer:' line
+    assert final_answer("answer:  -7") == -7 and final_answer("Answer: ,") is None
+
+
+def test_tictactoe_rules() -> None:
+    cells = list("XX OO    ")
+    assert render(cells) == "X X 3\nO O 6\n7 8 9"
+    assert winner(list("XXXOO    ")) == "X" and winner(cells) is None
+    rng = random.Random(0)
+    assert opponent_move(cells, rng, randomness=0.0) == 5  # O wins before it blocks X at 3
+    assert opponent_move(list("XX O     "), rng, randomness=0.0) == 2  # block
+    assert parse_move("I take 5, then 7") == 4 and parse_move("zero 0") is None
+
+
+def test_calculator_tool() -> None:
+    assert call_tool("calculator", json.dumps({"expression": "(12 + 7) * 3"})) == ("57", True)
+    assert call_tool("calculator", json.dumps({"expression": "7 / 2"})) == ("3.5", True)
+    assert call_tool("calculator", "{not json")[1] is False
+    assert call_tool("calculator", json.dumps({"expr": "1"}))[1] is False
+    assert call_tool("search", "{}") == ("error: unknown tool 'search'", False)
+    for unsafe in ("__import__('os')", "2 ** 10000", "1 / 0", "[1]"):
+        with pytest.raises(ValueError):
+            evaluate(unsafe)
+
+
+class _ScriptedModel:
+    """A model whose client answers with the given assistant messages in turn and records the requests."""
+
+    def __init__(self, messages: list[dict[str, Any]]) -> None:
+        self.replies = list(messages)
+        self.requests: list[dict[str, Any]] = []
+
+    def openai_client(self) -> Any:
+        return self
+
+    @property
+    def chat(self) -> Any:
+        return self
+
+    @property
+    def completions(self) -> Any:
+        return self
+
+    def get_inference_name(self) -> str:
+        return "scripted@0"
+
+    async def create(self, **request: Any) -> ChatCompletion:
+        self.requests.append(request)
+        message = self.replies.pop(0)
+        finish = "tool_calls" if message.get("tool_calls") else "stop"
+        return ChatCompletion.model_validate(
+            {
+                "id": "x", "object": "chat.completion", "created": 0, "model": "scripted@0",
+                "choices": [{"index": 0, "finish_reason": finish, "message": {"role": "assistant", **message}}],
+            }
+        )  # fmt: skip
+
+
+def _call(expression: str) -> dict[str, Any]:
+    arguments = json.dumps({"expression": expression})
+    return {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
+
+
+async def test_calculator_rollout_runs_the_tool_and_scores_use_and_answer() -> None:
+    task, problem = CalculatorTask(first_tool_choice="required"), Problem("What is 12 * 13 + 5?", 161)
+    model = _ScriptedModel(
+        [{"content": None, "tool_calls": [_call("12 * 13 + 5")]}, {"content": "Answer: 161"}]
+    )
+    trajectory = await task.rollout(model, problem, seed=3)
+    assert trajectory.reward == 1.0 and trajectory.tools == [CALCULATOR]
+    assert trajectory.metrics == {"tool_calls": 1, "good_tool_calls": 1, "correct": 1.0, "turns": 2}
+    tool_message = trajectory.messages()[3]
+    assert tool_message == {"role": "tool", "tool_call_id": "call_1", "content": "161"}
+    # The second request carries the tool result; only the first forces a call.
+    assert model.requests[1]["messages"][-1] == tool_message
+    assert [r["tool_choice"] for r in model.requests] == ["required", "auto"]
+    assert all(r["tools"] == [CALCULATOR] for r in model.requests)
+
+    wrong = await task.rollout(
+        _ScriptedModel([{"content": None, "tool_calls": [_call("12 *")]}, {"content": "Answer: 160"}]),
+        problem,
+        4,
+    )
+    assert wrong.reward == 0.0 and wrong.metrics["good_tool_calls"] == 0
+    no_tool = await task.rollout(_ScriptedModel([{"content": "Answer: 161"}]), problem, 5)
+    assert no_tool.reward == 0.5 and no_tool.metrics["turns"] == 1
+
+
+@pytest.mark.parametrize("name", ["char_share", "arithmetic", "tictactoe", "calculator"])
+def test_entry_point_help(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `python -m environments.<name> --help`, run in this process (a subprocess each costs seconds of imports).
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module(f"environments.{name}", run_name="__main__")
+    assert exited.value.code == 0
+    shown = capsys.readouterr().out
+    assert "--model" in shown and "--group-size" in shown and "--engine" in shown

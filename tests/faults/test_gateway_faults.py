@@ -1,0 +1,92 @@
+"""Hostile requests to the adapter gateway in front of a real reference-engine server: the server's admin
+API is not reachable through it, a disguised path is decided like the plain one (and never redirected to
+the server), oversized bodies are 413 and malformed or absurdly nested JSON is 400."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from art_sglang import SGLangConfig
+from art_sglang.server.client import ServerClient
+from art_sglang.server.gateway import AdapterGateway
+from art_sglang.server.process import ServerProcess
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+LIMIT = 1024 * 1024
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gateway(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path):
+    log = tmp_path_factory.mktemp("gateway-faults") / "server.log"
+    server = ServerProcess(SGLangConfig(), str(tiny_model_path), engine="reference", log_path=log)
+    await server.start()
+    gw = AdapterGateway(server.base_url, max_body_bytes=LIMIT)
+    try:
+        gw.start()
+        gw.set_served([], [str(tiny_model_path)])
+        yield gw, server
+    finally:
+        gw.close()
+        await server.stop()
+
+
+async def _send(url: str, method: str, path: str, content: bytes = b"") -> httpx.Response:
+    async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http:
+        return await http.request(method, path, content=content, headers={"content-type": "application/json"})
+
+
+async def test_admin_routes_are_404_and_change_nothing(gateway, tiny_model_path: Path) -> None:
+    gw, server = gateway
+    body = f'{{"lora_name": "sneaky", "lora_path": "{tiny_model_path}"}}'.encode()
+    for method, path, content in [
+        ("POST", "/load_lora_adapter", body),
+        ("POST", "/Load_Lora_Adapter/", body),
+        ("POST", "/%6coad_lora_adapter", body),
+        ("POST", "/release_memory_occupation", b"{}"),
+        ("POST", "/update_weights_from_disk", b'{"model_path": "/nowhere"}'),
+        ("GET", "/server_info", b""),
+        ("GET", "/get_server_info", b""),
+    ]:
+        refused = await _send(gw.base_url, method, path, content)
+        assert refused.status_code == 404, (path, refused.text)
+    async with ServerClient(server.base_url) as client:
+        assert [card.id for card in await client.list_models()] == [str(tiny_model_path)]
+        info = await client.server_info()
+    assert info["internal_states"][0]["memory_released"] is False
+
+
+async def test_disguised_paths_are_decided_like_the_plain_one(gateway) -> None:
+    gw, server = gateway
+    chat = b'{"model": "agent@404", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    for path in (
+        "/v1/chat/completions",
+        "/v1/chat/completions/",
+        "/v1/chat/%63ompletions",
+        "/v1//chat/completions",
+    ):
+        refused = await _send(gw.base_url, "POST", path, chat)
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found", path
+    base = chat.replace(b"agent@404", server.model_path.encode())
+    answered = await _send(gw.base_url, "POST", "/v1/chat/completions/", base)
+    assert answered.status_code == 200 and "location" not in answered.headers
+
+
+async def test_oversized_bodies_are_413(gateway) -> None:
+    gw, _ = gateway
+    big = b'{"model": "x", "prompt": "' + b"a" * (2 * LIMIT) + b'"}'
+    refused = await _send(gw.base_url, "POST", "/v1/completions", big)
+    assert refused.status_code == 413 and "limit" in refused.json()["error"]["message"]
+
+
+async def test_malformed_and_deep_json_is_400(gateway) -> None:
+    gw, _ = gateway
+    for body in (b"{not json", b"[" * 100_000 + b"]" * 100_000, b"[1]"):
+        refused = await _send(gw.base_url, "POST", "/v1/chat/completions", body)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_json"
+    async with httpx.AsyncClient(base_url=gw.base_url, timeout=30, trust_env=False) as http:
+        assert (await http.get("/health")).status_code == 200  # the gateway is still fine
