@@ -25,6 +25,7 @@ import httpx
 from .config import SGLangConfig
 from .errors import AdapterLoadError, ServerCrashedError, ServerRequestError
 from .model_store import check_adapter
+from .process_tree import EXIT_GRACE_SECONDS
 from .server.client import MEMORY_TAGS, WEIGHTS_TAG, ServerClient
 from .server.gateway import ANY, AdapterGateway
 from .server.process import ServerProcess
@@ -213,9 +214,10 @@ class InferenceService:
         return f"did not answer GET /health for {timeout:g} s"
 
     async def close(self) -> None:
-        """Stop the server, the gateway and the client. Idempotent."""
+        """Stop the server, the gateway and the client. Idempotent. The server gets the short grace period:
+        at close nothing on it is worth waiting for, and SGLang's scheduler sleeps 5 s on SIGTERM."""
         self._serving = False
-        await self._process.stop()
+        await self._process.stop(timeout=EXIT_GRACE_SECONDS)
         if self._gateway is not None:
             self._gateway.close()
         if self._client is not None:

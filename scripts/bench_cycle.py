@@ -51,7 +51,8 @@ from gpu_helpers import MemorySampler
 import art_sglang as art
 from art_sglang import SGLangBackend, TrainerConfig
 from art_sglang.devices import DeviceLayout
-from environments.char_share import CharShareTask, train_loop
+from environments.char_share import CharShareTask
+from environments.common import train_loop
 
 STRATEGIES = ("sleep/kv_cache", "sleep/all", "restart")
 GREEDY_PROMPT = [{"role": "user", "content": "Write a line of Python that prints a greeting."}]
