@@ -91,19 +91,3 @@ async def test_calculator_requests_carry_the_tool(served) -> None:
         == 0.5 * (trajectory.metrics["good_tool_calls"] > 0) + 0.5 * trajectory.metrics["correct"]
     )
     assert len(trajectory.messages()) == 3 + calls + (trajectory.metrics["turns"] - 1)
-
-
-@pytest.mark.xfail(
-    reason="needs tool-call parsing and tool_choice in the reference engine (helper 'surface')", strict=False
-)
-async def test_calculator_forced_tool_call_is_parsed_and_trained(served) -> None:
-    backend, model = served
-    task = CalculatorTask(max_tokens=24, first_tool_choice="required")
-    (problem,) = task.scenarios(0, 1, seed=0)
-    trajectories = [await task.rollout(model, problem, seed) for seed in (1, 2, 3)]
-    for trajectory in trajectories:
-        first = trajectory.messages_and_choices[2]
-        assert first.message.tool_calls and first.message.tool_calls[0].function.name == "calculator"
-        assert trajectory.messages()[3]["role"] == "tool"
-    result = await backend.train(model, [art.TrajectoryGroup(trajectories)], learning_rate=TINY_LEARNING_RATE)
-    assert result.metrics["tokenize/choices"] >= 3
