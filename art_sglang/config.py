@@ -163,36 +163,48 @@ class SGLangConfig(BaseModel):
         return self.server_python or find_server_python() or sys.executable
 
     def server_args(self, model_path: str, port: int) -> list[str]:
-        """Arguments after `python -m sglang.launch_server` (the reference engine takes the same)."""
-        args = [
-            "--model-path", model_path,
-            "--host", self.host,
-            "--port", str(port),
-            "--mem-fraction-static", str(self.mem_fraction_static),
-            "--tp-size", str(self.tensor_parallel_size),
-            "--enable-lora",
-            "--max-lora-rank", str(self.max_lora_rank),
-            "--lora-target-modules", *self.lora_target_modules,
-            "--max-loras-per-batch", str(self.max_loras_per_batch),
-        ]  # fmt: skip
-        optional: list[tuple[bool, list[str]]] = [
-            (self.context_length is not None, ["--context-length", str(self.context_length)]),
-            (self.attention_backend is not None, ["--attention-backend", str(self.attention_backend)]),
-            (self.sampling_backend is not None, ["--sampling-backend", str(self.sampling_backend)]),
-            (self.disable_radix_cache, ["--disable-radix-cache"]),
-            (self.enable_cache_report, ["--enable-cache-report"]),
-            (self.enable_metrics, ["--enable-metrics"]),
-            (self.enable_memory_saver, ["--enable-memory-saver"]),
-            (self.enable_weights_cpu_backup, ["--enable-weights-cpu-backup"]),
-            (self.disable_cuda_graph, ["--disable-cuda-graph"]),
-            (self.api_key is not None, ["--api-key", str(self.api_key)]),
-            (self.tool_call_parser is not None, ["--tool-call-parser", str(self.tool_call_parser)]),
-            (self.chat_template is not None, ["--chat-template", str(self.chat_template)]),
-        ]
-        for wanted, flag in optional:
-            if wanted:
-                args.extend(flag)
+        """Arguments after `python -m sglang.launch_server` (the reference engine takes the same): the
+        fields of LAUNCH_FLAGS in order. A switch is given when True, a None value leaves its flag out
+        (the server's own default), a list gives its items."""
+        args = ["--model-path", model_path, "--host", self.host, "--port", str(port), "--enable-lora"]
+        for field in LAUNCH_FLAGS:
+            value = getattr(self, field)
+            if isinstance(value, bool):
+                args.extend([launch_flag(field)] if value else [])
+            elif isinstance(value, list):
+                args.extend([launch_flag(field), *value])
+            elif value is not None:
+                args.extend([launch_flag(field), str(value)])
         return [*args, *self.extra_args]
+
+
+# The SGLangConfig fields that are launch flags (besides --host), in command-line order; the reference
+# engine's command line takes its help for these flags from the field descriptions.
+LAUNCH_FLAGS = (
+    "mem_fraction_static",
+    "tensor_parallel_size",
+    "max_lora_rank",
+    "lora_target_modules",
+    "max_loras_per_batch",
+    "context_length",
+    "attention_backend",
+    "sampling_backend",
+    "disable_radix_cache",
+    "enable_cache_report",
+    "enable_metrics",
+    "enable_memory_saver",
+    "enable_weights_cpu_backup",
+    "disable_cuda_graph",
+    "api_key",
+    "tool_call_parser",
+    "chat_template",
+)
+_FLAG_SPELLINGS = {"tensor_parallel_size": "--tp-size"}  # SGLang's short name, as launch scripts write it
+
+
+def launch_flag(field: str) -> str:
+    """SGLang's spelling of a launch flag named by its field: `max_lora_rank` → `--max-lora-rank`."""
+    return _FLAG_SPELLINGS.get(field, "--" + field.replace("_", "-"))
 
 
 class DeviceConfig(BaseModel):

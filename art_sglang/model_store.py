@@ -18,10 +18,13 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import AdapterLoadError
 from .training.checkpoints import list_checkpoints
+
+if TYPE_CHECKING:
+    from .internal_config import ModelSettings
 
 MODEL_JSON = "model.json"
 HISTORY_FILE = "history.jsonl"
@@ -182,3 +185,22 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _model_json(model: Any) -> dict[str, Any]:
+    # ART's model_dump includes its private config; whatever is not JSON becomes its repr.
+    return json.loads(json.dumps(model.model_dump(), default=str))
+
+
+def write_model_files(store: ModelStore, model: Any, settings: ModelSettings | None = None) -> None:
+    """model.json, and the chat template a model's settings give as text (the server reads a file)."""
+    store.create()
+    store.write_model_json(_model_json(model))
+    if settings is not None and settings.chat_template is not None and settings.chat_template_path is None:
+        store.chat_template_file.write_text(settings.chat_template, encoding="utf-8")
+
+
+def append_lines(path: Any, lines: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        handle.write("".join(line + "\n" for line in lines))

@@ -1,7 +1,8 @@
 """Child processes of the backend: `ManagedProcess`, the base of the server and trainer handles (start a
 logged child in its own session, its log tail, "died with exit code" messages, stop its whole tree, kill
 it at interpreter exit or when the handle is collected), and the process-tree helpers under it (kill a
-tree reliably, ask Linux to kill a child when its parent dies)."""
+tree reliably, ask Linux to kill a child when its parent dies, wait for every one of several process
+calls)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from subprocess import DEVNULL, PIPE, STDOUT, Popen
@@ -255,3 +256,13 @@ def parent_death_preexec() -> Callable[[], None] | None:
             os._exit(1)
 
     return preexec
+
+
+async def gather_all(*calls: Awaitable[Any]) -> list[Any]:
+    """Run `calls` concurrently and wait for every one of them, even when one fails (nothing is left
+    running behind an error); then raise the first error."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results

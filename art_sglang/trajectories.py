@@ -12,6 +12,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel, Field
 
+from .errors import TrainingInputError
 from .types import Choice, Message, Messages, MessagesAndChoices, Tools
 
 MetadataValue = float | int | str | bool | None
@@ -208,3 +209,37 @@ class PendingTrajectoryGroup:
             for task in tasks:
                 task.cancel()
         return TrajectoryGroup(trajectories, exceptions=exceptions, **self._extras)
+
+
+def coerce_groups(groups: Iterable[Any]) -> list[TrajectoryGroup]:
+    """Our TrajectoryGroups; ART's (openpipe-art) are converted through their JSON form."""
+    if groups is None or isinstance(groups, (str, bytes)) or not hasattr(groups, "__iter__"):
+        raise TrainingInputError(
+            f"train() takes a list of trajectory groups, got {type(groups).__name__}: pass what "
+            "gather_trajectory_groups(...) returned"
+        )
+    result = []
+    for index, group in enumerate(groups):
+        if isinstance(group, TrajectoryGroup):
+            result.append(group)
+        elif hasattr(group, "model_dump") and hasattr(group, "trajectories"):
+            result.append(TrajectoryGroup.model_validate(group.model_dump()))
+        else:
+            raise TrainingInputError(
+                f"group {index} is a {type(group).__name__}, not a TrajectoryGroup: build groups with "
+                "art.TrajectoryGroup(...) or gather_trajectory_groups(...)"
+            )
+    if not result:
+        raise TrainingInputError("train() got no trajectory groups: gather at least one group")
+    return result
+
+
+def coerce_trajectory(trajectory: Any, index: int) -> Trajectory:
+    """Our Trajectory; ART's are converted through their JSON form."""
+    if isinstance(trajectory, Trajectory):
+        return trajectory
+    if hasattr(trajectory, "model_dump") and hasattr(trajectory, "messages_and_choices"):
+        return Trajectory.model_validate(trajectory.model_dump())
+    raise TrainingInputError(
+        f"SFT item {index} is a {type(trajectory).__name__}, not a Trajectory: build them with art.Trajectory(...)"
+    )

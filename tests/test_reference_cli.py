@@ -3,11 +3,12 @@ instead of failing, and parses `--lora-paths` as SGLang does."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
-from art_sglang.config import SGLangConfig
-from art_sglang.server.reference.cli import parse_args
+from art_sglang.config import LAUNCH_FLAGS, SGLangConfig, launch_flag
+from art_sglang.server.reference.cli import build_parser, parse_args
 
 
 def test_every_rendered_flag_is_understood() -> None:
@@ -38,6 +39,19 @@ def test_every_rendered_flag_is_understood() -> None:
     assert (args.attention_backend, args.sampling_backend) == ("triton", "pytorch")
     assert args.disable_radix_cache and args.enable_cache_report and args.enable_metrics
     assert args.enable_memory_saver and args.enable_weights_cpu_backup and args.disable_cuda_graph
+
+
+def test_every_launch_flag_of_the_config_is_a_reference_option() -> None:
+    options = set(re.findall(r"--[a-z0-9-]+", build_parser().format_usage()))
+    assert {launch_flag(field) for field in LAUNCH_FLAGS} <= options
+    assert {"--model-path", "--host", "--port", "--enable-lora"} <= options
+
+
+def test_absent_flags_take_sglangs_defaults() -> None:
+    args = parse_args(["--model", "m"])
+    assert (args.model_path, args.host, args.port, args.tp_size) == ("m", "127.0.0.1", 30000, 1)
+    assert (args.max_loras_per_batch, args.max_total_tokens, args.lora_paths) == (8, 32768, {})
+    assert not args.enable_lora and args.lora_target_modules is None and args.log_level == "info"
 
 
 def test_unknown_flags_are_kept_and_lora_paths_parsed() -> None:

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .tokenize import TokenizedSequence
 
 STD_EPS = 1e-6
 WEIGHT_EPS = 1e-6
@@ -78,3 +82,23 @@ def batch_scale(items: list[tuple[int, float, float]], *, advantage_balance: flo
     weight_scale = tokens / sum(n * w for n, _, w in items)
     magnitude = sum(n * abs(balance(a, advantage_balance)) * w * weight_scale for n, a, w in items) / tokens
     return TokenScale(weight_scale, 1 / magnitude if magnitude > 0 and math.isfinite(magnitude) else None)
+
+
+def weighted_sequences(
+    tokenized: list[list[list[TokenizedSequence]]], advantages: list[list[float] | None]
+) -> list[list[TokenizedSequence]]:
+    """Per group, the sequences to train with their trajectory's advantage and weight: trajectories of
+    skipped groups, with a zero advantage, or without sampled tokens (context only) are left out."""
+    out: list[list[TokenizedSequence]] = []
+    for per_trajectory, group_advantages_ in zip(tokenized, advantages, strict=True):
+        kept: list[TokenizedSequence] = []
+        for sequences, advantage in zip(per_trajectory, group_advantages_ or [], strict=False):
+            trained = [s for s in sequences if s.num_sampled > 0]
+            if advantage == 0.0 or not trained:
+                continue
+            weight = trajectory_weight(sum(s.num_sampled for s in trained))
+            for s in trained:
+                s.advantage, s.weight = advantage, weight
+            kept += trained
+        out.append(kept)
+    return out

@@ -2,20 +2,17 @@
 validate → tokenize → advantages and weights → rows (one optimizer step each, as ART 0.5.18) of
 micro-batched forward/backward → checkpoint. A call is applied, saved and counted together or not at all:
 on a non-finite loss, gradient norm or weight, or a checkpoint that cannot be written, the weights,
-optimizer state, RNG and step are restored to what they were before the call (`TrainingError`)."""
+optimizer state, RNG and step are restored to what they were before the call (`TrainingError`).
+
+The optimizer steps themselves are row_optimizer.py's; a checkpoint's files are checkpoint_io.py's."""
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import copy
-import errno
 import logging
 import math
-import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,29 +22,25 @@ import torch
 from ..config import TrainerConfig
 from ..errors import TrainerError, TrainingError, TrainingInputError
 from . import checkpoints as ckpt
-from .advantages import balance, batch_scale, group_advantages, trajectory_weight
-from .loss import ROW_MEAN_EPS, TokenInputs, sampled_token_logprobs, token_loss
+from .advantages import balance, batch_scale, group_advantages, weighted_sequences
+from .checkpoint_io import (
+    CheckpointState,
+    CheckpointUnreadable,
+    read_checkpoint,
+    rng_state,
+    save_adapter,
+    set_rng_state,
+    write_failure,
+)
 from .model_loading import LoadedModel, load_model
 from .options import StepOutcome, TrainOptions
-from .packing import plan_micro_batches, plan_rows, row_length
+from .packing import plan_rows, row_length
+from .row_optimizer import Progress, RowOptimizer
 from .sft import SFTBatch, run_sft
 from .tokenize import ChatTokenizer, TokenizedSequence, tokenize_groups
 from .validation import WireGroup, validate_groups
 
-Progress = Callable[[dict[str, Any]], None]
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Sums:
-    loss: float = 0.0  # sum over rows of the row's loss
-    kl: float = 0.0  # sum over rows of the row's mean KL
-    grad_norm: float = 0.0  # sum over rows
-    ratio: float = 0.0  # sum over tokens
-    clipped: float = 0.0  # count over tokens
-    tokens: int = 0
-    tokens_forwarded: int = 0
-    micro_batches: int = 0
 
 
 @dataclass
@@ -75,10 +68,10 @@ class Trainer:
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # The learning rate is set per row; AdamW's moments persist across calls and checkpoints.
-        self.optimizer = torch.optim.AdamW(self.params, **self._hyperparameters(5e-6))
+        self.optimizer = torch.optim.AdamW(self.params, **self.hyperparameters(5e-6))
         self.step = 0
         self.resumed = False
-        self._reference_adapters: dict[str, dict[str, torch.Tensor]] = {}
+        self._rows = RowOptimizer(self)
         self.notes: list[str] = []  # what resume did differently (set aside, fresh optimizer), for the log
         self.last_mode: str | None = None  # "rl" or "sft": switching clears AdamW's moments, as ART does
 
@@ -86,7 +79,7 @@ class Trainer:
     def device(self) -> torch.device:
         return self.loaded.device
 
-    def _hyperparameters(self, learning_rate: float) -> dict[str, Any]:
+    def hyperparameters(self, learning_rate: float) -> dict[str, Any]:
         return {
             "lr": learning_rate,
             "betas": (self.config.adam_beta1, self.config.adam_beta2),
@@ -134,7 +127,7 @@ class Trainer:
                     "backend": self.loaded.backend,
                     "config": self.config.model_dump(mode="json"),
                     "metrics": metrics,
-                    "rng": _rng_state(),
+                    "rng": rng_state(),
                 },
             )
 
@@ -148,7 +141,7 @@ class Trainer:
         except Exception as exc:
             raise TrainingError(
                 f"checkpoint {self.step} could not be written to {self.checkpoint_dir}: "
-                f"{_write_failure(exc, self.checkpoint_dir)}"
+                f"{write_failure(exc, self.checkpoint_dir)}"
             ) from exc
 
     def _apply_checkpoint(self, path: Path, state: CheckpointState) -> None:
@@ -166,7 +159,7 @@ class Trainer:
             )
         else:
             self.optimizer.load_state_dict(state.optimizer)
-        _set_rng_state((state.trainer_state or {}).get("rng") or {})
+        set_rng_state((state.trainer_state or {}).get("rng") or {})
 
     def _check_lora_shape(self, path: Path, adapter_config: dict[str, Any]) -> None:
         """A checkpoint of another LoRA shape cannot continue this run's adapter: say which setting differs."""
@@ -218,7 +211,7 @@ class Trainer:
             "groups_skipped": float(advantages.groups_skipped),
             "learning_rate": options.learning_rate,
         }
-        per_group = _weighted_sequences(tokenized, advantages.per_group)
+        per_group = weighted_sequences(tokenized, advantages.per_group)
         selected = [s for g in per_group for s in g]
         length = row_length(
             selected or [TokenizedSequence([0], [0], [0.0], 0, 0)],
@@ -249,7 +242,7 @@ class Trainer:
         snapshot = self._snapshot()
         try:
             rows = plan_rows(per_group, length)
-            metrics.update(self._optimize(rows, selected, options, reference, progress))
+            metrics.update(self._rows.optimize(rows, selected, options, reference, progress))
             self.step += 1
             metrics["seconds"] = time.perf_counter() - started
             path = self._save(metrics)
@@ -311,185 +304,6 @@ class Trainer:
         return path
 
     # --- the optimizer steps -------------------------------------------------------------------------
-    def _optimize(
-        self,
-        rows: list[list[TokenizedSequence]],
-        selected: list[TokenizedSequence],
-        options: TrainOptions,
-        reference: Path | None,
-        progress: Progress,
-    ) -> dict[str, float]:
-        started = time.perf_counter()
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        self.model.train()
-        if options.precalculate_logprobs:
-            self._precalculate(selected)
-        max_norm = options.max_grad_norm or self.config.max_grad_norm or math.inf
-        sums = _Sums()
-        total = sum(len(plan_micro_batches(row, self.config.micro_batch_tokens)) for row in rows)
-        for row_index, row in enumerate(rows):
-            batches = plan_micro_batches(row, self.config.micro_batch_tokens)
-            row_tokens = sum(s.num_sampled for s in row)
-            kl = self._row_kl(batches, reference) if options.kl_penalty_coef > 0 else None
-            row_kl = float(sum(k.sum() for k in kl)) / (row_tokens + ROW_MEAN_EPS) if kl else 0.0
-            self.optimizer.zero_grad(set_to_none=True)
-            row_loss = 0.0
-            for index, batch in enumerate(batches):
-                row_loss += self._micro_batch(
-                    batch, row_tokens, options, kl[index] if kl else None, row_kl, sums
-                )
-                sums.micro_batches += 1
-                progress({"phase": "train", "micro_batch": sums.micro_batches, "micro_batches": total})
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-            where = f"row {row_index + 1} of {len(rows)}"
-            if not math.isfinite(row_loss):
-                raise TrainingError(
-                    f"the loss is not finite ({row_loss}) in {where}; the step was not applied"
-                )
-            if not math.isfinite(grad_norm):
-                raise TrainingError(
-                    f"the gradient norm is not finite ({grad_norm}) in {where}; the step was not applied"
-                )
-            multiplier = len(row) ** options.num_trajectories_learning_rate_multiplier_power
-            for group in self.optimizer.param_groups:
-                group.update(self._hyperparameters(options.learning_rate * multiplier))
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if not all(bool(torch.isfinite(p).all()) for p in self.params):
-                raise TrainingError(
-                    f"the updated weights are not finite after {where} (learning rate "
-                    f"{options.learning_rate * multiplier}); the step was not applied"
-                )
-            sums.loss += row_loss
-            sums.kl += row_kl
-            sums.grad_norm += grad_norm
-        seconds = time.perf_counter() - started
-        memory = {"gpu_peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30} if cuda else {}
-        return {
-            **memory,
-            "loss": sums.loss / len(rows),
-            "kl": sums.kl / len(rows),
-            "grad_norm": sums.grad_norm / len(rows),
-            "clip_fraction": sums.clipped / sums.tokens,
-            "ratio_mean": sums.ratio / sums.tokens,
-            "num_tokens": float(sums.tokens),
-            "num_sequences": float(len(selected)),
-            "gradient_steps": float(len(rows)),
-            "row_length": float(max(len(s.input_ids) for row in rows for s in row)),
-            "micro_batches": float(sums.micro_batches),
-            "tokens_per_second": sums.tokens_forwarded / seconds if seconds > 0 else 0.0,
-        }
-
-    def _micro_batch(
-        self,
-        batch: list[TokenizedSequence],
-        row_tokens: int,
-        options: TrainOptions,
-        kl: torch.Tensor | None,
-        row_kl: float,
-        sums: _Sums,
-    ) -> float:
-        """Forward and backward one micro-batch; returns its share of the row's loss."""
-        tensors = self._tensors(batch)
-        mask = tensors["mask"]
-        sampled = mask[:, 1:].bool()
-
-        def flat(values: list[list[float]], fill: float) -> torch.Tensor:
-            return self._padded(values, fill, torch.float32, tensors["width"])[:, 1:][sampled]
-
-        new = self._logprobs(tensors)
-        inputs = TokenInputs(
-            new=new,
-            old=flat([s.old_logprobs for s in batch], math.nan),
-            advantages=flat([[s.advantage] * len(s.input_ids) for s in batch], 0.0),
-            weights=flat([[s.weight] * len(s.input_ids) for s in batch], 0.0),
-            sequence=torch.arange(len(batch), device=self.device)[:, None].expand_as(sampled)[sampled],
-            kl=kl,
-            row_kl=row_kl,
-            original=(
-                flat([s.sampler_logprobs or [] for s in batch], math.nan)
-                if options.precalculate_logprobs
-                else None
-            ),
-        )
-        terms = token_loss(inputs, options)
-        share = terms.loss.sum() / (row_tokens + ROW_MEAN_EPS)
-        share.backward()
-        sums.ratio += float(terms.ratio.sum())
-        sums.clipped += float(terms.clipped.sum())
-        sums.tokens += int(new.numel())
-        sums.tokens_forwarded += sum(len(s.input_ids) for s in batch)
-        return float(share.detach())
-
-    def _tensors(self, batch: list[TokenizedSequence]) -> dict[str, Any]:
-        width = max(len(s.input_ids) for s in batch)
-        pad = self.loaded.tokenizer.pad_token_id
-        return {
-            "width": width,
-            "input_ids": self._padded(
-                [s.input_ids for s in batch], pad if pad is not None else 0, torch.long, width
-            ),
-            "attention": self._padded([[1] * len(s.input_ids) for s in batch], 0, torch.long, width),
-            "mask": self._padded([s.sampled_mask for s in batch], 0, torch.long, width),
-        }
-
-    def _padded(self, rows: list[list[Any]], fill: Any, dtype: torch.dtype, width: int) -> torch.Tensor:
-        return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=dtype, device=self.device)
-
-    def _logprobs(self, tensors: dict[str, Any]) -> torch.Tensor:
-        logits = self.model(
-            input_ids=tensors["input_ids"], attention_mask=tensors["attention"], use_cache=False
-        ).logits
-        return sampled_token_logprobs(logits, tensors["input_ids"], tensors["mask"])
-
-    @torch.no_grad()
-    def _row_kl(self, batches: list[list[TokenizedSequence]], reference: Path | None) -> list[torch.Tensor]:
-        """Per micro-batch, new − reference logprob of each sampled token (before the row's update)."""
-        out = []
-        for batch in batches:
-            tensors = self._tensors(batch)
-            new = self._logprobs(tensors)
-            with self._reference(reference):
-                out.append(new - self._logprobs(tensors))
-        return out
-
-    @contextlib.contextmanager
-    def _reference(self, path: Path | None) -> Iterator[None]:
-        """The KL reference in place of the policy: the base model (adapter disabled) or another adapter's
-        weights swapped in (and the policy's swapped back)."""
-        if path is None:
-            with self.model.disable_adapter():
-                yield
-            return
-        from peft import get_peft_model_state_dict, set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        key = str(path.resolve())
-        if key not in self._reference_adapters:
-            self._reference_adapters[key] = load_file(
-                str(path / ckpt.ADAPTER_WEIGHTS), device=str(self.device)
-            )
-        policy = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
-        set_peft_model_state_dict(self.model, self._reference_adapters[key])
-        try:
-            yield
-        finally:
-            set_peft_model_state_dict(self.model, policy)
-
-    @torch.no_grad()
-    def _precalculate(self, sequences: list[TokenizedSequence]) -> None:
-        """precalculate_logprobs: the policy's own logprobs before the step become the old logprobs; the
-        sampler's are kept for truncated importance sampling."""
-        for batch in plan_micro_batches(sequences, self.config.micro_batch_tokens):
-            values = iter(self._logprobs(self._tensors(batch)).tolist())
-            for s in batch:
-                s.sampler_logprobs = list(s.old_logprobs)
-                s.old_logprobs = [
-                    next(values) if m and t > 0 else math.nan for t, m in enumerate(s.sampled_mask)
-                ]
-
     # --- all or nothing ------------------------------------------------------------------------------
     def _snapshot(self) -> _Snapshot:
         return _Snapshot(
@@ -551,126 +365,3 @@ class Trainer:
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     state[key] = value.to(device)
-
-
-def _weighted_sequences(
-    tokenized: list[list[list[TokenizedSequence]]], advantages: list[list[float] | None]
-) -> list[list[TokenizedSequence]]:
-    """Per group, the sequences to train with their trajectory's advantage and weight: trajectories of
-    skipped groups, with a zero advantage, or without sampled tokens (context only) are left out."""
-    out: list[list[TokenizedSequence]] = []
-    for per_trajectory, group_advantages_ in zip(tokenized, advantages, strict=True):
-        kept: list[TokenizedSequence] = []
-        for sequences, advantage in zip(per_trajectory, group_advantages_ or [], strict=False):
-            trained = [s for s in sequences if s.num_sampled > 0]
-            if advantage == 0.0 or not trained:
-                continue
-            weight = trajectory_weight(sum(s.num_sampled for s in trained))
-            for s in trained:
-                s.advantage, s.weight = advantage, weight
-            kept += trained
-        out.append(kept)
-    return out
-
-
-def _write_failure(exc: BaseException, folder: Path) -> str:
-    """A plain reason for a failed checkpoint write."""
-    text = f"{type(exc).__name__}: {exc}"
-    code = exc.errno if isinstance(exc, OSError) else None
-    torch_write = isinstance(exc, RuntimeError) and ("inline_container" in text or "write failed" in text)
-    if code in (errno.ENOSPC, errno.EDQUOT) or torch_write:
-        try:
-            free = shutil.disk_usage(folder).free
-        except OSError:
-            free = None
-        if code in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < 64 * 2**20):
-            where = f" ({free / 2**20:.1f} MiB free)" if free is not None else ""
-            return f"no space left on the device{where}: free some space and train again ({text.splitlines()[0]})"
-    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"the folder is not writable: fix its permissions and train again ({text})"
-    if code == errno.EFBIG:
-        return f"a file exceeds the allowed file size (ulimit -f): raise the limit and train again ({text})"
-    return text.splitlines()[0]
-
-
-class CheckpointUnreadable(Exception):
-    """A checkpoint file is missing, truncated or corrupt; the message names the file."""
-
-
-@dataclass
-class CheckpointState:
-    """A checkpoint read into memory, every file checked before anything is applied to the model."""
-
-    adapter_config: dict[str, Any]
-    weights: dict[str, torch.Tensor]
-    optimizer: dict[str, Any] | None  # None: the folder has none (ART's layout)
-    trainer_state: dict[str, Any] | None
-
-
-def read_checkpoint(path: Path, device: torch.device) -> CheckpointState:
-    """Read a checkpoint folder; CheckpointUnreadable names the first file that cannot be used."""
-    import json
-
-    from safetensors.torch import load_file
-
-    def unreadable(name: str, exc: BaseException | str) -> CheckpointUnreadable:
-        return CheckpointUnreadable(f"{path / name}: {exc}")
-
-    try:
-        adapter_config = json.loads((path / ckpt.ADAPTER_CONFIG).read_text())
-    except (OSError, ValueError) as exc:
-        raise unreadable(ckpt.ADAPTER_CONFIG, exc) from None
-    try:
-        weights = load_file(str(path / ckpt.ADAPTER_WEIGHTS), device=str(device))
-    except Exception as exc:  # safetensors raises its own error types for a truncated file
-        raise unreadable(ckpt.ADAPTER_WEIGHTS, exc) from None
-    optimizer = None
-    if (path / ckpt.OPTIMIZER).exists():
-        try:
-            optimizer = torch.load(path / ckpt.OPTIMIZER, map_location=device)
-        except Exception as exc:  # torch.load raises pickle, zip and runtime errors alike
-            raise unreadable(ckpt.OPTIMIZER, exc) from None
-    trainer_state = None
-    if (path / ckpt.TRAINER_STATE).exists():
-        try:
-            trainer_state = ckpt.read_trainer_state(path)
-        except (OSError, ValueError) as exc:
-            raise unreadable(ckpt.TRAINER_STATE, exc) from None
-    elif optimizer is not None:
-        raise unreadable(ckpt.TRAINER_STATE, "missing next to the optimizer state")
-    return CheckpointState(adapter_config, weights, optimizer, trainer_state)
-
-
-def save_adapter(model: Any, folder: Path, base_model: str) -> None:
-    """Write the adapter in PEFT format with only LoRA A/B weights (what SGLang's loader accepts)."""
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    state = get_peft_model_state_dict(model)
-    lora = {
-        k: v.detach().to("cpu").contiguous() for k, v in state.items() if ".lora_A." in k or ".lora_B." in k
-    }
-    save_file(lora, str(folder / ckpt.ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = copy.deepcopy(model.peft_config["default"])
-    config.base_model_name_or_path = base_model
-    config.inference_mode = True
-    config.save_pretrained(str(folder))
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
-    if torch.cuda.is_available():
-        state["cuda"] = [
-            base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()
-        ]
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    def tensor(text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-    if "torch" in state:
-        torch.set_rng_state(tensor(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])

@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from .adapters import AdapterError
 from .cli import ServerArgs
-from .engine import GenerationRequest, GenerationResult, ReferenceEngine, TokenLogprob, WeightsLoadError
+from .engine import ReferenceEngine
+from .generation import GenerationRequest, GenerationResult, TokenLogprob
 from .http_common import (
     Delta,
     engine_error_body,
@@ -38,6 +39,7 @@ from .schemas import (
     UnloadLoRARequest,
     UpdateWeightsFromDiskRequest,
 )
+from .weights import WeightsLoadError
 
 logger = logging.getLogger("art_sglang.server.reference")
 

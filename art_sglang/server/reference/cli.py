@@ -1,5 +1,7 @@
 """Command line of the reference engine: the flags of `python -m sglang.launch_server` that
-`SGLangConfig.server_args()` renders, plus `--lora-paths` and `--served-model-name`.
+`SGLangConfig.server_args()` renders, plus `--lora-paths` and `--served-model-name`. `ServerArgs` is its one
+definition: the parser is built from its fields (flag, kind, SGLang's default), with the help of the
+flags SGLangConfig renders taken from SGLangConfig's descriptions.
 
 GPU-only flags are accepted and ignored (one log line); unknown flags are accepted and logged, because users
 pass SGLang flags through `SGLangConfig.extra_args` and the same command line must start either engine.
@@ -10,9 +12,13 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.fields import FieldInfo
 
+from ...config import LAUNCH_FLAGS, SGLangConfig, launch_flag
 from .tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -30,17 +36,17 @@ GPU_ONLY_FLAGS = (
 
 
 class ServerArgs(BaseModel):
-    """Parsed launch flags (SGLang's names and defaults)."""
+    """Parsed launch flags (SGLang's names and defaults); each field is the flag of its name."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model_path: str
+    model_path: str = Field(json_schema_extra={"aliases": ["--model"]})
     tokenizer_path: str | None = None
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 30000
     mem_fraction_static: float | None = None
-    tp_size: int = 1
+    tp_size: int = Field(1, json_schema_extra={"aliases": ["--tensor-parallel-size"]})
     enable_lora: bool = False
     max_lora_rank: int | None = None
     lora_target_modules: list[str] | None = None
@@ -60,8 +66,14 @@ class ServerArgs(BaseModel):
     enable_weights_cpu_backup: bool = False
     disable_cuda_graph: bool = False
     api_key: str | None = None
-    tool_call_parser: str | None = None
-    chat_template: str | None = None
+    tool_call_parser: str | None = Field(
+        None,
+        description="Parsers of the <tool_call> JSON markup.",
+        json_schema_extra={"choices": list(TOOL_CALL_PARSERS)},
+    )
+    chat_template: str | None = Field(
+        None, description="A chat template file (builtin template names are SGLang's only)."
+    )
     random_seed: int | None = None
     log_level: str = "info"
     ignored_args: list[str] = Field(default_factory=list, description="Unknown flags, kept for the log.")
@@ -82,52 +94,58 @@ def _parse_lora_paths(items: list[str]) -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """One option per ServerArgs field; an absent flag stays out of the namespace (ServerArgs' default)."""
     parser = argparse.ArgumentParser(
         prog="python -m art_sglang.server.reference",
         description="CPU reference engine speaking SGLang 0.5.17's HTTP subset (transformers + peft).",
     )
-    add = parser.add_argument
-    add("--model-path", "--model", required=True)
-    add("--tokenizer-path")
-    add("--served-model-name")
-    add("--host", default="127.0.0.1")
-    add("--port", type=int, default=30000)
-    add("--mem-fraction-static", type=float)
-    add("--tp-size", "--tensor-parallel-size", type=int, default=1)
-    add("--enable-lora", action="store_true")
-    add("--max-lora-rank", type=int)
-    add("--lora-target-modules", nargs="+")
-    add("--lora-paths", nargs="+", default=[])
-    add("--max-loras-per-batch", type=int, default=8)
-    add("--max-loaded-loras", type=int)
-    add("--context-length", type=int)
-    add("--max-total-tokens", type=int, default=32768)
-    add("--attention-backend")
-    add("--sampling-backend")
-    add("--disable-radix-cache", action="store_true")
-    add("--enable-cache-report", action="store_true")
-    add("--enable-metrics", action="store_true")
-    add("--enable-memory-saver", action="store_true")
-    add("--enable-weights-cpu-backup", action="store_true")
-    add("--disable-cuda-graph", action="store_true")
-    add("--api-key")
-    add("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="Parsers of the <tool_call> JSON markup.")
-    add("--chat-template", help="A chat template file (builtin template names are SGLang's only).")
-    add("--random-seed", type=int)
-    add("--log-level", default="info")
+    for name, field in ServerArgs.model_fields.items():
+        if name != "ignored_args":
+            _add_flag(parser, name, field)
     return parser
+
+
+# Help for the flags SGLangConfig renders, by reference field (the names differ only for --tp-size).
+_CONFIG_HELP = {
+    launch_flag(name)[2:].replace("-", "_"): SGLangConfig.model_fields[name].description
+    for name in LAUNCH_FLAGS
+}
+
+
+def _add_flag(parser: argparse.ArgumentParser, name: str, field: FieldInfo) -> None:
+    """`--<name>` with the kind its annotation says: a switch (bool), one or more values (list, dict) or
+    one value (int, float, str)."""
+    kind = field.annotation
+    if get_origin(kind) in (Union, UnionType):  # `X | None`: the flag takes an X
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    extra: dict[str, Any] = field.json_schema_extra or {}  # type: ignore[assignment]
+    options: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
+    if kind is bool:
+        options["action"] = "store_true"
+    elif get_origin(kind) in (list, dict):
+        options["nargs"] = "+"
+    elif kind in (int, float):
+        options["type"] = kind
+    if field.is_required():
+        options["required"] = True
+    if "choices" in extra:
+        options["choices"] = extra["choices"]
+    help_text = field.description or _CONFIG_HELP.get(name)
+    if help_text:
+        options["help"] = help_text
+    parser.add_argument("--" + name.replace("_", "-"), *extra.get("aliases", ()), **options)
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     """Parse `argv`; unknown flags are kept in `ignored_args` instead of failing."""
     parser = build_parser()
     namespace, unknown = parser.parse_known_args(argv)
-    if namespace.chat_template is not None and not Path(namespace.chat_template).is_file():
-        parser.error(
-            f"--chat-template {namespace.chat_template}: no such file (the reference engine reads files)"
-        )
     values = vars(namespace)
-    values["lora_paths"] = _parse_lora_paths(values["lora_paths"])
+    template = values.get("chat_template")
+    if template is not None and not Path(template).is_file():
+        parser.error(f"--chat-template {template}: no such file (the reference engine reads files)")
+    if "lora_paths" in values:
+        values["lora_paths"] = _parse_lora_paths(values["lora_paths"])
     return ServerArgs(**values, ignored_args=unknown)
 
 

@@ -12,10 +12,10 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -23,11 +23,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from ...chat_format import template_messages, template_tools
 from ...cpu_threads import limit_threads_for_small_model
 from ...token_bounds import longest_token_bytes, min_tokens
-from ..client import KV_CACHE_TAG, MEMORY_TAGS, WEIGHTS_TAG
+from ..client import KV_CACHE_TAG, WEIGHTS_TAG
 from .adapters import BASE_KEY, AdapterRegistry, LoadedAdapter, adapter_rank
 from .cli import ServerArgs
+from .generation import FinishReason, GenerationRequest, GenerationResult, TextTracker, TokenLogprob
 from .prefix_cache import PrefixCache
-from .sampling import SamplingOptions, choose_token, logprobs_of
+from .sampling import choose_token, logprobs_of
+from .weights import assign_weights, memory_tags, read_weights, weight_params
 
 logger = logging.getLogger(__name__)
 
@@ -36,66 +38,12 @@ class EngineReleasedError(RuntimeError):
     """Generation was asked for while the weights are released (POST /resume_memory_occupation first)."""
 
 
-class WeightsLoadError(ValueError):
-    """New base weights could not be read or do not fit the served model."""
-
-
 class PromptError(ValueError):
     """The messages could not be rendered with the model's chat template."""
 
 
 class RequestTooLongError(ValueError):
     """Prompt plus requested completion do not fit the context length (SGLang's message)."""
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class FinishReason:
-    type: Literal["stop", "length", "abort"]
-    matched: int | str | None = None
-    length: int | None = None
-
-    def as_sglang(self) -> dict[str, Any]:
-        """`meta_info.finish_reason` of SGLang's /generate."""
-        if self.type == "length":
-            return {"type": "length", "length": self.length}
-        if self.type == "abort":
-            return {"type": "abort", "message": "aborted"}
-        return {"type": "stop", "matched": self.matched}
-
-
-DeltaCallback = Callable[[str, TokenLogprob | None], None]
-
-
-@dataclass
-class GenerationRequest:
-    prompt_ids: list[int]
-    sampling: SamplingOptions
-    adapter_name: str | None = None
-    top_logprobs: int = 0
-    input_logprob_start: int | None = None  # None: no prompt logprobs
-    on_delta: DeltaCallback | None = None  # streamed text pieces (and the token they came with)
-    abort: threading.Event | None = None
-
-
-@dataclass
-class GenerationResult:
-    prompt_ids: list[int]
-    output_ids: list[int]
-    text: str
-    finish: FinishReason
-    output_logprobs: list[TokenLogprob]
-    input_logprobs: list[TokenLogprob | None]
-    cached_tokens: int
-    adapter: LoadedAdapter | None
-    started: float
-    finished: float
 
 
 @dataclass
@@ -108,51 +56,6 @@ class EngineStats:
     cached_tokens: int = 0
     e2e_seconds: float = 0.0
     running: int = 0
-
-
-class _TextTracker:
-    """Decodes output tokens incrementally, finds stop strings, and yields only text that can no longer
-    change: an unfinished UTF-8 character or a possible start of a stop string is held back."""
-
-    def __init__(self, decode: Callable[[list[int], bool], str], options: SamplingOptions) -> None:
-        self._decode = decode
-        self.options = options
-        self.ids: list[int] = []
-        self.emitted = 0
-        self.final: str | None = None
-
-    def decode(self) -> str:
-        return self._decode(self.ids, self.options.skip_special_tokens)
-
-    def push(self, token_id: int) -> tuple[str, str | None]:
-        """Add a token; return (new stable text, matched stop string or None)."""
-        self.ids.append(token_id)
-        text = self.decode()
-        hits = [(text.find(s), s) for s in self.options.stop if s and s in text]
-        if hits:
-            index, stop = min(hits)
-            self.final = text[: index + len(stop)] if self.options.no_stop_trim else text[:index]
-            delta = self.final[self.emitted :]
-            self.emitted = len(self.final)
-            return delta, stop
-        safe = len(text.rstrip("\ufffd"))
-        held = 0
-        for stop in self.options.stop:
-            for k in range(min(len(stop) - 1, safe), held, -1):
-                if text[safe - k : safe] == stop[:k]:
-                    held = k
-                    break
-        safe -= held
-        delta = text[self.emitted : safe] if safe > self.emitted else ""
-        self.emitted = max(self.emitted, safe)
-        return delta, None
-
-    def finish(self) -> tuple[str, str]:
-        """(the rest of the text not yet yielded, the whole text)."""
-        text = self.final if self.final is not None else self.decode()
-        rest = text[self.emitted :]
-        self.emitted = len(text)
-        return rest, text
 
 
 class ReferenceEngine:
@@ -206,7 +109,7 @@ class ReferenceEngine:
         self._released: set[str] = set()  # memory tags released ("kv_cache", "weights")
         self._backup: dict[str, torch.Tensor] | None = None
         # Shapes the served model needs, checked against new weights (also while released).
-        self._shapes = {n: p.shape for n, p in self._weight_params().items()}
+        self._shapes = {n: p.shape for n, p in weight_params(self.adapters.base).items()}
         for name, path in args.lora_paths.items():
             self.adapters.load(name, path)
 
@@ -349,7 +252,7 @@ class ReferenceEngine:
         if options.seed is not None and not options.greedy:
             generator = torch.Generator().manual_seed(options.seed)
         stop_ids = set(options.stop_token_ids) | (set() if options.ignore_eos else self.eos_ids)
-        tracker = _TextTracker(self.decode, options)
+        tracker = TextTracker(self.decode, options)
         output_ids: list[int] = []
         output_logprobs: list[TokenLogprob] = []
         input_logprobs: list[TokenLogprob | None] = []
@@ -447,48 +350,15 @@ class ReferenceEngine:
         self.prefix_cache.clear()
         return True
 
-    def _weight_params(self) -> dict[str, torch.nn.Parameter]:
-        """The base model's parameters under their checkpoint names (peft's wrappers and LoRA removed)."""
-        params = {}
-        for name, param in self.adapters.base.named_parameters():
-            if ".lora_" in name:
-                continue
-            params[name.replace(".base_layer", "")] = param
-        return params
-
-    def _read_weights(self, path: str) -> dict[str, torch.Tensor]:
-        if not Path(path).is_dir():
-            raise WeightsLoadError(
-                f"Failed to get weights iterator: model path {path!r} does not exist or is not a directory "
-                "(the reference engine reads weights from local directories only)."
-            )
-        try:
-            fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        except Exception as exc:  # transformers raises many types for an unreadable checkpoint
-            raise WeightsLoadError(f"Failed to load weights from {path!r}: {exc}") from exc
-        weights = dict(fresh.state_dict())
-        missing = sorted(set(self._shapes) - set(weights))
-        mismatched = [n for n, s in self._shapes.items() if n in weights and weights[n].shape != s]
-        if missing or mismatched:
-            raise WeightsLoadError(
-                f"Weights at {path!r} do not fit the served model: missing {missing[:5]}, "
-                f"different shapes {mismatched[:5]}."
-            )
-        return weights
-
-    def _assign(self, weights: dict[str, torch.Tensor]) -> None:
-        for name, param in self._weight_params().items():
-            param.data = weights[name].to(torch.float32)
-
     def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
         """Replace the base weights with the checkpoint at `path`; adapters stay loaded."""
         with self._lock:
-            weights = self._read_weights(path)
+            weights = read_weights(path, self._shapes)
             if WEIGHTS_TAG in self._released:
                 # Resume will restore these instead of the old ones.
                 self._backup = weights if self.args.enable_weights_cpu_backup else None
             else:
-                self._assign(weights)
+                assign_weights(self.adapters.base, weights)
             self.weights_path = path
             if weight_version is not None:
                 self.weight_version = weight_version
@@ -501,7 +371,7 @@ class ReferenceEngine:
         drops the base weights — with --enable-weights-cpu-backup they are kept in RAM for resume (on CPU
         the backup is the weights themselves), without it they are re-read from disk on resume.
         Generation while anything is released is refused (503)."""
-        wanted = _memory_tags(tags)
+        wanted = memory_tags(tags)
         with self._lock:
             if not self.args.enable_memory_saver:
                 logger.info("release_memory_occupation: nothing to release without --enable-memory-saver")
@@ -510,7 +380,7 @@ class ReferenceEngine:
             if KV_CACHE_TAG in fresh:
                 self.prefix_cache.clear()
             if WEIGHTS_TAG in fresh:
-                params = self._weight_params()
+                params = weight_params(self.adapters.base)
                 self._backup = (
                     {n: p.data for n, p in params.items()} if self.args.enable_weights_cpu_backup else None
                 )
@@ -521,22 +391,17 @@ class ReferenceEngine:
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         """Take back what `tags` names (none = everything): weights from the backup, else from disk."""
-        wanted = _memory_tags(tags)
+        wanted = memory_tags(tags)
         with self._lock:
             if WEIGHTS_TAG in wanted & self._released:
-                weights = self._backup if self._backup is not None else self._read_weights(self.weights_path)
-                self._assign(weights)
+                weights = (
+                    self._backup
+                    if self._backup is not None
+                    else read_weights(self.weights_path, self._shapes)
+                )
+                assign_weights(self.adapters.base, weights)
                 self._backup = None
             self._released -= wanted
 
     def model_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self._weight_params().values())
-
-
-def _memory_tags(tags: Sequence[str] | None) -> set[str]:
-    """SGLang's reading of `tags`: none or empty means every kind of memory; an unknown tag is an error."""
-    wanted = set(tags or MEMORY_TAGS)
-    unknown = wanted - set(MEMORY_TAGS)
-    if unknown:
-        raise ValueError(f"unknown memory tags {sorted(unknown)}; known: {list(MEMORY_TAGS)}")
-    return wanted
+        return sum(p.numel() * p.element_size() for p in weight_params(self.adapters.base).values())

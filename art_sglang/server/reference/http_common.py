@@ -14,13 +14,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from .engine import (
-    EngineReleasedError,
-    GenerationRequest,
-    GenerationResult,
-    ReferenceEngine,
-    TokenLogprob,
-)
+from .engine import EngineReleasedError, ReferenceEngine
+from .generation import GenerationRequest, GenerationResult, TokenLogprob
 
 logger = logging.getLogger(__name__)
 

@@ -15,18 +15,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import tool_calls
-from .engine import GenerationRequest, GenerationResult, ReferenceEngine, TokenLogprob
+from .engine import ReferenceEngine
+from .generation import GenerationRequest, GenerationResult
 from .http_common import (
-    Delta,
-    engine_error_body,
     engine_error_response,
     error_response,
     note,
     note_results,
     run_generations,
-    sse,
-    stream_generations,
 )
+from .openai_format import chat_logprob, completion_logprobs, finish_fields, usage
+from .openai_stream import chat_stream, completion_stream
 from .sampling import SamplingOptions
 from .schemas import ChatCompletionRequest, CompletionRequest
 
@@ -101,46 +100,6 @@ def _choices(
     return requests
 
 
-def _usage(results: list[GenerationResult], n: int, cache_report: bool) -> dict[str, Any]:
-    """SGLang's usage: prompt and cached tokens counted once per prompt, completions for every choice."""
-    firsts = results[::n]
-    prompt = sum(len(r.prompt_ids) for r in firsts)
-    completion = sum(len(r.output_ids) for r in results)
-    cached = sum(r.cached_tokens for r in firsts)
-    return {
-        "prompt_tokens": prompt,
-        "total_tokens": prompt + completion,
-        "completion_tokens": completion,
-        "prompt_tokens_details": {"cached_tokens": cached} if cache_report and cached > 0 else None,
-        "reasoning_tokens": 0,
-    }
-
-
-def _finish(result: GenerationResult) -> tuple[str, int | str | None]:
-    return result.finish.type, result.finish.matched if result.finish.type == "stop" else None
-
-
-def _token_fields(engine: ReferenceEngine, token_id: int, logprob: float) -> dict[str, Any]:
-    text = engine.token_text(token_id)
-    return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
-
-
-def _chat_logprob(engine: ReferenceEngine, entry: TokenLogprob) -> dict[str, Any]:
-    return {
-        **_token_fields(engine, entry.token_id, entry.logprob),
-        "top_logprobs": [_token_fields(engine, i, lp) for i, lp in entry.top],
-    }
-
-
-def _completion_logprobs(engine: ReferenceEngine, entries: list[TokenLogprob]) -> dict[str, Any]:
-    return {
-        "text_offset": [-1] * len(entries),
-        "token_logprobs": [e.logprob for e in entries],
-        "tokens": [engine.token_text(e.token_id) for e in entries],
-        "top_logprobs": [{engine.token_text(i): lp for i, lp in e.top} for e in entries],
-    }
-
-
 async def _run(
     engine: ReferenceEngine,
     request: Request,
@@ -184,13 +143,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
     if isinstance(names, Response):
         return names
-    stream = (lambda prepared: _chat_stream(engine, body, prepared, request, names)) if body.stream else None
+    stream = (lambda prepared: chat_stream(engine, body, prepared, request, names)) if body.stream else None
     results = await _run(engine, request, prepare, stream)
     if isinstance(results, Response):
         return results
     choices = []
     for index, result in enumerate(results):
-        finish, matched = _finish(result)
+        finish, matched = finish_fields(result)
         content, calls = result.text, None
         parsed = tool_calls.parse(result.text, names) if names is not None else None
         if parsed is not None:
@@ -206,7 +165,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 "reasoning_content": None,
                 "tool_calls": calls,
             },
-            "logprobs": {"content": [_chat_logprob(engine, e) for e in result.output_logprobs]}
+            "logprobs": {"content": [chat_logprob(engine, e) for e in result.output_logprobs]}
             if body.logprobs
             else None,
             "finish_reason": finish,
@@ -247,111 +206,10 @@ def _response(
             "created": int(time.time()),
             "model": body.model,
             "choices": choices,
-            "usage": _usage(results, body.n, engine.args.enable_cache_report),
+            "usage": usage(results, body.n, engine.args.enable_cache_report),
             "metadata": {"weight_version": engine.weight_version},
         }
     )
-
-
-def _chat_stream(
-    engine: ReferenceEngine,
-    body: ChatCompletionRequest,
-    requests: list[GenerationRequest],
-    request: Request,
-    names: set[str] | None,
-) -> AsyncIterator[str]:
-    splitters = {index: tool_calls.StreamSplitter() for index in range(len(requests))}
-
-    def choice(
-        index: int, delta: dict[str, Any], logprobs: Any = None, finish: Any = None, matched: Any = None
-    ) -> dict[str, Any]:
-        return {
-            "index": index,
-            "delta": {"reasoning_content": None, **delta},
-            "logprobs": logprobs,
-            "finish_reason": finish,
-            "matched_stop": matched,
-        }
-
-    def piece(item: Delta) -> dict[str, Any] | None:
-        logprobs = None
-        if body.logprobs and item.logprob is not None:
-            logprobs = {"content": [_chat_logprob(engine, item.logprob)]}
-        text = splitters[item.index].push(item.text) if names is not None else item.text
-        if not text and logprobs is None:
-            return None
-        return choice(item.index, {"content": text} if text else {}, logprobs)
-
-    def last(index: int, result: GenerationResult) -> list[dict[str, Any]]:
-        finish, matched = _finish(result)
-        chunks = []
-        if names is not None:
-            rest, calls = splitters[index].finish(names)
-            if rest:
-                chunks.append(choice(index, {"content": rest}))
-            for position, call in enumerate(calls):
-                head = call.as_openai(position)
-                head["function"] = {"name": call.name, "arguments": ""}
-                chunks.append(choice(index, {"tool_calls": [head]}))
-                tail = {"index": position, "function": {"arguments": call.arguments}}
-                chunks.append(choice(index, {"tool_calls": [tail]}))
-            if splitters[index].in_call and finish == "stop":
-                finish, matched = "tool_calls", None
-        return [*chunks, choice(index, {}, finish=finish, matched=matched)]
-
-    return _stream(
-        engine,
-        body,
-        requests,
-        request,
-        kind="chat.completion.chunk",
-        first=lambda index: choice(index, {"role": "assistant", "content": ""}),
-        piece=piece,
-        last=last,
-    )
-
-
-async def _stream(
-    engine: ReferenceEngine,
-    body: ChatCompletionRequest | CompletionRequest,
-    requests: list[GenerationRequest],
-    request: Request,
-    *,
-    kind: str,
-    first: Callable[[int], dict[str, Any]] | None,
-    piece: Callable[[Delta], dict[str, Any] | None],
-    last: Callable[[int, GenerationResult], list[dict[str, Any]]],
-) -> AsyncIterator[str]:
-    """SGLang's OpenAI event stream: per choice an optional `first` chunk, one per streamed `piece` (None:
-    nothing to send), and the `last` ones (tool calls held back, then the finish reason); then usage if asked, and [DONE]. An engine
-    failure mid-stream is sent as an error event."""
-    rid, created = uuid.uuid4().hex, int(time.time())
-
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        head = {"id": rid, "object": kind, "created": created, "model": body.model}
-        return sse({**head, "choices": choices, **extra})
-
-    results: list[GenerationResult] = []
-    opened: set[int] = set()
-    try:
-        async for item in stream_generations(engine, requests):
-            if first is not None and item.index not in opened:
-                opened.add(item.index)
-                yield chunk([first(item.index)])
-            if isinstance(item, Delta):
-                choice = piece(item)
-                if choice is not None:
-                    yield chunk([choice])
-                continue
-            results.append(item.result)
-            for closing in last(item.index, item.result):
-                yield chunk([closing])
-        if body.include_usage:
-            yield chunk([], usage=_usage(results, body.n, engine.args.enable_cache_report))
-    except Exception as exc:
-        yield sse({"error": engine_error_body(exc)})
-    note_results(request, results)
-    yield "data: [DONE]\n\n"
 
 
 # --- text completions -----------------------------------------------------------------------------------
@@ -379,18 +237,18 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             requests.extend(_choices(engine, prompt_ids, sampling, body, body.logprobs or 0))
         return requests
 
-    stream = (lambda prepared: _completion_stream(engine, body, prepared, request)) if body.stream else None
+    stream = (lambda prepared: completion_stream(engine, body, prepared, request)) if body.stream else None
     results = await _run(engine, request, prepare, stream)
     if isinstance(results, Response):
         return results
     choices = []
     for index, result in enumerate(results):
-        finish, matched = _finish(result)
+        finish, matched = finish_fields(result)
         choices.append(
             {
                 "index": index,
                 "text": result.text,
-                "logprobs": _completion_logprobs(engine, result.output_logprobs)
+                "logprobs": completion_logprobs(engine, result.output_logprobs)
                 if body.logprobs is not None
                 else None,
                 "finish_reason": finish,
@@ -398,34 +256,6 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             }
         )
     return _response("text_completion", engine, body, choices, results)
-
-
-def _completion_stream(
-    engine: ReferenceEngine, body: CompletionRequest, requests: list[GenerationRequest], request: Request
-) -> AsyncIterator[str]:
-    def piece(item: Delta) -> dict[str, Any] | None:
-        logprobs = None
-        if body.logprobs is not None and item.logprob is not None:
-            logprobs = _completion_logprobs(engine, [item.logprob])
-        if not item.text and logprobs is None:
-            return None
-        return {
-            "index": item.index,
-            "text": item.text,
-            "logprobs": logprobs,
-            "finish_reason": None,
-            "matched_stop": None,
-        }
-
-    def last(index: int, result: GenerationResult) -> list[dict[str, Any]]:
-        finish, matched = _finish(result)
-        return [
-            {"index": index, "text": "", "logprobs": None, "finish_reason": finish, "matched_stop": matched}
-        ]
-
-    return _stream(
-        engine, body, requests, request, kind="text_completion", first=None, piece=piece, last=last
-    )
 
 
 # --- models -------------------------------------------------------------------------------------------

@@ -1,0 +1,249 @@
+"""The backend's device layout and server configuration: chosen from SGLangBackend's arguments, changed
+by the first model's `_internal_config` if it asks, then fixed (a later model may not ask for other server
+settings: one server serves every model of a backend). Also the configuration clashes found before
+anything starts."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from .config import DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from .devices import DeviceLayout, EngineChoice, choose_layout, detect_gpus
+from .errors import ConfigError
+from .gpu_budget import SharedPlan, model_weights_bytes, plan_shared_gpu
+from .internal_config import ModelSettings, internal_config_of, model_settings
+from .model_store import ModelStore, base_model_problem
+from .shared_mode import HandoffStrategy
+from .training.options import TrainOptions
+
+logger = logging.getLogger(__name__)
+
+
+class BackendSettings:
+    """`layout`, `sglang_config` and the `handoff_strategy` that follows from them."""
+
+    def __init__(
+        self,
+        config: SGLangConfig,
+        trainer_config: TrainerConfig,
+        *,
+        shared_strategy: SharedStrategy,
+        device_config: DeviceConfig | None,
+        engine: EngineChoice,
+        inference_device: int | None,
+        training_devices: list[int] | None,
+        layout: DeviceLayout | None,
+    ) -> None:
+        if shared_strategy not in ("sleep", "restart"):
+            raise ConfigError(f"shared_strategy={shared_strategy!r}: use 'sleep' or 'restart'")
+        if engine not in ("auto", "sglang", "reference"):
+            raise ConfigError(f"engine={engine!r}: use 'auto', 'sglang' or 'reference'")
+        check_compatible(config, trainer_config)
+        self.trainer_config = trainer_config
+        self.shared_strategy = shared_strategy
+        # What the first model's _internal_config may still change (server flags, GPUs).
+        self._requested_config = config
+        self._device_request = (device_config, engine)
+        self._devices_given = (
+            layout is not None or inference_device is not None or training_devices is not None
+        )
+        self._initial_layout = layout or choose_layout(
+            device_config,
+            inference_device=inference_device,
+            training_devices=training_devices,
+            engine=engine,
+            tensor_parallel_size=config.tensor_parallel_size,
+        )
+        self._configure(self._initial_layout, config)
+        self._chosen_config = config  # the server's settings before shared mode's memory plan
+
+    def settings_for(
+        self,
+        model: Any,
+        store: ModelStore,
+        *,
+        registered: list[tuple[str, str]],
+        served_base_model: str | None,
+    ) -> ModelSettings:
+        """The model's settings, once it is certain this backend can serve and train it (`registered`:
+        the (project, name) of the models it has; `served_base_model`: None before the server runs)."""
+        problem = base_model_problem(model.base_model)
+        if problem is not None:
+            raise ConfigError(f"model {model.name!r}: {problem}")
+        for project, name in registered:
+            if name == model.name and project != model.project:
+                # Adapters are served as <name>@<step>: two projects' models of one name would share them.
+                raise ConfigError(
+                    f"a model named {model.name!r} (project {project!r}) is already registered on this "
+                    f"backend, and served adapter names are <name>@<step>: give the model of project "
+                    f"{model.project!r} another name, or use a second SGLangBackend"
+                )
+        settings = model_settings(internal_config_of(model), self.trainer_config)
+        if served_base_model is None:
+            self.apply_first_model(settings, store)
+        else:
+            self.check_same_server(model, settings, served_base_model)
+        check_compatible(self.sglang_config, settings.trainer)
+        return settings
+
+    def _configure(self, layout: DeviceLayout, config: SGLangConfig) -> None:
+        """Set the device layout and the server config that follows from it (shared mode's memory saver)."""
+        self.layout = layout
+        self.handoff_strategy: HandoffStrategy = self.shared_strategy if layout.mode == "shared" else "none"
+        self.sglang_config = with_memory_saver(config) if self.handoff_strategy == "sleep" else config
+
+    def apply_first_model(self, settings: ModelSettings, store: ModelStore) -> None:
+        """The first model's `_internal_config` may choose the server's flags and the GPUs."""
+        config = self._requested_config.model_copy(update=server_updates(settings, store))
+        # Validated again with only the fields set, so settings the user left alone stay defaults.
+        config = SGLangConfig.model_validate(config.model_dump(exclude_unset=True))
+        layout = self._initial_layout
+        if settings.inference_gpu_ids is not None and settings.trainer_gpu_ids is not None:
+            layout = self._layout_for(settings.inference_gpu_ids, settings.trainer_gpu_ids, config)
+        self._configure(layout, config)
+        self._chosen_config = config
+
+    def _layout_for(self, inference: list[int], training: list[int], config: SGLangConfig) -> DeviceLayout:
+        if self._devices_given:
+            raise ConfigError(
+                "_internal_config sets trainer_gpu_ids/inference_gpu_ids, and SGLangBackend was given its "
+                "devices too: set the GPUs in one place"
+            )
+        if len(inference) != config.tensor_parallel_size:
+            raise ConfigError(
+                f"_internal_config inference_gpu_ids={inference} must list tensor_parallel_size="
+                f"{config.tensor_parallel_size} GPU(s) (consecutive, from the first)"
+            )
+        device_config, engine = self._device_request
+        try:
+            return choose_layout(
+                device_config,
+                inference_device=inference[0],
+                training_devices=training,
+                engine=engine,
+                tensor_parallel_size=config.tensor_parallel_size,
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"_internal_config trainer_gpu_ids/inference_gpu_ids: {exc}") from None
+
+    def check_same_server(self, model: Any, settings: ModelSettings, served_base_model: str) -> None:
+        """A later model shares the running server: it may not ask for different server settings."""
+        if served_base_model != model.base_model:
+            raise ConfigError(
+                f"this backend serves base model {served_base_model!r}; model {model.name!r} uses "
+                f"{model.base_model!r}: one server serves one base model, so use a second SGLangBackend"
+            )
+        if self.sglang_config.weight_sync_method == "disk":
+            raise ConfigError(
+                "weight_sync_method='disk' merges one model's weights into the server's base weights, so "
+                "only one model can be registered: use weight_sync_method='lora' to serve several"
+            )
+        different: dict[str, Any] = {
+            key: value
+            for key, value in settings.server_updates.items()
+            if getattr(self._chosen_config, key) != value
+        }
+        if settings.chat_template is not None:
+            different["chat_template"] = "(the model's own template)"
+        if settings.inference_gpu_ids is not None:
+            different["inference_gpu_ids"] = settings.inference_gpu_ids
+        if different:
+            raise ConfigError(
+                f"model {model.name!r} asks for server settings {different} in _internal_config, but this "
+                "backend's server already runs for another model: one server serves every model of a "
+                "backend, so use a second SGLangBackend"
+            )
+
+    def plan_shared_gpu(self, base_model: str) -> SharedPlan:
+        """What a sleep handoff releases, from the shared GPU's size and the base model's (blocking)."""
+        config = self.sglang_config
+        requested = config.sleep_release
+        total: int | None = None
+        if self.layout.engine == "sglang":
+            gpus = {gpu.index: gpu for gpu in detect_gpus().gpus}
+            gpu = gpus.get(self.layout.inference_gpus[0]) if self.layout.inference_gpus else None
+            if gpu is None and requested == "auto":
+                return SharedPlan("all", config.mem_fraction_static, "the GPU's memory size is unknown")
+            total = gpu.memory_total_mib * 2**20 if gpu is not None else None
+        return plan_shared_gpu(
+            requested,
+            gpu_total_bytes=total,
+            weights_bytes=model_weights_bytes(base_model),
+            mem_fraction_static=config.mem_fraction_static,
+            fraction_set_by_user="mem_fraction_static" in config.model_fields_set,
+        )
+
+    def gpu_ids(self, role: Literal["inference", "training"]) -> list[str]:
+        """GPU ids (indices or UUIDs, as the user's CUDA_VISIBLE_DEVICES names them) for a child's
+        CUDA_VISIBLE_DEVICES: none on CPU (hides every GPU)."""
+        if self.layout.engine == "reference":
+            return []
+        return [part for part in self.layout.cuda_visible_devices(role).split(",") if part]
+
+    def use_shared_plan(self, plan: SharedPlan) -> Literal["kv_cache", "all"]:
+        """Take shared mode's memory plan (the server's mem_fraction_static); returns what each step
+        releases."""
+        self.sglang_config = self.sglang_config.model_copy(
+            update={"mem_fraction_static": plan.mem_fraction_static}
+        )
+        logger.info(
+            "shared mode: each step releases the server's %s%s (mem_fraction_static %.3f): %s",
+            "KV cache; the trainer keeps its model on the GPU" if plan.trainer_resident else "weights",
+            "" if plan.trainer_resident else " and KV cache; the trainer moves to host memory",
+            plan.mem_fraction_static,
+            plan.reason,
+        )
+        return plan.release
+
+
+def check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
+    """Configuration clashes between server and trainer, found before anything starts."""
+    if trainer.lora_rank > sglang.max_lora_rank:
+        raise ConfigError(
+            f"TrainerConfig(lora_rank={trainer.lora_rank}) exceeds SGLangConfig(max_lora_rank="
+            f"{sglang.max_lora_rank}): the server could not load the adapters; raise max_lora_rank to "
+            f"{trainer.lora_rank} or lower lora_rank"
+        )
+    served = set(sglang.lora_target_modules)
+    if "all" not in served:
+        fused = {"qkv_proj": {"q_proj", "k_proj", "v_proj"}, "gate_up_proj": {"gate_proj", "up_proj"}}
+        for name, parts in fused.items():
+            if name in served:
+                served |= parts
+        missing = sorted(set(trainer.target_modules) - served)
+        if missing:
+            raise ConfigError(
+                f"TrainerConfig(target_modules) trains {missing}, which SGLangConfig(lora_target_modules="
+                f"{sglang.lora_target_modules}) does not serve: add them, or use lora_target_modules=['all']"
+            )
+
+
+def check_row_length(options: TrainOptions, trainer: TrainerConfig) -> None:
+    if options.packed_sequence_length is not None and options.packed_sequence_length > trainer.max_seq_length:
+        raise ConfigError(
+            f"packed_sequence_length={options.packed_sequence_length} exceeds TrainerConfig(max_seq_length="
+            f"{trainer.max_seq_length}): lower it, or raise max_seq_length"
+        )
+
+
+def server_updates(settings: ModelSettings, store: ModelStore) -> dict[str, Any]:
+    """SGLangConfig fields from a model's settings; a template given as text goes to a file the server
+    reads (SGLang's --chat-template takes a path)."""
+    updates = dict(settings.server_updates)
+    if settings.chat_template_path is not None:
+        updates["chat_template"] = settings.chat_template_path
+    elif settings.chat_template is not None:
+        updates["chat_template"] = str(store.chat_template_file)
+    return updates
+
+
+def with_memory_saver(config: SGLangConfig) -> SGLangConfig:
+    """Shared mode with "sleep" needs SGLang's memory saver and CPU weight backup: without them
+    release_memory_occupation answers 200 and frees nothing."""
+    if "enable_memory_saver" in config.model_fields_set and not config.enable_memory_saver:
+        raise ConfigError(
+            "shared_strategy='sleep' needs SGLangConfig(enable_memory_saver=True) (it was set to False): "
+            "leave it unset, or use shared_strategy='restart'"
+        )
+    return config.model_copy(update={"enable_memory_saver": True, "enable_weights_cpu_backup": True})

@@ -1,0 +1,48 @@
+"""A training step's progress: the bar in the user's terminal, and the reports a step makes while it runs."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from tqdm import tqdm
+
+Report = TypeVar("Report")
+
+
+class StepProgress:
+    """A tqdm bar over the step's gradient micro-batches, fed by the trainer's progress events."""
+
+    def __init__(self, name: str, step: int, disable: bool):
+        self.bar = tqdm(desc=f"train {name} step {step}", unit="batch", disable=disable, file=sys.stderr)
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if event.get("phase") == "train":
+            self.bar.total = int(event.get("micro_batches", 0)) or None
+            self.bar.n = int(event.get("micro_batch", 0))
+            self.bar.refresh()
+
+    def __enter__(self) -> StepProgress:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.bar.close()
+
+
+async def reports_while(
+    run: Callable[[Callable[[Report], None]], Awaitable[None]],
+) -> AsyncIterator[Report]:
+    """Start `run(report)` as one task and yield what it reports, as it reports it, until it ends; then
+    raise its error, if any. A caller that stops iterating early does not stop the task."""
+    reports: asyncio.Queue[Report] = asyncio.Queue()
+    task = asyncio.ensure_future(run(reports.put_nowait))
+    while not (task.done() and reports.empty()):
+        report = asyncio.ensure_future(reports.get())
+        await asyncio.wait({report, task}, return_when=asyncio.FIRST_COMPLETED)
+        if report.done():
+            yield report.result()
+        else:
+            report.cancel()
+    task.result()  # the training's error, if any

@@ -1,0 +1,38 @@
+"""A trainable model as a backend holds it while it is registered: its files, its trainer, its current step
+and the lock on its directory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .model_store import ModelStore
+from .run_lock import RunLock
+from .training.process import TrainerProcess
+from .weight_sync import SyncTarget
+
+
+@dataclass
+class RegisteredModel:
+    """A trainable model this backend serves: its files, its trainer and its current step."""
+
+    model: Any  # art_sglang.TrainableModel or art.TrainableModel
+    store: ModelStore
+    trainer: TrainerProcess
+    step: int
+    lock: RunLock  # the model directory's, held while the model is registered
+
+    def target(self, step: int) -> SyncTarget:
+        checkpoint = self.store.checkpoint_dir(step)
+        return SyncTarget(self.model.name, step, checkpoint, self.store, self.model.base_model)
+
+
+def checkpoint_of(models: Iterable[RegisteredModel], name: str) -> Path | None:
+    """The checkpoint folder of `<model>@<step>` if that step of a registered model is on disk."""
+    model_name, _, step = name.rpartition("@")
+    for entry in models:
+        if entry.model.name == model_name and step.isdigit() and int(step) in entry.store.checkpoint_steps():
+            return entry.store.checkpoint_dir(int(step))
+    return None

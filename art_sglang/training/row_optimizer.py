@@ -1,0 +1,232 @@
+"""The RL optimizer steps of one `train()` call over its planned rows (as ART 0.5.18: one AdamW step per
+row): micro-batched forward/backward of the token loss, the KL penalty against a reference (the base
+model or another adapter), and precalculated logprobs. A non-finite loss, gradient norm or weight raises
+`TrainingError`; rolling the step back is the trainer's."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import TrainingError
+from . import checkpoints as ckpt
+from .loss import ROW_MEAN_EPS, TokenInputs, sampled_token_logprobs, token_loss
+from .options import TrainOptions
+from .packing import plan_micro_batches
+from .tokenize import TokenizedSequence
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class _Sums:
+    loss: float = 0.0  # sum over rows of the row's loss
+    kl: float = 0.0  # sum over rows of the row's mean KL
+    grad_norm: float = 0.0  # sum over rows
+    ratio: float = 0.0  # sum over tokens
+    clipped: float = 0.0  # count over tokens
+    tokens: int = 0
+    tokens_forwarded: int = 0
+    micro_batches: int = 0
+
+
+class RowOptimizer:
+    """Runs the optimizer steps on the trainer's model and AdamW; keeps the KL reference adapters' weights
+    (read once per folder)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+        self._reference_adapters: dict[str, dict[str, torch.Tensor]] = {}
+
+    def optimize(
+        self,
+        rows: list[list[TokenizedSequence]],
+        selected: list[TokenizedSequence],
+        options: TrainOptions,
+        reference: Path | None,
+        progress: Progress,
+    ) -> dict[str, float]:
+        started = time.perf_counter()
+        cuda = self._trainer.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self._trainer.model.train()
+        if options.precalculate_logprobs:
+            self._precalculate(selected)
+        max_norm = options.max_grad_norm or self._trainer.config.max_grad_norm or math.inf
+        sums = _Sums()
+        total = sum(len(plan_micro_batches(row, self._trainer.config.micro_batch_tokens)) for row in rows)
+        for row_index, row in enumerate(rows):
+            batches = plan_micro_batches(row, self._trainer.config.micro_batch_tokens)
+            row_tokens = sum(s.num_sampled for s in row)
+            kl = self._row_kl(batches, reference) if options.kl_penalty_coef > 0 else None
+            row_kl = float(sum(k.sum() for k in kl)) / (row_tokens + ROW_MEAN_EPS) if kl else 0.0
+            self._trainer.optimizer.zero_grad(set_to_none=True)
+            row_loss = 0.0
+            for index, batch in enumerate(batches):
+                row_loss += self._micro_batch(
+                    batch, row_tokens, options, kl[index] if kl else None, row_kl, sums
+                )
+                sums.micro_batches += 1
+                progress({"phase": "train", "micro_batch": sums.micro_batches, "micro_batches": total})
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trainer.params, max_norm))
+            where = f"row {row_index + 1} of {len(rows)}"
+            if not math.isfinite(row_loss):
+                raise TrainingError(
+                    f"the loss is not finite ({row_loss}) in {where}; the step was not applied"
+                )
+            if not math.isfinite(grad_norm):
+                raise TrainingError(
+                    f"the gradient norm is not finite ({grad_norm}) in {where}; the step was not applied"
+                )
+            multiplier = len(row) ** options.num_trajectories_learning_rate_multiplier_power
+            for group in self._trainer.optimizer.param_groups:
+                group.update(self._trainer.hyperparameters(options.learning_rate * multiplier))
+            self._trainer.optimizer.step()
+            self._trainer.optimizer.zero_grad(set_to_none=True)
+            if not all(bool(torch.isfinite(p).all()) for p in self._trainer.params):
+                raise TrainingError(
+                    f"the updated weights are not finite after {where} (learning rate "
+                    f"{options.learning_rate * multiplier}); the step was not applied"
+                )
+            sums.loss += row_loss
+            sums.kl += row_kl
+            sums.grad_norm += grad_norm
+        seconds = time.perf_counter() - started
+        memory = {"gpu_peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30} if cuda else {}
+        return {
+            **memory,
+            "loss": sums.loss / len(rows),
+            "kl": sums.kl / len(rows),
+            "grad_norm": sums.grad_norm / len(rows),
+            "clip_fraction": sums.clipped / sums.tokens,
+            "ratio_mean": sums.ratio / sums.tokens,
+            "num_tokens": float(sums.tokens),
+            "num_sequences": float(len(selected)),
+            "gradient_steps": float(len(rows)),
+            "row_length": float(max(len(s.input_ids) for row in rows for s in row)),
+            "micro_batches": float(sums.micro_batches),
+            "tokens_per_second": sums.tokens_forwarded / seconds if seconds > 0 else 0.0,
+        }
+
+    def _micro_batch(
+        self,
+        batch: list[TokenizedSequence],
+        row_tokens: int,
+        options: TrainOptions,
+        kl: torch.Tensor | None,
+        row_kl: float,
+        sums: _Sums,
+    ) -> float:
+        """Forward and backward one micro-batch; returns its share of the row's loss."""
+        tensors = self._tensors(batch)
+        mask = tensors["mask"]
+        sampled = mask[:, 1:].bool()
+
+        def flat(values: list[list[float]], fill: float) -> torch.Tensor:
+            return self._padded(values, fill, torch.float32, tensors["width"])[:, 1:][sampled]
+
+        new = self._logprobs(tensors)
+        inputs = TokenInputs(
+            new=new,
+            old=flat([s.old_logprobs for s in batch], math.nan),
+            advantages=flat([[s.advantage] * len(s.input_ids) for s in batch], 0.0),
+            weights=flat([[s.weight] * len(s.input_ids) for s in batch], 0.0),
+            sequence=torch.arange(len(batch), device=self._trainer.device)[:, None].expand_as(sampled)[
+                sampled
+            ],
+            kl=kl,
+            row_kl=row_kl,
+            original=(
+                flat([s.sampler_logprobs or [] for s in batch], math.nan)
+                if options.precalculate_logprobs
+                else None
+            ),
+        )
+        terms = token_loss(inputs, options)
+        share = terms.loss.sum() / (row_tokens + ROW_MEAN_EPS)
+        share.backward()
+        sums.ratio += float(terms.ratio.sum())
+        sums.clipped += float(terms.clipped.sum())
+        sums.tokens += int(new.numel())
+        sums.tokens_forwarded += sum(len(s.input_ids) for s in batch)
+        return float(share.detach())
+
+    def _tensors(self, batch: list[TokenizedSequence]) -> dict[str, Any]:
+        width = max(len(s.input_ids) for s in batch)
+        pad = self._trainer.loaded.tokenizer.pad_token_id
+        return {
+            "width": width,
+            "input_ids": self._padded(
+                [s.input_ids for s in batch], pad if pad is not None else 0, torch.long, width
+            ),
+            "attention": self._padded([[1] * len(s.input_ids) for s in batch], 0, torch.long, width),
+            "mask": self._padded([s.sampled_mask for s in batch], 0, torch.long, width),
+        }
+
+    def _padded(self, rows: list[list[Any]], fill: Any, dtype: torch.dtype, width: int) -> torch.Tensor:
+        return torch.tensor(
+            [r + [fill] * (width - len(r)) for r in rows], dtype=dtype, device=self._trainer.device
+        )
+
+    def _logprobs(self, tensors: dict[str, Any]) -> torch.Tensor:
+        logits = self._trainer.model(
+            input_ids=tensors["input_ids"], attention_mask=tensors["attention"], use_cache=False
+        ).logits
+        return sampled_token_logprobs(logits, tensors["input_ids"], tensors["mask"])
+
+    @torch.no_grad()
+    def _row_kl(self, batches: list[list[TokenizedSequence]], reference: Path | None) -> list[torch.Tensor]:
+        """Per micro-batch, new − reference logprob of each sampled token (before the row's update)."""
+        out = []
+        for batch in batches:
+            tensors = self._tensors(batch)
+            new = self._logprobs(tensors)
+            with self._reference(reference):
+                out.append(new - self._logprobs(tensors))
+        return out
+
+    @contextlib.contextmanager
+    def _reference(self, path: Path | None) -> Iterator[None]:
+        """The KL reference in place of the policy: the base model (adapter disabled) or another adapter's
+        weights swapped in (and the policy's swapped back)."""
+        if path is None:
+            with self._trainer.model.disable_adapter():
+                yield
+            return
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        key = str(path.resolve())
+        if key not in self._reference_adapters:
+            self._reference_adapters[key] = load_file(
+                str(path / ckpt.ADAPTER_WEIGHTS), device=str(self._trainer.device)
+            )
+        policy = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self._trainer.model).items()}
+        set_peft_model_state_dict(self._trainer.model, self._reference_adapters[key])
+        try:
+            yield
+        finally:
+            set_peft_model_state_dict(self._trainer.model, policy)
+
+    @torch.no_grad()
+    def _precalculate(self, sequences: list[TokenizedSequence]) -> None:
+        """precalculate_logprobs: the policy's own logprobs before the step become the old logprobs; the
+        sampler's are kept for truncated importance sampling."""
+        for batch in plan_micro_batches(sequences, self._trainer.config.micro_batch_tokens):
+            values = iter(self._logprobs(self._tensors(batch)).tolist())
+            for s in batch:
+                s.sampler_logprobs = list(s.old_logprobs)
+                s.old_logprobs = [
+                    next(values) if m and t > 0 else math.nan for t, m in enumerate(s.sampled_mask)
+                ]
