@@ -148,7 +148,15 @@ class Trainer:
         from peft import set_peft_model_state_dict
 
         self._check_lora_shape(path, state.adapter_config)
-        result = set_peft_model_state_dict(self.model, state.weights)
+        try:
+            result = set_peft_model_state_dict(self.model, state.weights)
+        except RuntimeError as exc:  # torch's "size mismatch for ..." list, one line per tensor
+            trained_on = state.adapter_config.get("base_model_name_or_path")
+            raise TrainerError(
+                f"checkpoint {path} does not fit base model {self.base_model!r}: its tensors have other shapes "
+                f"(it was trained on {trained_on!r}). A model directory belongs to one base model: use "
+                f"another model name or path for this one. First difference: {str(exc).splitlines()[1:2]}"
+            ) from None
         if result.unexpected_keys:
             raise TrainerError(
                 f"checkpoint {path} has weights this model lacks: {result.unexpected_keys[:5]}"

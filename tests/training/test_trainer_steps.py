@@ -12,6 +12,8 @@ import torch
 from training_helpers import make_choice, trajectory
 
 from art_sglang.config import TrainerConfig
+from art_sglang.errors import TrainerError
+from art_sglang.tiny_model import build_tiny_model
 from art_sglang.training.options import TrainOptions
 from art_sglang.training.packing import plan_micro_batches
 from art_sglang.training.tokenize import TokenizedSequence
@@ -140,3 +142,13 @@ def test_context_only_trajectories_and_over_long_sequences(
     # The context-only trajectory counts in its group's mean; the over-long one is dropped, not an error.
     assert outcome.trained and outcome.metrics["sequences_dropped_too_long"] == 1
     assert outcome.metrics["num_trajectories"] == 2
+
+
+def test_a_checkpoint_of_another_base_model_is_refused_by_name(tiny_model_path: Path, tmp_path: Path) -> None:
+    """Reusing a model directory with a base model of other shapes names both models, not torch's
+    tensor-by-tensor size list."""
+    Trainer(str(tiny_model_path), tmp_path / "checkpoints", TrainerConfig()).resume_or_init()
+    wider = build_tiny_model(tmp_path / "wider", hidden=96)
+    other = Trainer(str(wider), tmp_path / "checkpoints", TrainerConfig())
+    with pytest.raises(TrainerError, match=r"does not fit base model .*wider.*it was trained on .*tiny"):
+        other.resume_or_init()
