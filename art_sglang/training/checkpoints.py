@@ -16,7 +16,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -36,21 +36,21 @@ def checkpoint_path(checkpoint_dir: Path, step: int) -> Path:
 
 def has_adapter(path: Path) -> bool:
     """The adapter files are there and adapter_config.json parses (this backend's checkpoint, or ART's)."""
-    if not all((path / name).is_file() for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)):
-        return False
-    try:
-        json.loads((path / ADAPTER_CONFIG).read_text())
-    except (OSError, ValueError):
-        return False
-    return True
+    return _all_files(path, (ADAPTER_CONFIG, ADAPTER_WEIGHTS)) and _parses_as_json(path / ADAPTER_CONFIG)
 
 
 def is_complete(path: Path) -> bool:
     """All four files present and trainer_state.json readable (a checkpoint this trainer wrote)."""
-    if not has_adapter(path) or not all((path / name).is_file() for name in CHECKPOINT_FILES):
-        return False
+    return has_adapter(path) and _all_files(path, CHECKPOINT_FILES) and _parses_as_json(path / TRAINER_STATE)
+
+
+def _all_files(folder: Path, names: Iterable[str]) -> bool:
+    return all((folder / name).is_file() for name in names)
+
+
+def _parses_as_json(path: Path) -> bool:
     try:
-        json.loads((path / TRAINER_STATE).read_text())
+        json.loads(path.read_text())
     except (OSError, ValueError):
         return False
     return True
