@@ -5,14 +5,17 @@
 #   bash scripts/device/stage.sh train 0..1    carry .device-train/pN (+ .device-train/install.sh with the last)
 #   bash scripts/device/stage.sh vllm 0..4     carry .device-vllm/pN (+ .device-vllm/install.sh with the last;
 #                                              built by scripts/device/vllm_parts.sh, its last part holds LAST)
+#   bash scripts/device/stage.sh router 0      carry .device-router/p0 + .device-router/install.sh (after sglang:
+#                                              SGLang's router goes next to SGLang in /tmp/site)
 set -euo pipefail
-what=${1:?usage: stage.sh sglang|train|vllm N}
-n=${2:?usage: stage.sh sglang|train|vllm N}
+what=${1:?usage: stage.sh sglang|train|vllm|router N}
+n=${2:?usage: stage.sh sglang|train|vllm|router N}
 case $what in
   sglang) src=.device stage=/root/b site=/tmp/site last=3 ;;
   train) src=.device-train stage=/root/t site=/tmp/tsite last=1 ;;
   vllm) src=.device-vllm stage=/root/v site=/tmp/vsite last=marked ;;
-  *) echo "usage: stage.sh sglang|train|vllm N" >&2; exit 2 ;;
+  router) src=.device-router stage=/root/r site=/tmp/site last=0 ;;
+  *) echo "usage: stage.sh sglang|train|vllm|router N" >&2; exit 2 ;;
 esac
 mkdir -p "$stage"
 cp "$src/p$n"/chunk.* "$stage/"
