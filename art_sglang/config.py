@@ -112,7 +112,12 @@ class SGLangConfig(BaseModel):
     disable_cuda_graph: bool = Field(
         False, description="Skip CUDA-graph capture: faster start, slower decode."
     )
-    api_key: str | None = Field(None, description="API key the server requires; None = no key.")
+    api_key: str | None = Field(
+        None,
+        description="Key rollout clients must send (model.openai_client() sends it); None = any. The server "
+        "itself gets keys of its own, which clients never hold (its admin routes a separate one), passed "
+        "in a private file instead of on its command line.",
+    )
     tool_call_parser: str | None = Field(
         "hermes",
         description="SGLang --tool-call-parser: how `<tool_call>` markup in a completion becomes "
@@ -144,6 +149,18 @@ class SGLangConfig(BaseModel):
     def _no_blank_targets(cls, value: list[str]) -> list[str]:
         if any(not m.strip() for m in value):
             raise ValueError("lora_target_modules must not contain empty names")
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_keys_in_extra_args(cls, value: list[str]) -> list[str]:
+        taken = sorted({arg.split("=")[0] for arg in value} & {"--api-key", "--admin-api-key", "--config"})
+        if taken:
+            raise ValueError(
+                f"extra_args must not give {', '.join(taken)}: the backend passes the server keys of its own "
+                "in a private --config file (a key on a command line is readable by every local user); "
+                "set SGLangConfig.api_key for the key rollout clients send"
+            )
         return value
 
     @model_validator(mode="after")
@@ -195,7 +212,6 @@ LAUNCH_FLAGS = (
     "enable_memory_saver",
     "enable_weights_cpu_backup",
     "disable_cuda_graph",
-    "api_key",
     "tool_call_parser",
     "chat_template",
 )

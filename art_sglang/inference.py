@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -53,14 +54,28 @@ class InferenceService:
     ):
         self._config = config
         self._base_model = base_model
-        self._process = ServerProcess(config, base_model, engine=engine, log_path=log_path, gpu_ids=gpu_ids)
+        # The server's keys are its own: rollout clients hold `config.api_key`, which opens the gateway;
+        # the gateway alone holds the key of the server's ordinary routes (without the gateway clients talk
+        # to the server, with their key), and this service alone the admin key.
+        server_config = (
+            config.model_copy(update={"api_key": secrets.token_urlsafe(32)}) if use_gateway else config
+        )
+        self._admin_key = secrets.token_urlsafe(32)
+        self._process = ServerProcess(
+            server_config,
+            base_model,
+            engine=engine,
+            log_path=log_path,
+            gpu_ids=gpu_ids,
+            admin_api_key=self._admin_key,
+        )
         self._gateway: AdapterGateway | None = None
         if use_gateway:
             # A request the dead server refuses waits for the restart (as long as a start may take).
             self._gateway = AdapterGateway(
                 "http://127.0.0.1:0",
                 api_key=config.api_key,
-                upstream_key=config.api_key,
+                upstream_key=server_config.api_key,
                 unreachable_wait=config.server_timeout,
             )
         self._find_checkpoint: Callable[[str], Path | None] | None = None
@@ -85,7 +100,8 @@ class InferenceService:
 
     @property
     def process(self) -> ServerProcess:
-        """The server process (read its pid, address and liveness; start and stop it through the service)."""
+        """The server process (read its pid, address, liveness and `config.api_key`, the key of its
+        ordinary routes; start and stop it through the service)."""
         return self._process
 
     @property
@@ -235,7 +251,9 @@ class InferenceService:
             await self._process.start()
             if self._client is not None:
                 await self._client.aclose()
-            self._client = ServerClient(self._process.base_url, api_key=self._config.api_key)
+            self._client = ServerClient(
+                self._process.base_url, api_key=self._process.config.api_key, admin_api_key=self._admin_key
+            )
             self._base_ids = [card.id for card in await self._client.list_models() if card.parent is None]
             if self._base_weights is not None:
                 # A fresh process holds the original base weights; the merged ones are applied again.
