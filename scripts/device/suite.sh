@@ -5,8 +5,9 @@
 # it), and every call copies it all to $OUT.
 # A failing suite does not stop the next; the exit status is the number of failed suites.
 #   bash scripts/device/suite.sh contract shared-sleep
-# Suites: contract shared-sleep shared-restart sync split bench-trainer, and the benchmarks (minutes on
-# an H100 with the 1.5B shape; each call of `run` has 10):
+# Suites: contract shared-sleep shared-restart sync split bench-trainer, faults-split (2 GPUs) and
+# faults-shared (server SIGKILL/SIGSTOP during and between steps, user script SIGKILL; ~4 min each), and
+# the benchmarks (minutes on an H100 with the 1.5B shape; each call of `run` has 10):
 #   bench-cycle-kv bench-cycle-all (~3.5 min each), bench-cycle-restart (~6 min): shared-mode steps
 #     through the backend, one strategy each, merged into bench_cycle-<model>.json
 #   bench-inference (~6 min): SGLang, radix cache on and off; bench-vllm (~4 min, after stage.sh vllm):
@@ -37,6 +38,8 @@ for name in "$@"; do
     shared-restart) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k restart) ;;
     sync) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py) ;;
     split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_split_mode.py) ;;
+    faults-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k split) ;;
+    faults-shared) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k shared) ;;
     bench-cycle-kv) cmd=("${cycle[@]}" --strategies sleep/kv_cache --steps 3) ;;
     bench-cycle-all) cmd=("${cycle[@]}" --strategies sleep/all --steps 3) ;;
     bench-cycle-restart) cmd=("${cycle[@]}" --strategies restart --restart-steps 2) ;;
