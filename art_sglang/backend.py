@@ -52,7 +52,8 @@ class SGLangBackend:
 
     Mode (from the visible GPUs unless set): split with 2+ GPUs (server on the first, trainer on the
     rest), shared with one (server and trainer take turns: `shared_strategy` "sleep" releases the
-    server's memory, "restart" stops it), and the CPU reference engine with none. `engine` forces
+    server's memory, "restart" stops it; "co_resident" keeps both on the GPU with no handoff, for
+    pipelined training), and the CPU reference engine with none. `engine` forces
     "sglang" or "reference". `gateway=False` points clients at the server directly (no refusal of
     unloaded model names). `layout` overrides the device choice entirely (tests use it to force shared
     mode on CPU).
