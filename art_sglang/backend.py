@@ -255,9 +255,13 @@ class SGLangBackend:
         entry = self._entry(model)
         assert self._service is not None
         entry.pipelined = True
-        checkpoint = entry.store.checkpoint_dir(step)  # loaded (checked first) if it is not now
-        async with self._service.lease(f"{model.name}@{step}", checkpoint), pin_step(model.name, step):
-            yield
+        async with pin_step(model.name, step):
+            if self._pipelining_problem() is not None:
+                yield  # train() refuses; the server is left as the weight sync and the handoff want it
+                return
+            checkpoint = entry.store.checkpoint_dir(step)  # loaded (checked first) if it is not now
+            async with self._service.lease(f"{model.name}@{step}", checkpoint):
+                yield
 
     async def prune_model_adapters(self, model: Any, *, retain_steps: set[int]) -> None:
         """Unload the model's adapters except `retain_steps`, the current step and the leased ones (ART's
@@ -274,6 +278,13 @@ class SGLangBackend:
                 model.name, len(keep), slots, len(keep) - 1,
             )  # fmt: skip
         await self._service.prune(f"{model.name}@", {f"{model.name}@{step}" for step in keep})
+
+    def _pipelining_problem(self) -> str | None:
+        return pipelining_problem(
+            self.handoff_strategy,
+            gateway=self._use_gateway,
+            weight_sync=self.sglang_config.weight_sync_method,
+        )
 
     def _leased_steps(self, entry: RegisteredModel) -> set[int]:
         assert self._service is not None
@@ -302,11 +313,7 @@ class SGLangBackend:
         entry = self._entry(model)
         check_row_length(train_options, entry.trainer.config)
         if entry.pipelined:
-            problem = pipelining_problem(
-                self.handoff_strategy,
-                gateway=self._use_gateway,
-                weight_sync=self.sglang_config.weight_sync_method,
-            )
+            problem = self._pipelining_problem()
             if problem is not None:
                 raise ConfigError(
                     f"pipelined training (rollouts hold adapter leases while train() runs): {problem}"
