@@ -29,12 +29,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # environments/ from a source checkout
 from bench_common import (
-    add_server_args,
     device_name,
     environment,
     markdown_table,
+    rollout_workload,
     server_config,
+    training_bench_parser,
     version_in,
+    workload_phrase,
     write_results,
 )
 
@@ -135,12 +137,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "layout": args.layout,
         "layout_detail": layout,
         "workload": {
-            "task": "char_share (reward: share of vowels)",
-            "groups": args.groups,
-            "group_size": args.group_size,
-            "max_tokens": args.max_tokens,
-            "lora_rank": args.lora_rank,
-            "learning_rate": args.learning_rate,
+            **rollout_workload(args),
             "steps": args.steps,
             "seed": args.seed,
             "max_steps_off_policy": args.max_steps_off_policy,
@@ -169,25 +166,17 @@ def table(result: dict[str, Any]) -> str:
     w = result["workload"]
     head = (
         f"{result['engine']} on {result['device']} ({result['layout']}), {result['date']}; model "
-        f"{result['model']}; {w['groups']} groups x {w['group_size']} rollouts of <= {w['max_tokens']} tokens, "
-        f"LoRA r={w['lora_rank']}, max_steps_off_policy={w['max_steps_off_policy']}, seed {w['seed']}; "
+        f"{result['model']}; {workload_phrase(w)}, max_steps_off_policy={w['max_steps_off_policy']}, "
+        f"seed {w['seed']}; "
         f"pipelined / synchronous steps per minute: {result['speedup']:.2f}x"
     )
     return head + "\n\n" + markdown_table(headers, rows)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_server_args(parser)
-    parser.set_defaults(lora_rank=16)
+    parser = training_bench_parser(__doc__)
     parser.add_argument("--layout", choices=LAYOUTS, default="co_resident")
     parser.add_argument("--steps", type=int, default=6, help="training steps per loop")
-    parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=96, help="output tokens per rollout (at most)")
-    parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--max-steps-off-policy", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
