@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -66,6 +67,8 @@ class InferenceService:
         self._find_checkpoint: Callable[[str], Path | None] | None = None
         self._drain_timeout = drain_timeout
         self._adapters: dict[str, Path] = {}  # loaded (and wanted after every start), oldest first
+        self._leases: Counter[str] = Counter()  # names rollouts hold: never unloaded while held
+        self._unloading: set[str] = set()  # no longer routed, still loaded until their requests finish
         self._aliases: dict[str, str] = {}  # names served by the base slot (merged weights)
         self._base_ids: list[str] = []
         self._base_weights: Path | None = None  # merged weights the base slot holds; None = the original
@@ -297,32 +300,71 @@ class InferenceService:
         async with self._lock:
             if name in self._adapters:
                 return
-            await self._load_on_server(name, path)
+            if name not in self._unloading:  # else still on the server: routing it again is enough
+                await self._load_on_server(name, path)
             self._adapters[name] = path
             self._publish()
 
     async def remove_adapter(self, name: str) -> None:
-        """Stop routing `name`, wait for its requests in flight, then unload it from the server."""
+        """Stop routing `name`, wait for its requests in flight, then unload it from the server. A leased
+        name stays (see `lease`)."""
         async with self._lock:
-            if self._adapters.pop(name, None) is None:
+            if self._leases[name] > 0 or self._adapters.pop(name, None) is None:
                 return
+            self._unloading.add(name)
             self._publish()
-        if self._gateway is not None and not await self._gateway.wait_idle(name, self._drain_timeout):
-            logger.warning(
-                "requests on %s still in flight after %.0f s; unloading", name, self._drain_timeout
-            )
-        async with self._lock:
-            if name in self._adapters or not self._process.is_alive():
-                return  # loaded again meanwhile, or gone with the process
-            try:
-                await self._admin().unload_lora_adapter(name)
-            except ServerRequestError as exc:
-                logger.warning("unloading %s failed: %s", name, exc)
+        try:
+            if not await self._wait_unused(name):
+                logger.warning(
+                    "requests on %s still in flight after %.0f s; unloading", name, self._drain_timeout
+                )
+            async with self._lock:
+                if name in self._adapters or not self._process.is_alive():
+                    return  # loaded again meanwhile, or gone with the process
+                try:
+                    await self._admin().unload_lora_adapter(name)
+                except ServerRequestError as exc:
+                    logger.warning("unloading %s failed: %s", name, exc)
+        finally:
+            self._unloading.discard(name)
+
+    async def _wait_unused(self, name: str) -> bool:
+        """Wait until no request on `name` is in flight or `name` is routed again; False on timeout."""
+        deadline = time.monotonic() + self._drain_timeout
+        while self._gateway is not None and self._gateway.in_flight(name) > 0 and name not in self._adapters:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str, path: Path) -> AsyncIterator[None]:
+        """Keep `name` loaded and routed for the block (loading `path` first if it is not): the commands
+        that unload adapters (`remove_adapter`, `keep_newest`, `prune`) leave a leased name alone, so a
+        rollout finishes on the step it started with. Leases nest and may overlap."""
+        self._leases[name] += 1
+        try:
+            await self.add_adapter(name, path)
+            yield
+        finally:
+            self._leases[name] -= 1
+            if self._leases[name] <= 0:
+                del self._leases[name]
+
+    def leased(self) -> frozenset[str]:
+        """The names held by a lease now."""
+        return frozenset(self._leases)
 
     async def keep_newest(self, prefix: str, keep: int) -> None:
-        """Unload all but the `keep` newest adapters (highest step) whose name starts with `prefix`."""
+        """Unload the adapters whose name starts with `prefix` except the `keep` newest (highest step) and
+        the leased ones."""
         mine = sorted((name for name in self._adapters if name.startswith(prefix)), key=_step_of)
         for name in mine[: max(len(mine) - keep, 0)]:
+            await self.remove_adapter(name)
+
+    async def prune(self, prefix: str, retain: set[str]) -> None:
+        """Unload the adapters whose name starts with `prefix` except `retain` and the leased ones."""
+        for name in [name for name in self._adapters if name.startswith(prefix) and name not in retain]:
             await self.remove_adapter(name)
 
     async def replace_adapters(self, prefix: str, name: str, path: Path, *, restart: bool) -> None:

@@ -53,6 +53,35 @@ def add_server_args(
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/art-sglang-bench"))
 
 
+def training_bench_parser(description: str | None) -> argparse.ArgumentParser:
+    """The command line of the benchmarks that train through the backend: the server's settings and the
+    GRPO workload (character-share rollouts, LoRA r=16 by default)."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_server_args(parser)
+    parser.set_defaults(lora_rank=16)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=96, help="output tokens per rollout (at most)")
+    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    return parser
+
+
+def rollout_workload(args: argparse.Namespace) -> dict[str, Any]:
+    """`training_bench_parser`'s workload as the results record it."""
+    return {
+        "task": "char_share (reward: share of vowels)", "groups": args.groups, "group_size": args.group_size,
+        "max_tokens": args.max_tokens, "lora_rank": args.lora_rank, "learning_rate": args.learning_rate,
+    }  # fmt: skip
+
+
+def workload_phrase(workload: dict[str, Any]) -> str:
+    """A `rollout_workload` in words, for a table's heading."""
+    w = workload
+    return f"{w['groups']} groups x {w['group_size']} rollouts of <= {w['max_tokens']} tokens, LoRA r={w['lora_rank']}"
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """What a benchmarked server is started with, in terms every engine maps to its own flags."""

@@ -15,6 +15,9 @@
 #   models-7b (~2 min): builds qwen2.5-7b-shape; BENCH_MODEL=/root/models/qwen2.5-7b-shape then points
 #     the benchmarks at it
 #   bench-multiturn (~5 min): tic-tac-toe through the backend, prefix-cache hit rate per turn
+#   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
+#     workload and seed, server and trainer co-resident on GPU 0; bench-pipeline-split: server on GPU 0,
+#     trainer on GPU 1 (2 GPUs)
 set -uo pipefail
 # shellcheck source=scripts/device/env.sh
 source scripts/device/env.sh
@@ -28,6 +31,7 @@ mkdir -p "$results"
 cycle=(python3 scripts/bench_cycle.py --model "$big" "${kernels[@]}" --merge
        --json "$results/bench_cycle-${big##*/}.json" --markdown "$results/bench_cycle-${big##*/}.md")
 inference=(python3 scripts/benchmark_inference.py --model "$big")
+pipeline=(python3 scripts/bench_pipeline.py --model "$big" "${kernels[@]}" --steps 6)
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
 for name in "$@"; do
@@ -55,6 +59,10 @@ for name in "$@"; do
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
     bench-multiturn) cmd=(python3 scripts/bench_multiturn.py --model "$big" "${kernels[@]}"
                           --json "$results/bench_multiturn.json" --markdown "$results/bench_multiturn.md") ;;
+    bench-pipeline-1gpu) cmd=("${pipeline[@]}" --layout co_resident --json "$results/bench_pipeline-1gpu.json"
+                               --markdown "$results/bench_pipeline-1gpu.md") ;;
+    bench-pipeline-split) cmd=("${pipeline[@]}" --layout split --json "$results/bench_pipeline-split.json"
+                                --markdown "$results/bench_pipeline-split.md") ;;
     *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
   esac
   echo "=== $name: ${cmd[*]}" | tee "$OUT/$name.log"
