@@ -335,7 +335,6 @@ class InferenceService:
                 if replica.routed_url is None:
                     await self._put_in(replica)
             if self._gateway is not None:
-                self._gateway.set_upstream(self._upstream())
                 self._gateway.start()
             self._publish()
             self._serving = True
@@ -401,7 +400,10 @@ class InferenceService:
     async def _take_out(self, replica: _Replica) -> None:
         """Stop routing requests to a server (the router forgets it before it stops or restarts)."""
         url, replica.routed_url = replica.routed_url, None
-        if url is not None and self._router is not None:
+        if url is None:
+            return
+        self._publish()
+        if self._router is not None:
             await self._router.remove_worker(url)
 
     def _live(self) -> list[ServerClient]:
@@ -534,6 +536,8 @@ class InferenceService:
     def _publish(self) -> None:
         if self._gateway is not None:
             self._gateway.set_served(self._adapters, self._base_ids, self._aliases)
+            routed = [r.routed_url for r in self._replicas if r.routed_url is not None]
+            self._gateway.set_upstream(self._upstream(), reads=routed[0] if routed else None)
 
     # --- checks ----------------------------------------------------------------------------------------
     async def probe(self, name: str) -> None:
