@@ -99,6 +99,12 @@ class InferenceService:
                 log_path=log_path.with_name(f"{log_path.stem}-router{log_path.suffix}"),
                 startup_timeout=config.server_timeout,
             )
+            logger.warning(
+                "%d server replicas behind SGLang's router: the router re-encodes requests and drops "
+                "`return_token_ids`, so completions carry no sampled token ids and the trainer tokenizes "
+                "them from their logprobs and text (as for a server that returns no ids)",
+                len(self._replicas),
+            )
         self._gateway: AdapterGateway | None = None
         if use_gateway:
             # A request the dead server refuses waits for the restart (as long as a start may take).
