@@ -355,26 +355,30 @@ class InferenceService:
 
     async def _start_processes(self, replicas: Sequence[_Replica]) -> None:
         """Start server processes: on different GPUs at the same time; replicas sharing a GPU one after the
-        other, each asking for its share of the GPU's memory."""
+        other (a server measures the GPU's free memory when it starts and sizes its own from it, so one
+        starting alongside another could count memory the other is about to take), each asking for its
+        share of the GPU's memory."""
         groups: dict[tuple[str, ...], list[_Replica]] = {}
         for n, replica in enumerate(replicas):
             # Without GPUs (the reference engine) nothing is shared; each starts on its own.
             groups.setdefault(replica.gpus or (f"cpu{n}",), []).append(replica)
 
-        async def start_group(group: list[_Replica]) -> None:
+        async def start_in_turn(group: list[_Replica]) -> None:
             for replica in group:
                 replica.process.config = self._config_for(replica)
                 await replica.process.start()
 
-        await gather_all(*(start_group(group) for group in groups.values()))
+        await gather_all(*(start_in_turn(group) for group in groups.values()))
 
     def _config_for(self, replica: _Replica) -> SGLangConfig:
         """The server config of a replica about to start. SGLang sizes its memory as mem_fraction_static of
-        the memory free when it starts; with k other replicas running on the GPU, each holding the fraction
-        f, f / (1 - k*f) of what is left is the same share f of the whole GPU."""
+        the memory free when it starts: with k other replicas already running on its GPU, each holding the
+        share f of it, f / (1 - k*f) of what they left is the same share f of the whole GPU."""
         if not replica.gpus:
             return self._config
-        sharing = sum(1 for r in self._replicas if r is not replica and r.gpus == replica.gpus and r.up)
+        sharing = sum(
+            1 for r in self._replicas if r is not replica and r.gpus == replica.gpus and r.process.is_alive()
+        )
         fraction = self._config.mem_fraction_static
         if sharing == 0:
             return self._config

@@ -5,8 +5,8 @@
 # it), and every call copies it all to $OUT.
 # A failing suite does not stop the next; the exit status is the number of failed suites.
 #   bash scripts/device/suite.sh contract shared-sleep
-# Suites: contract shared-sleep shared-restart sync split bench-trainer, and the benchmarks (minutes on
-# an H100 with the 1.5B shape; each call of `run` has 10):
+# Suites: contract shared-sleep shared-restart sync split replicas-1gpu bench-trainer, and the benchmarks
+# (minutes on an H100 with the 1.5B shape; each call of `run` has 10):
 #   bench-cycle-kv bench-cycle-all (~3.5 min each), bench-cycle-restart (~6 min): shared-mode steps
 #     through the backend, one strategy each, merged into bench_cycle-<model>.json
 #   bench-inference (~6 min): SGLang, radix cache on and off; bench-vllm (~4 min, after stage.sh vllm):
@@ -14,6 +14,9 @@
 #   models-7b (~2 min): builds qwen2.5-7b-shape; BENCH_MODEL=/root/models/qwen2.5-7b-shape then points
 #     the benchmarks at it
 #   bench-multiturn (~5 min): tic-tac-toe through the backend, prefix-cache hit rate per turn
+#   bench-replicas (~3 min, 2 GPUs, stage.sh router first): rollout tokens/s of 1 replica vs 2 behind
+#     SGLang's router, and the prefix-cache hit rate of cache-aware vs round-robin routing
+# replicas-1gpu (~4 min, 2 GPUs, stage.sh router first): two replicas on GPU 0 behind the router, trainer on GPU 1
 set -uo pipefail
 # shellcheck source=scripts/device/env.sh
 source scripts/device/env.sh
@@ -37,6 +40,7 @@ for name in "$@"; do
     shared-restart) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k restart) ;;
     sync) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py) ;;
     split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_split_mode.py) ;;
+    replicas-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_replicas.py) ;;
     bench-cycle-kv) cmd=("${cycle[@]}" --strategies sleep/kv_cache --steps 3) ;;
     bench-cycle-all) cmd=("${cycle[@]}" --strategies sleep/all --steps 3) ;;
     bench-cycle-restart) cmd=("${cycle[@]}" --strategies restart --restart-steps 2) ;;
@@ -50,6 +54,9 @@ for name in "$@"; do
                         --json "$results/bench_engines.json" --markdown "$results/bench_engines.md") ;;
     models-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-shape) ;;
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
+    bench-replicas) cmd=(python3 scripts/bench_replicas.py --model "$big" "${kernels[@]}" --no-cuda-graph
+                         --workdir /tmp/bench-replicas
+                         --json "$results/bench_replicas.json" --markdown "$results/bench_replicas.md") ;;
     bench-multiturn) cmd=(python3 scripts/bench_multiturn.py --model "$big" "${kernels[@]}"
                           --json "$results/bench_multiturn.json" --markdown "$results/bench_multiturn.md") ;;
     *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;

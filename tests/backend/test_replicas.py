@@ -12,11 +12,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 import pytest_asyncio
-from backend_helpers import sample_groups, server_models
+from backend_helpers import sample_groups, served_by_each
 
 import art_sglang as art
 from art_sglang import SGLangBackend
@@ -53,19 +52,6 @@ async def replicated(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: 
         yield Replicated(backend, model)
     finally:
         await backend.close()
-
-
-async def served_by_each(service: InferenceService, name: str) -> list[str]:
-    """For each replica, asked directly: 'yes' when it lists `name` and answers a request on it with 200."""
-    answers = []
-    async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
-        for process in service.processes:
-            body = {"model": service.base_model, "lora_path": name, "max_tokens": 2,
-                    "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
-            reply = await http.post(f"{process.base_url}/v1/chat/completions", json=body)
-            listed = name in await server_models(process.base_url)
-            answers.append("yes" if listed and reply.status_code == 200 else f"no ({reply.status_code})")
-    return answers
 
 
 def chat_lines(log: Path) -> list[str]:
