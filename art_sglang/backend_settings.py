@@ -258,6 +258,11 @@ def server_updates(settings: ModelSettings, store: ModelStore) -> dict[str, Any]
 def fit_replicas(config: SGLangConfig, layout: DeviceLayout) -> SGLangConfig:
     """Server replicas sharing a GPU split its memory: mem_fraction_static defaults to an equal share and
     may not ask for more than the GPU has (`ConfigError` before anything starts)."""
+    if len(layout.replicas) > 1 and config.port is not None:
+        raise ConfigError(
+            f"SGLangConfig(port={config.port}) with several server replicas: each replica needs its own "
+            "port; leave port unset (free ports are picked)"
+        )
     if len(layout.replicas) > 1 and config.api_key is not None:
         raise ConfigError(
             "SGLangConfig(api_key=...) with several server replicas: the replicas sit behind SGLang's router, "

@@ -168,6 +168,8 @@ def test_replicas_sharing_a_gpu_split_its_memory_and_each_gets_its_gpus(tmp_path
         SGLangBackend(layout=two_on_one, sglang_config=SGLangConfig(mem_fraction_static=0.6))
     with pytest.raises(ConfigError, match=r"api_key=\.\.\.\) with several server replicas"):
         SGLangBackend(layout=two_on_one, sglang_config=SGLangConfig(api_key="secret"))
+    with pytest.raises(ConfigError, match=r"port=30000\) with several server replicas"):
+        SGLangBackend(layout=two_on_one, sglang_config=SGLangConfig(port=30000))
     service = InferenceService(
         backend.sglang_config,
         "m",

@@ -99,6 +99,24 @@ async def test_each_step_is_served_by_both_replicas_across_a_replica_crash(repli
     assert all(chat_lines(p.log_path) for p in service.processes)
 
 
+async def test_a_dead_router_is_restarted_with_both_replicas(replicated: Replicated) -> None:
+    service = replicated.service
+    router = service.router
+    assert router is not None and router.pid is not None
+    dead = router.pid
+    for proc in [psutil.Process(dead), *psutil.Process(dead).children(recursive=True)]:
+        proc.kill()
+    # A request sent meanwhile waits in the gateway for the new router.
+    reply = await replicated.model.openai_client().chat.completions.create(
+        model=replicated.model.get_inference_name(),
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+    )
+    assert reply.choices[0].message.content is not None
+    assert router.pid not in (None, dead)
+    assert await router.workers() == {p.base_url: True for p in service.processes}
+
+
 async def test_a_multi_turn_conversation_stays_on_its_replica(replicated: Replicated) -> None:
     service = replicated.service
     before = [len(chat_lines(p.log_path)) for p in service.processes]
