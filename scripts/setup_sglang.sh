@@ -109,20 +109,19 @@ if [ $cpu = 1 ]; then
   say "--cpu: no SGLang server venv; the backend uses the reference engine"
 else
   make_venv .venv-sglang-server 0
-  if .venv-sglang-server/bin/python -c 'import sglang, sys; sys.exit(sglang.__version__ != "0.5.17")' 2>/dev/null; then
-    say ".venv-sglang-server already has sglang 0.5.17"
-  else
-    say "installing $SGLANG_SPEC into .venv-sglang-server (large: torch, flashinfer, kernels)"
-    install .venv-sglang-server "$SGLANG_SPEC"
-    done_lines+=("installed $SGLANG_SPEC into .venv-sglang-server")
-  fi
-  if .venv-sglang-server/bin/python -c 'import sglang_router' 2>/dev/null; then
-    say ".venv-sglang-server already has sglang-router"
-  else
-    say "installing $ROUTER_SPEC into .venv-sglang-server"
-    install .venv-sglang-server "$ROUTER_SPEC"
-    done_lines+=("installed $ROUTER_SPEC into .venv-sglang-server")
-  fi
+  # Install spec $2 into the server venv unless the Python check $1 already passes there ($3: a note).
+  server_package() {
+    if .venv-sglang-server/bin/python -c "$1" 2>/dev/null; then
+      say ".venv-sglang-server already has $2"
+    else
+      say "installing $2 into .venv-sglang-server${3:-}"
+      install .venv-sglang-server "$2"
+      done_lines+=("installed $2 into .venv-sglang-server")
+    fi
+  }
+  server_package 'import sglang, sys; sys.exit(sglang.__version__ != "0.5.17")' "$SGLANG_SPEC" \
+    " (large: torch, flashinfer, kernels)"
+  server_package 'import sglang_router' "$ROUTER_SPEC"
   .venv-sglang-server/bin/python - <<'PY'
 import importlib.util, sys
 import sglang
