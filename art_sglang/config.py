@@ -113,6 +113,11 @@ class SGLangConfig(BaseModel):
     disable_cuda_graph: bool = Field(
         False, description="Skip CUDA-graph capture: faster start, slower decode."
     )
+    disable_prefill_cuda_graph: bool = Field(
+        False,
+        description="Skip only the prefill CUDA graphs SGLang captures by default (decode keeps its "
+        "graphs): a shorter server start, slower prefill of small batches.",
+    )
     api_key: str | None = Field(None, description="API key the server requires; None = no key.")
     tool_call_parser: str | None = Field(
         "hermes",
@@ -203,6 +208,7 @@ LAUNCH_FLAGS = (
     "enable_memory_saver",
     "enable_weights_cpu_backup",
     "disable_cuda_graph",
+    "disable_prefill_cuda_graph",
     "api_key",
     "tool_call_parser",
     "chat_template",

@@ -30,6 +30,7 @@ def test_optional_flags_and_extra_args_are_rendered() -> None:
         enable_memory_saver=True,
         enable_weights_cpu_backup=True,
         disable_cuda_graph=True,
+        disable_prefill_cuda_graph=True,
         api_key="k",
         lora_target_modules=["q_proj", "v_proj"],
         extra_args=["--log-level", "debug"],
@@ -44,6 +45,7 @@ def test_optional_flags_and_extra_args_are_rendered() -> None:
         "--enable-memory-saver",
         "--enable-weights-cpu-backup",
         "--disable-cuda-graph",
+        "--disable-prefill-cuda-graph",
         "--api-key k",
         "--lora-target-modules q_proj v_proj",
     ):
