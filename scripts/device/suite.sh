@@ -16,7 +16,7 @@
 #   bench-multiturn (~5 min): tic-tac-toe through the backend, prefix-cache hit rate per turn
 #   bench-replicas (~3 min, 2 GPUs, stage.sh router first): rollout tokens/s of 1 replica vs 2 behind
 #     SGLang's router, and the prefix-cache hit rate of cache-aware vs round-robin routing
-# replicas-1gpu (~4 min, 2 GPUs, stage.sh router first): two replicas on GPU 0 behind the router, trainer on GPU 1
+# replicas-1gpu (~4 min, 1 GPU, stage.sh router first): two replicas on the first visible GPU behind the router
 set -uo pipefail
 # shellcheck source=scripts/device/env.sh
 source scripts/device/env.sh
