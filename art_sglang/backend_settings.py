@@ -6,18 +6,23 @@ anything starts."""
 from __future__ import annotations
 
 import logging
+import math
+from collections import Counter
 from typing import Any, Literal
 
 from .config import DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
 from .devices import DeviceLayout, EngineChoice, choose_layout, detect_gpus
 from .errors import ConfigError
-from .gpu_budget import SharedPlan, model_weights_bytes, plan_shared_gpu
+from .gpu_budget import SharedPlan, model_weights_bytes, plan_co_resident, plan_shared_gpu
 from .internal_config import ModelSettings, internal_config_of, model_settings
 from .model_store import ModelStore, base_model_problem
 from .shared_mode import HandoffStrategy
 from .training.options import TrainOptions
 
 logger = logging.getLogger(__name__)
+
+# Replicas sharing a GPU leave at least this much of it to CUDA contexts and activations together.
+MAX_SHARED_FRACTION = 0.95
 
 
 class BackendSettings:
@@ -34,9 +39,10 @@ class BackendSettings:
         inference_device: int | None,
         training_devices: list[int] | None,
         layout: DeviceLayout | None,
+        inference_devices: list[int] | None = None,
     ) -> None:
-        if shared_strategy not in ("sleep", "restart"):
-            raise ConfigError(f"shared_strategy={shared_strategy!r}: use 'sleep' or 'restart'")
+        if shared_strategy not in ("sleep", "restart", "co_resident"):
+            raise ConfigError(f"shared_strategy={shared_strategy!r}: use 'sleep', 'restart' or 'co_resident'")
         if engine not in ("auto", "sglang", "reference"):
             raise ConfigError(f"engine={engine!r}: use 'auto', 'sglang' or 'reference'")
         check_compatible(config, trainer_config)
@@ -46,11 +52,15 @@ class BackendSettings:
         self._requested_config = config
         self._device_request = (device_config, engine)
         self._devices_given = (
-            layout is not None or inference_device is not None or training_devices is not None
+            layout is not None
+            or inference_device is not None
+            or inference_devices is not None
+            or training_devices is not None
         )
         self._initial_layout = layout or choose_layout(
             device_config,
             inference_device=inference_device,
+            inference_devices=inference_devices,
             training_devices=training_devices,
             engine=engine,
             tensor_parallel_size=config.tensor_parallel_size,
@@ -90,7 +100,10 @@ class BackendSettings:
     def _configure(self, layout: DeviceLayout, config: SGLangConfig) -> None:
         """Set the device layout and the server config that follows from it (shared mode's memory saver)."""
         self.layout = layout
-        self.handoff_strategy: HandoffStrategy = self.shared_strategy if layout.mode == "shared" else "none"
+        self.handoff_strategy: HandoffStrategy = "none"
+        if layout.mode == "shared" and self.shared_strategy != "co_resident":
+            self.handoff_strategy = self.shared_strategy
+        config = fit_replicas(config, layout)
         self.sglang_config = with_memory_saver(config) if self.handoff_strategy == "sleep" else config
 
     def apply_first_model(self, settings: ModelSettings, store: ModelStore) -> None:
@@ -159,13 +172,9 @@ class BackendSettings:
         """What a sleep handoff releases, from the shared GPU's size and the base model's (blocking)."""
         config = self.sglang_config
         requested = config.sleep_release
-        total: int | None = None
-        if self.layout.engine == "sglang":
-            gpus = {gpu.index: gpu for gpu in detect_gpus().gpus}
-            gpu = gpus.get(self.layout.inference_gpus[0]) if self.layout.inference_gpus else None
-            if gpu is None and requested == "auto":
-                return SharedPlan("all", config.mem_fraction_static, "the GPU's memory size is unknown")
-            total = gpu.memory_total_mib * 2**20 if gpu is not None else None
+        total = self._gpu_total_bytes()
+        if total is None and self.layout.engine == "sglang" and requested == "auto":
+            return SharedPlan("all", config.mem_fraction_static, "the GPU's memory size is unknown")
         return plan_shared_gpu(
             requested,
             gpu_total_bytes=total,
@@ -174,12 +183,52 @@ class BackendSettings:
             fraction_set_by_user="mem_fraction_static" in config.model_fields_set,
         )
 
+    @property
+    def co_resident(self) -> bool:
+        """One GPU for both, no handoff: the server serves while the trainer trains."""
+        return self.layout.mode == "shared" and self.shared_strategy == "co_resident"
+
+    def use_co_resident_plan(self, base_model: str) -> None:
+        """Size the server's pool so the trainer trains beside it on the shared GPU (blocking)."""
+        config = self.sglang_config
+        total = self._gpu_total_bytes()
+        if total is None and self.layout.engine == "sglang":
+            raise ConfigError(
+                "shared_strategy='co_resident' needs the GPU's memory size (nvidia-smi did not report it) to "
+                "leave room for the trainer: use shared_strategy='sleep'"
+            )
+        fraction = plan_co_resident(
+            gpu_total_bytes=total,
+            weights_bytes=model_weights_bytes(base_model),
+            mem_fraction_static=config.mem_fraction_static,
+            fraction_set_by_user="mem_fraction_static" in config.model_fields_set,
+        )
+        self.sglang_config = config.model_copy(update={"mem_fraction_static": fraction})
+        logger.info(
+            "shared mode, co-resident: server and trainer stay on the GPU (mem_fraction_static %.3f)",
+            fraction,
+        )
+
+    def _gpu_total_bytes(self) -> int | None:
+        """The shared GPU's memory; None on the reference engine or when nvidia-smi does not list it."""
+        if self.layout.engine != "sglang" or not self.layout.inference_gpus:
+            return None
+        gpus = {gpu.index: gpu for gpu in detect_gpus().gpus}
+        gpu = gpus.get(self.layout.inference_gpus[0])
+        return gpu.memory_total_mib * 2**20 if gpu is not None else None
+
     def gpu_ids(self, role: Literal["inference", "training"]) -> list[str]:
         """GPU ids (indices or UUIDs, as the user's CUDA_VISIBLE_DEVICES names them) for a child's
         CUDA_VISIBLE_DEVICES: none on CPU (hides every GPU)."""
         if self.layout.engine == "reference":
             return []
         return [part for part in self.layout.cuda_visible_devices(role).split(",") if part]
+
+    def replica_gpu_ids(self) -> list[list[str]]:
+        """`gpu_ids("inference")` for each server replica."""
+        if self.layout.engine == "reference":
+            return [[] for _ in self.layout.replicas]
+        return [[p for p in self.layout.cuda_names(gpus).split(",") if p] for gpus in self.layout.replicas]
 
     def use_shared_plan(self, plan: SharedPlan) -> Literal["kv_cache", "all"]:
         """Take shared mode's memory plan (the server's mem_fraction_static); returns what each step
@@ -236,6 +285,36 @@ def server_updates(settings: ModelSettings, store: ModelStore) -> dict[str, Any]
     elif settings.chat_template is not None:
         updates["chat_template"] = str(store.chat_template_file)
     return updates
+
+
+def fit_replicas(config: SGLangConfig, layout: DeviceLayout) -> SGLangConfig:
+    """Server replicas sharing a GPU split its memory: mem_fraction_static defaults to an equal share and
+    may not ask for more than the GPU has (`ConfigError` before anything starts)."""
+    if len(layout.replicas) > 1 and config.port is not None:
+        raise ConfigError(
+            f"SGLangConfig(port={config.port}) with several server replicas: each replica needs its own "
+            "port; leave port unset (free ports are picked)"
+        )
+    if len(layout.replicas) > 1 and config.api_key is not None:
+        raise ConfigError(
+            "SGLangConfig(api_key=...) with several server replicas: the replicas sit behind SGLang's router, "
+            "which this backend starts without worker keys; leave api_key unset (the gateway is the one door "
+            "clients use), or serve with one replica"
+        )
+    shares = Counter(gpu for gpus in layout.replicas for gpu in gpus)
+    crowd = max(shares.values(), default=1)
+    if crowd < 2:
+        return config
+    if "mem_fraction_static" not in config.model_fields_set:
+        return config.model_copy(update={"mem_fraction_static": math.floor(90 / crowd) / 100})
+    if config.mem_fraction_static * crowd > MAX_SHARED_FRACTION:
+        raise ConfigError(
+            f"{crowd} server replicas share a GPU, each with mem_fraction_static="
+            f"{config.mem_fraction_static}: together more than {MAX_SHARED_FRACTION:.0%} of its memory; set "
+            f"mem_fraction_static <= {math.floor(100 * MAX_SHARED_FRACTION / crowd) / 100}, or put the "
+            "replicas on different GPUs"
+        )
+    return config
 
 
 def with_memory_saver(config: SGLangConfig) -> SGLangConfig:

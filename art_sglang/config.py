@@ -11,8 +11,9 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 WeightSyncMethod = Literal["lora", "disk", "restart"]
-SharedStrategy = Literal["sleep", "restart"]
+SharedStrategy = Literal["sleep", "restart", "co_resident"]
 SleepRelease = Literal["auto", "kv_cache", "all"]
+RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "random"]
 
 SERVER_PYTHON_ENV = "ART_SGLANG_SERVER_PYTHON"
 SERVER_TIMEOUT_ENV = "ART_SERVER_TIMEOUT"
@@ -112,11 +113,16 @@ class SGLangConfig(BaseModel):
     disable_cuda_graph: bool = Field(
         False, description="Skip CUDA-graph capture: faster start, slower decode."
     )
+    disable_prefill_cuda_graph: bool = Field(
+        False,
+        description="Skip only the prefill CUDA graphs SGLang captures by default (decode keeps its "
+        "graphs): a shorter server start, slower prefill of small batches.",
+    )
     api_key: str | None = Field(
         None,
-        description="Key rollout clients must send (model.openai_client() sends it); None = any. The server "
-        "itself gets keys of its own, which clients never hold (its admin routes a separate one), passed "
-        "in a private file instead of on its command line.",
+        description="Key rollout clients must send (model.openai_client() sends it); None = any. The server's "
+        "admin routes get a key of their own, and behind the gateway with one server its other routes too "
+        "(clients never hold those); keys reach the server in a private file, never on its command line.",
     )
     tool_call_parser: str | None = Field(
         "hermes",
@@ -137,12 +143,36 @@ class SGLangConfig(BaseModel):
         default_factory=list, description="Further CLI flags passed through verbatim."
     )
 
+    router_policy: RouterPolicy = Field(
+        "cache_aware",
+        description="How SGLang's router spreads requests over server replicas (inference_devices): "
+        "'cache_aware' sends a prompt to the replica holding its longest cached prefix (so a multi-turn "
+        "rollout stays on its replica) unless the load is uneven.",
+    )
+
     # --- weight sync ---------------------------------------------------------------------------------
     adapters_to_keep: int = Field(
         2,
         ge=1,
         description="Adapters kept loaded (newest first) so requests in flight on older steps finish.",
     )
+    max_steps_off_policy: int | None = Field(
+        None,
+        ge=0,
+        description="For pipelined training (ART's PipelineTrainer with this max_steps_off_policy): rollouts "
+        "use adapters of up to max_steps_off_policy + 1 steps of a model at once, so max_loras_per_batch "
+        "is raised to that unless set. None = not pipelined.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pool_for_pipelining(cls, data: Any) -> Any:
+        pipelined = isinstance(data, dict) and data.get("max_steps_off_policy") is not None
+        if pipelined and "max_loras_per_batch" not in data:
+            # One pool slot per step a rollout may still be on, so no step waits for a slot.
+            default = cls.model_fields["max_loras_per_batch"].default
+            return {**data, "max_loras_per_batch": max(default, data["max_steps_off_policy"] + 1)}
+        return data
 
     @field_validator("lora_target_modules")
     @classmethod
@@ -167,6 +197,12 @@ class SGLangConfig(BaseModel):
     def _weights_backup_needs_saver(self) -> SGLangConfig:
         if self.enable_weights_cpu_backup and not self.enable_memory_saver:
             raise ValueError("enable_weights_cpu_backup=True needs enable_memory_saver=True")
+        if self.max_steps_off_policy is not None and self.max_loras_per_batch <= self.max_steps_off_policy:
+            raise ValueError(
+                f"max_steps_off_policy={self.max_steps_off_policy} has rollouts on "
+                f"{self.max_steps_off_policy + 1} steps' adapters at once: raise max_loras_per_batch to "
+                f"{self.max_steps_off_policy + 1} or leave it unset"
+            )
         if self.max_loras_per_batch < 2 and self.weight_sync_method == "lora" and self.adapters_to_keep > 1:
             # Keeping an older adapter loaded next to the new one needs two pool slots.
             raise ValueError(
@@ -212,6 +248,7 @@ LAUNCH_FLAGS = (
     "enable_memory_saver",
     "enable_weights_cpu_backup",
     "disable_cuda_graph",
+    "disable_prefill_cuda_graph",
     "tool_call_parser",
     "chat_template",
 )
@@ -229,8 +266,20 @@ class DeviceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     inference_device: int = Field(0, ge=0, description="GPU index of the SGLang server.")
+    inference_devices: list[int] | None = Field(
+        None,
+        description="First GPU of each SGLang server replica (replicas serve behind SGLang's router; a GPU "
+        "listed twice holds two replicas); None = one server on inference_device.",
+    )
     training_devices: list[int] = Field(default_factory=lambda: [1], description="GPU indices for training.")
     auto_detect: bool = Field(True, description="Detect GPUs and choose the mode from their number.")
+
+    @field_validator("inference_devices")
+    @classmethod
+    def _gpu_indices(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(d < 0 for d in value):
+            raise ValueError(f"inference_devices must be GPU indices >= 0, got {value}")
+        return value
 
     @field_validator("training_devices")
     @classmethod

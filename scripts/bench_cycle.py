@@ -43,12 +43,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # environments/ from a source checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))  # gpu_helpers
 from bench_common import (
-    add_server_args,
     device_name,
     environment,
     markdown_table,
+    rollout_workload,
     server_config,
+    startup_phases,
+    training_bench_parser,
     version_in,
+    workload_phrase,
     write_results,
 )
 from gpu_helpers import MemorySampler
@@ -112,7 +115,8 @@ async def _model_logprobs(model: art.TrainableModel, name: str) -> list[float]:
 
 
 async def run_strategy(args: argparse.Namespace, strategy: str, steps: int) -> dict[str, Any]:
-    backend = make_backend(args, strategy, args.workdir / strategy.replace("/", "-") / ".art")
+    art_dir = args.workdir / strategy.replace("/", "-") / ".art"
+    backend = make_backend(args, strategy, art_dir)
     model = art.TrainableModel(name="bench", project="bench-cycle", base_model=args.model)
     task = CharShareTask(max_tokens=args.max_tokens)
     rows: list[dict[str, Any]] = []
@@ -120,6 +124,12 @@ async def run_strategy(args: argparse.Namespace, strategy: str, steps: int) -> d
     try:
         await model.register(backend)
         register_s = time.perf_counter() - started
+        [server_log] = art_dir.glob("*/models/*/logs/server.log")
+        register_profile = startup_phases(server_log.read_text(errors="replace"))
+        print(
+            f"{strategy} register {register_s:.1f} s, server start: {json.dumps(register_profile)}",
+            flush=True,
+        )
         for index in range(steps):
             previous = model.get_inference_name()  # the adapter serving now; it stays loaded after the step
             before = await _model_logprobs(model, previous)
@@ -141,6 +151,7 @@ async def run_strategy(args: argparse.Namespace, strategy: str, steps: int) -> d
         close_s = time.perf_counter() - closing
     return {
         **summarize(rows, register_s=register_s, close_s=close_s),
+        "register_profile": register_profile,
         "sglang_config": backend.sglang_config.model_dump(),
     }
 
@@ -187,10 +198,7 @@ def summarize(rows: list[dict[str, Any]], *, register_s: float, close_s: float) 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     env = environment()
     previous = json.loads(args.json.read_text()) if args.merge and args.json and args.json.exists() else None
-    workload = {
-        "task": "char_share (reward: share of vowels)", "groups": args.groups, "group_size": args.group_size,
-        "max_tokens": args.max_tokens, "lora_rank": args.lora_rank, "learning_rate": args.learning_rate,
-    }  # fmt: skip
+    workload = rollout_workload(args)
     result: dict[str, Any] = previous or {
         "device": device_name(env),
         "date": env["date"],
@@ -231,20 +239,15 @@ def table(result: dict[str, Any]) -> str:
             _median(s["sync_s"]), s["register_s"], s["close_s"], all(s["adapter_kept_after_step"]),
             _median(s["gpu_mib_server_while_training"]),
         ])  # fmt: skip
-    w = result["workload"]
     head = (
         f"{result['engine']} on {result['device']}, {result['date']}; model {result['model']}; "
-        f"{w['groups']} groups x {w['group_size']} rollouts of <= {w['max_tokens']} tokens, LoRA r={w['lora_rank']}"
+        f"{workload_phrase(result['workload'])}"
     )
     return head + "\n\n" + markdown_table(headers, rows)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_server_args(parser)
-    parser.set_defaults(lora_rank=16)
+    parser = training_bench_parser(__doc__)
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--steps", type=int, default=3, help="training steps per sleep strategy")
     parser.add_argument("--restart-steps", type=int, default=2, help="training steps with restart")

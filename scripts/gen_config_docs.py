@@ -12,6 +12,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+# This checkout's art_sglang, whether or not the package is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from art_sglang.config import DeviceConfig, SGLangConfig, TrainerConfig
 from art_sglang.training.options import TrainOptions
 

@@ -29,6 +29,7 @@ def test_every_rendered_flag_is_understood() -> None:
         enable_memory_saver=True,
         enable_weights_cpu_backup=True,
         disable_cuda_graph=True,
+        disable_prefill_cuda_graph=True,
         tensor_parallel_size=2,
     )
     args = parse_args(config.server_args("/models/m", 4321))
@@ -41,6 +42,7 @@ def test_every_rendered_flag_is_understood() -> None:
     assert (args.attention_backend, args.sampling_backend) == ("triton", "pytorch")
     assert args.disable_radix_cache and args.enable_cache_report and args.enable_metrics
     assert args.enable_memory_saver and args.enable_weights_cpu_backup and args.disable_cuda_graph
+    assert args.disable_prefill_cuda_graph
 
 
 def test_every_launch_flag_of_the_config_is_a_reference_option() -> None:

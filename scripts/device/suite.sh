@@ -5,9 +5,9 @@
 # it), and every call copies it all to $OUT.
 # A failing suite does not stop the next; the exit status is the number of failed suites.
 #   bash scripts/device/suite.sh contract shared-sleep
-# Suites: contract shared-sleep shared-restart sync split bench-trainer, faults-split (2 GPUs) and
-# faults-shared (server SIGKILL/SIGSTOP during and between steps, user script SIGKILL; ~4 min each), and
-# the benchmarks (minutes on an H100 with the 1.5B shape; each call of `run` has 10):
+# Suites: contract shared-sleep shared-restart sync split replicas-1gpu bench-trainer, faults-split (2 GPUs)
+# and faults-shared (server SIGKILL/SIGSTOP during and between steps, user script SIGKILL; ~4 min each),
+# and the benchmarks (minutes on an H100 with the 1.5B shape; each call of `run` has 10):
 #   bench-cycle-kv bench-cycle-all (~3.5 min each), bench-cycle-restart (~6 min): shared-mode steps
 #     through the backend, one strategy each, merged into bench_cycle-<model>.json
 #   bench-inference (~6 min): SGLang, radix cache on and off; bench-vllm (~4 min, after stage.sh vllm):
@@ -15,6 +15,12 @@
 #   models-7b (~2 min): builds qwen2.5-7b-shape; BENCH_MODEL=/root/models/qwen2.5-7b-shape then points
 #     the benchmarks at it
 #   bench-multiturn (~5 min): tic-tac-toe through the backend, prefix-cache hit rate per turn
+#   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
+#     workload and seed, server and trainer co-resident on GPU 0; bench-pipeline-split: server on GPU 0,
+#     trainer on GPU 1 (2 GPUs)
+#   bench-replicas (~3 min, 2 GPUs, stage.sh router first): rollout tokens/s of 1 replica vs 2 behind
+#     SGLang's router, and the prefix-cache hit rate of cache-aware vs round-robin routing
+# replicas-1gpu (~4 min, 1 GPU, stage.sh router first): two replicas on the first visible GPU behind the router
 set -uo pipefail
 # shellcheck source=scripts/device/env.sh
 source scripts/device/env.sh
@@ -28,6 +34,7 @@ mkdir -p "$results"
 cycle=(python3 scripts/bench_cycle.py --model "$big" "${kernels[@]}" --merge
        --json "$results/bench_cycle-${big##*/}.json" --markdown "$results/bench_cycle-${big##*/}.md")
 inference=(python3 scripts/benchmark_inference.py --model "$big")
+pipeline=(python3 scripts/bench_pipeline.py --model "$big" "${kernels[@]}" --steps 6)
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
 for name in "$@"; do
@@ -40,6 +47,7 @@ for name in "$@"; do
     split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_split_mode.py) ;;
     faults-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k split) ;;
     faults-shared) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k shared) ;;
+    replicas-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_replicas.py) ;;
     bench-cycle-kv) cmd=("${cycle[@]}" --strategies sleep/kv_cache --steps 3) ;;
     bench-cycle-all) cmd=("${cycle[@]}" --strategies sleep/all --steps 3) ;;
     bench-cycle-restart) cmd=("${cycle[@]}" --strategies restart --restart-steps 2) ;;
@@ -53,8 +61,15 @@ for name in "$@"; do
                         --json "$results/bench_engines.json" --markdown "$results/bench_engines.md") ;;
     models-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-shape) ;;
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
+    bench-replicas) cmd=(python3 scripts/bench_replicas.py --model "$big" "${kernels[@]}" --no-cuda-graph
+                         --workdir /tmp/bench-replicas
+                         --json "$results/bench_replicas.json" --markdown "$results/bench_replicas.md") ;;
     bench-multiturn) cmd=(python3 scripts/bench_multiturn.py --model "$big" "${kernels[@]}"
                           --json "$results/bench_multiturn.json" --markdown "$results/bench_multiturn.md") ;;
+    bench-pipeline-1gpu) cmd=("${pipeline[@]}" --layout co_resident --json "$results/bench_pipeline-1gpu.json"
+                               --markdown "$results/bench_pipeline-1gpu.md") ;;
+    bench-pipeline-split) cmd=("${pipeline[@]}" --layout split --json "$results/bench_pipeline-split.json"
+                                --markdown "$results/bench_pipeline-split.md") ;;
     *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
   esac
   echo "=== $name: ${cmd[*]}" | tee "$OUT/$name.log"

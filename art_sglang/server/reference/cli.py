@@ -32,6 +32,7 @@ GPU_ONLY_FLAGS = (
     "attention_backend",
     "sampling_backend",
     "disable_cuda_graph",
+    "disable_prefill_cuda_graph",
     "max_loras_per_batch",
 )
 
@@ -66,6 +67,7 @@ class ServerArgs(BaseModel):
     enable_memory_saver: bool = False
     enable_weights_cpu_backup: bool = False
     disable_cuda_graph: bool = False
+    disable_prefill_cuda_graph: bool = False
     api_key: str | None = Field(
         None, description="Key of every route but /health* and /metrics (Bearer or x-api-key)."
     )
