@@ -166,6 +166,7 @@ async def test_environment_and_log_header(tmp_path: Path) -> None:
     # The keys reach the server in a file only this user can read, never on its command line.
     assert f"--config {server.keys_file}" in log and "--api-key" not in log
     assert "CONFIG 0o600 admin-api-key,api-key" in log
+    assert server.log_path.stat().st_mode & 0o777 == 0o600  # SGLang logs its arguments, keys included
     assert "s3cret" not in log and "4dmin" not in log
     assert '"CUDA_VISIBLE_DEVICES": "2,3"' in log
     assert '"EXTRA": "1"' in log
