@@ -63,7 +63,12 @@ class TrainerProcess(ManagedProcess):
         self.gpu_ids = gpu_ids
         # One rank per training GPU; on CPU (no gpu_ids, or none listed) as many as asked.
         self.ranks = len(gpu_ids) if gpu_ids else cpu_ranks
-        super().__init__("trainer worker", log_path)
+        label = (
+            "trainer worker"
+            if self.ranks == 1
+            else f"trainer worker of {self.ranks} ranks (torch.distributed.run)"
+        )
+        super().__init__(label, log_path)
         self.info: dict[str, Any] = {}  # the worker's answer to init: step, resumed, backend, device
         self._lines: _Lines | None = None
         self.step: int | None = None  # the newest step the worker reported

@@ -131,7 +131,13 @@ def _serve(channel: _Channel | None, ranks: Any) -> None:
                 raise
         except Exception as exc:
             traceback.print_exc()
-            send(rid, ERROR, error_type=TRAINER_ERROR, message=f"{type(exc).__name__}: {exc}")
+            message = f"{type(exc).__name__}: {exc}"
+            if ranks.world > 1:
+                message += (
+                    f" (on rank 0 of {ranks.world}; the trainer stops and the next step restarts it; its log "
+                    "names the rank that failed first)"
+                )
+            send(rid, ERROR, error_type=TRAINER_ERROR, message=message)
             if ranks.world > 1:
                 raise  # the other ranks may wait in a collective this rank will never join
 

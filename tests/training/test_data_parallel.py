@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,7 @@ def batch(tokenizer: Any) -> list[TrajectoryGroup]:
     """Two groups of answers of different lengths: 6 sequences with a learning signal, for 2 ranks."""
     answers = [("1 2 3 4 5 6", 1.0), ("a b", 0.0), ("x y z", 0.25), ("q", 0.75)]
     return [
-        TrajectoryGroup(
-            [trajectory(f"task {g}", make_choice(tokenizer, a), r) for a, r in answers]
-        )
+        TrajectoryGroup([trajectory(f"task {g}", make_choice(tokenizer, a), r) for a, r in answers])
         for g in range(2)
     ]
 
@@ -53,15 +52,26 @@ def adapter(path: Path | None) -> dict[str, torch.Tensor]:
     return load_file(path / "adapter_model.safetensors")
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainerProcess]:
+    """One 2-rank trainer for the module's tests, in file order (the last one kills a rank)."""
+    proc = trainer(tiny_model_path, tmp_path_factory.mktemp("two"), 2)
+    try:
+        asyncio.run(proc.start())
+        yield proc
+    finally:
+        asyncio.run(proc.stop())
+
+
 async def test_two_ranks_train_the_one_rank_adapter(
-    tiny_model_path: Path, tmp_path: Path, tokenizer: Any
+    two_ranks: TrainerProcess, tiny_model_path: Path, tmp_path: Path, tokenizer: Any
 ) -> None:
-    one, two = trainer(tiny_model_path, tmp_path / "one", 1), trainer(tiny_model_path, tmp_path / "two", 2)
+    one, two = trainer(tiny_model_path, tmp_path / "one", 1), two_ranks
     sft = sft_batches(
         [t.model_dump(mode="json") for g in batch(tokenizer) for t in g.trajectories], 1e-2, batch_size=4
     )
     try:
-        await asyncio.gather(one.start(), two.start())
+        await one.start()
         assert (one.info["ranks"], two.info["ranks"]) == (1, 2)
         assert len(set(two.info["pids"])) == 2
         expected = await one.train(batch(tokenizer), OPTIONS)
@@ -76,8 +86,9 @@ async def test_two_ranks_train_the_one_rank_adapter(
         assert a.keys() == b.keys()
         for name in a:
             torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
-        moved = max(float((a[name] - adapter(tmp_path / "one/checkpoints/0000")[name]).abs().max()) for name in a)
-        assert moved > 1e-3  # the step changed the adapter: equal results are not equal non-results
+        initial = adapter(tmp_path / "one/checkpoints/0000")
+        # The step changed the adapter: equal results are not equal non-results.
+        assert max(float((a[name] - initial[name]).abs().max()) for name in a) > 1e-3
         # SFT shares its batches too.
         sft_expected, sft_got = await one.sft(sft), await two.sft(sft)
         assert sft_got.metrics["loss/train"] == pytest.approx(sft_expected.metrics["loss/train"], rel=1e-4)
@@ -85,24 +96,22 @@ async def test_two_ranks_train_the_one_rank_adapter(
         for name in a:
             torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
         # Only rank 0 writes: one checkpoint per step, as with one rank.
-        assert sorted(p.name for p in (tmp_path / "two/checkpoints").iterdir()) == ["0000", "0001", "0002"]
+        assert sorted(p.name for p in two.checkpoint_dir.iterdir()) == ["0000", "0001", "0002"]
     finally:
-        await asyncio.gather(one.stop(), two.stop())
+        await one.stop()
 
 
 async def test_a_dead_rank_ends_the_trainer_and_leaves_no_process(
-    tiny_model_path: Path, tmp_path: Path, tokenizer: Any
+    two_ranks: TrainerProcess, tokenizer: Any
 ) -> None:
-    proc = trainer(tiny_model_path, tmp_path, 2)
-    try:
-        await proc.start()
-        assert proc.pid is not None
-        tree = [psutil.Process(proc.pid), *(psutil.Process(pid) for pid in proc.info["pids"])]
-        os.kill(proc.info["pids"][1], signal.SIGKILL)
-        with pytest.raises(TrainerError, match=r"(?s)trainer worker .*rank 1.*trainer\.log"):
-            await proc.train(batch(tokenizer), OPTIONS)
-        # The launcher ended rank 0 and itself; nothing is left to stop.
-        _, alive = psutil.wait_procs(tree, timeout=60)
-        assert alive == []
-    finally:
-        await proc.stop()
+    proc = two_ranks
+    assert proc.pid is not None
+    tree = [psutil.Process(proc.pid), *(psutil.Process(pid) for pid in proc.info["pids"])]
+    os.kill(proc.info["pids"][1], signal.SIGKILL)
+    with pytest.raises(
+        TrainerError, match=r"(?s)trainer worker of 2 ranks .*trainer\.log.*rank *: 1 .*SIGKILL"
+    ):
+        await proc.train(batch(tokenizer), OPTIONS)
+    # The launcher ended rank 0 and itself; nothing is left to stop.
+    _, alive = psutil.wait_procs(tree, timeout=60)
+    assert alive == []
