@@ -181,10 +181,15 @@ class DeviceLayout:
         if self.mode == "cpu":
             where = "inference and training on CPU"
         else:
-            where = (
-                f"inference on GPU {_list(self.inference_gpus)}, training on GPU {_list(self.training_gpus)}"
-            )
+            where = f"inference on GPU {_list(self.inference_gpus)}, training {_training(self.training_gpus)}"
         return f"{self.mode} mode, {self.engine} engine: {where} ({self.reason})"
+
+
+def _training(gpus: Sequence[int]) -> str:
+    if len(gpus) == 1:
+        return f"on GPU {gpus[0]}"
+    # One data-parallel trainer rank per GPU (training/ranks.py).
+    return "ranks " + ", ".join(f"{rank} on GPU {gpu}" for rank, gpu in enumerate(gpus))
 
 
 def _list(indices: Sequence[int]) -> str:

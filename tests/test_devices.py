@@ -303,3 +303,13 @@ def test_impossible_settings_fail_with_the_fix(call, message):
     with pytest.raises(ConfigError) as error:
         call()
     assert message in str(error.value)
+
+
+def test_layout_line_names_each_training_rank_gpu():
+    layout = choose_layout(discovery=visible(4), inference_device=0, training_devices=[1, 2, 3])
+    assert layout.describe() == (
+        "split mode, sglang engine: inference on GPU 0, training ranks 0 on GPU 1, 1 on GPU 2, 2 on GPU 3 "
+        "(GPUs set explicitly)"
+    )
+    one = choose_layout(discovery=visible(2), inference_device=0, training_devices=[1])
+    assert "inference on GPU 0, training on GPU 1 (" in one.describe()
