@@ -5,8 +5,11 @@
 # it), and every call copies it all to $OUT.
 # A failing suite does not stop the next; the exit status is the number of failed suites.
 #   bash scripts/device/suite.sh contract shared-sleep
-# Suites: contract shared-sleep shared-restart sync split bench-trainer, and the benchmarks (minutes on
-# an H100 with the 1.5B shape; each call of `run` has 10):
+# Suites: contract shared-sleep shared-restart sync split bench-trainer, ddp (2 GPUs: data-parallel
+# trainer ranks, ~4 min), and the benchmarks (minutes on an H100 with the 1.5B shape; each call of `run`
+# has 10):
+#   bench-trainer-ddp (2 GPUs, ~3 min): Unsloth trainer tokens/s on 1 vs 2 ranks, the same batch, ART's
+#     row packing and 16k-token rows, into bench_trainer_ddp.json/.md
 #   bench-cycle-kv bench-cycle-all (~3.5 min each), bench-cycle-restart (~6 min): shared-mode steps
 #     through the backend, one strategy each, merged into bench_cycle-<model>.json
 #   bench-inference (~6 min): SGLang, radix cache on and off; bench-vllm (~4 min, after stage.sh vllm):
@@ -37,6 +40,7 @@ for name in "$@"; do
     shared-restart) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k restart) ;;
     sync) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py) ;;
     split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_split_mode.py) ;;
+    ddp) cmd=("${pytest[@]}" -m gpu tests/gpu/test_data_parallel.py) ;;
     bench-cycle-kv) cmd=("${cycle[@]}" --strategies sleep/kv_cache --steps 3) ;;
     bench-cycle-all) cmd=("${cycle[@]}" --strategies sleep/all --steps 3) ;;
     bench-cycle-restart) cmd=("${cycle[@]}" --strategies restart --restart-steps 2) ;;
@@ -50,6 +54,9 @@ for name in "$@"; do
                         --json "$results/bench_engines.json" --markdown "$results/bench_engines.md") ;;
     models-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-shape) ;;
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
+    bench-trainer-ddp) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2
+                            --batch 32 --seq 1024 --packings default,16384 --micro-batch-tokens 8192 --steps 3
+                            --name bench_trainer_ddp --work /tmp/bench-trainer-ddp --out "$results") ;;
     bench-multiturn) cmd=(python3 scripts/bench_multiturn.py --model "$big" "${kernels[@]}"
                           --json "$results/bench_multiturn.json" --markdown "$results/bench_multiturn.md") ;;
     *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
