@@ -8,6 +8,8 @@ outcome), `sft` (batches of trajectories with learning rates → one progress ev
 `offload`, `reload`, `shutdown`. stdout carries protocol lines only: everything else (library prints,
 warnings, C-level output) is redirected to stderr, which the parent writes to logs/trainer.log.
 Heavy imports happen inside `main` so that the parent can import the protocol names cheaply.
+Under torch's launcher (several training devices) every rank runs this module: rank 0 speaks the
+protocol and passes each request on to the others (ranks.py).
 """
 
 from __future__ import annotations
