@@ -269,6 +269,13 @@ def choose_layout(
     serving = tuple(range(inference_device, inference_device + tp))
     if training is None:
         training = tuple(g.index for g in gpus if g.index not in serving) or serving
+    repeated = sorted({i for i in training if training.count(i) > 1})
+    if repeated:
+        # One trainer rank per listed GPU: two ranks cannot share one GPU.
+        raise ConfigError(
+            f"training_devices={list(training)} lists GPU {_list(repeated)} more than once: list each "
+            "training GPU once (the trainer runs one data-parallel rank per GPU)"
+        )
     if not training:
         other = next((g.index for g in gpus if g.index not in serving), serving[-1] + 1)
         raise ConfigError(

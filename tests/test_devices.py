@@ -261,6 +261,10 @@ def test_auto_detect_off_trusts_the_config_without_gpus_found():
             "(split mode), or training_devices=[1] to share the inference GPU",
         ),
         (
+            lambda: choose_layout(discovery=visible(3), inference_device=0, training_devices=[1, 2, 1]),
+            "training_devices=[1, 2, 1] lists GPU 1 more than once: list each training GPU once",
+        ),
+        (
             lambda: choose_layout(discovery=visible(2), inference_device=0, training_devices=[1, 5]),
             "GPU 5 does not exist: 2 GPU(s) (NVIDIA H100 80GB HBM3) visible, numbered 0..1",
         ),

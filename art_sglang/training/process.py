@@ -35,6 +35,11 @@ from .validation import WireGroup, groups_to_wire, validate_groups
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN_WAIT_SECONDS = 10.0
+_LAUNCHER_VARIABLES = {
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+}  # fmt: skip
 
 ProgressCallback = Callable[[dict[str, Any]], None]
 _ERRORS: dict[Any, type[TrainerError] | type[TrainingInputError]] = {
@@ -85,7 +90,9 @@ class TrainerProcess(ManagedProcess):
         return [python, *launcher, "--max-restarts=0", "-m", "art_sglang.training.worker"]
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        # A backend that itself runs under torch's launcher must not hand its own rank and rendezvous to
+        # the trainer: the trainer's launcher sets its ranks' own, and a single worker has none.
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
         if self.gpu_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
         # The worker must import this very package, even when it is not installed (a source checkout).

@@ -115,3 +115,18 @@ async def test_a_dead_rank_ends_the_trainer_and_leaves_no_process(
     # The launcher ended rank 0 and itself; nothing is left to stop.
     _, alive = psutil.wait_procs(tree, timeout=60)
     assert alive == []
+
+
+def test_a_backend_under_torchrun_gives_the_trainer_no_rank_of_its_own(
+    tiny_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "LOCAL_RANK": "3"}.items():
+        monkeypatch.setenv(name, value)
+    env = trainer(tiny_model_path, tmp_path, 1).environment()
+    assert not {"RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"} & env.keys()
+    assert trainer(tiny_model_path, tmp_path, 2).command()[1:5] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+    ]
