@@ -3,7 +3,8 @@ trainer alike: training must render the very prompt the server rendered when it 
 
 SGLang 0.5.17 validates a chat request into its own pydantic models and renders their dumps, so key
 order and defaults come from those models, not from the request: a tool becomes
-`{"type", "function": {"description", "name", "parameters", "strict"}}` and an assistant tool call
+`{"type", "function": {"description", "name", "parameters", "strict"}, "defer_loading": null}` (the
+function's own `defer_loading` only when set, inherited from the tool's) and an assistant tool call
 `{"id", "index", "type", "function": {"name", "arguments"}}` with its JSON `arguments` decoded to an
 object. A template that writes `tool | tojson` shows that order, so the `Trajectory` a program built
 (pydantic reorders tool dicts) or the message dump a client sent (openai's `Function` lists `arguments`
@@ -26,17 +27,17 @@ def template_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
             out.append(tool)
             continue
         function = tool.get("function") or {}
-        out.append(
-            {
-                "type": tool.get("type", "function"),
-                "function": {
-                    "description": function.get("description"),
-                    "name": function.get("name"),
-                    "parameters": function.get("parameters"),
-                    "strict": bool(function.get("strict") or False),
-                },
-            }
-        )
+        defer_loading = tool.get("defer_loading")
+        dumped = {
+            "description": function.get("description"),
+            "name": function.get("name"),
+            "parameters": function.get("parameters"),
+            "strict": bool(function.get("strict") or False),
+        }
+        own = function.get("defer_loading")
+        if own is not None or defer_loading is not None:
+            dumped["defer_loading"] = own if own is not None else defer_loading
+        out.append({"type": tool.get("type", "function"), "function": dumped, "defer_loading": defer_loading})
     return out
 
 

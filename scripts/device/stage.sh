@@ -4,15 +4,22 @@
 #   bash scripts/device/stage.sh sglang 0..3   carry .device/pN (+ .device/install.sh with the last)
 #   bash scripts/device/stage.sh train 0..1    carry .device-train/pN (+ .device-train/install.sh with the last)
 #   bash scripts/device/stage.sh vllm 0..4     carry .device-vllm/pN (+ .device-vllm/install.sh with the last;
-#                                              built by scripts/device/vllm_parts.sh, its last part holds LAST)
+#                                              built by scripts/device/kit_parts.sh vllm, its last part holds LAST)
+#   bash scripts/device/stage.sh art 0..1      carry .device-art/pN (+ .device-art/install.sh with the last;
+#                                              kit_parts.sh art): openpipe-art for the test process, after
+#                                              prepare.sh
+#   bash scripts/device/stage.sh router 0      carry .device-router/p0 + .device-router/install.sh (after sglang:
+#                                              SGLang's router goes next to SGLang in /tmp/site)
 set -euo pipefail
-what=${1:?usage: stage.sh sglang|train|vllm N}
-n=${2:?usage: stage.sh sglang|train|vllm N}
+what=${1:?usage: stage.sh sglang|train|vllm|router|art N}
+n=${2:?usage: stage.sh sglang|train|vllm|router|art N}
 case $what in
   sglang) src=.device stage=/root/b site=/tmp/site last=3 ;;
   train) src=.device-train stage=/root/t site=/tmp/tsite last=1 ;;
   vllm) src=.device-vllm stage=/root/v site=/tmp/vsite last=marked ;;
-  *) echo "usage: stage.sh sglang|train|vllm N" >&2; exit 2 ;;
+  router) src=.device-router stage=/root/r site=/tmp/site last=0 ;;
+  art) src=.device-art stage=/root/a site=/tmp/usite last=marked ;;
+  *) echo "usage: stage.sh sglang|train|vllm|router|art N" >&2; exit 2 ;;
 esac
 mkdir -p "$stage"
 cp "$src/p$n"/chunk.* "$stage/"
