@@ -7,7 +7,10 @@
 #   bash scripts/device/suite.sh contract shared-sleep
 # Suites: contract shared-sleep shared-restart sync split replicas-1gpu bench-trainer, faults-split (2 GPUs)
 # and faults-shared (server SIGKILL/SIGSTOP during and between steps, user script SIGKILL; ~4 min each),
-# and the benchmarks (minutes on an H100 with the 1.5B shape; each call of `run` has 10):
+# ddp (2 GPUs: data-parallel trainer ranks, ~4 min), and the benchmarks (minutes on an H100 with the 1.5B
+# shape; each call of `run` has 10):
+#   bench-trainer-ddp (2 GPUs, ~3 min): Unsloth trainer tokens/s on 1 vs 2 ranks, the same batch, ART's
+#     row packing and 16k-token rows, into bench_trainer_ddp.json/.md
 #   bench-cycle-kv bench-cycle-all (~3.5 min each), bench-cycle-restart (~6 min): shared-mode steps
 #     through the backend, one strategy each, merged into bench_cycle-<model>.json
 #   bench-inference (~6 min): SGLang, radix cache on and off; bench-vllm (~4 min, after stage.sh vllm):
@@ -48,6 +51,7 @@ for name in "$@"; do
     faults-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k split) ;;
     faults-shared) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k shared) ;;
     replicas-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_replicas.py) ;;
+    ddp) cmd=("${pytest[@]}" -m gpu tests/gpu/test_data_parallel.py) ;;
     bench-cycle-kv) cmd=("${cycle[@]}" --strategies sleep/kv_cache --steps 3) ;;
     bench-cycle-all) cmd=("${cycle[@]}" --strategies sleep/all --steps 3) ;;
     bench-cycle-restart) cmd=("${cycle[@]}" --strategies restart --restart-steps 2) ;;
@@ -64,6 +68,9 @@ for name in "$@"; do
     bench-replicas) cmd=(python3 scripts/bench_replicas.py --model "$big" "${kernels[@]}" --no-cuda-graph
                          --workdir /tmp/bench-replicas
                          --json "$results/bench_replicas.json" --markdown "$results/bench_replicas.md") ;;
+    bench-trainer-ddp) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2
+                            --batch 32 --seq 1024 --packings default,16384 --micro-batch-tokens 8192 --steps 3
+                            --name bench_trainer_ddp --work /tmp/bench-trainer-ddp --out "$results") ;;
     bench-multiturn) cmd=(python3 scripts/bench_multiturn.py --model "$big" "${kernels[@]}"
                           --json "$results/bench_multiturn.json" --markdown "$results/bench_multiturn.md") ;;
     bench-pipeline-1gpu) cmd=("${pipeline[@]}" --layout co_resident --json "$results/bench_pipeline-1gpu.json"
