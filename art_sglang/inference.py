@@ -85,11 +85,12 @@ class InferenceService:
         # the gateway alone holds the key of a server's ordinary routes, and this service alone the admin
         # key. Without the gateway clients talk to the server with their key, and behind SGLang's router
         # too (the router reaches the replicas with what clients send).
+        # Hex keys: one starting with "-" would read as a flag where a config file becomes command-line flags.
         own_key = use_gateway and len(placements) == 1
         self._server_config = config.model_copy(
-            update={"api_key": secrets.token_urlsafe(32) if own_key else config.api_key}
+            update={"api_key": secrets.token_hex(32) if own_key else config.api_key}
         )
-        self._admin_key = secrets.token_urlsafe(32)
+        self._admin_key = secrets.token_hex(32)
         self._replicas = [
             _Replica(
                 ServerProcess(

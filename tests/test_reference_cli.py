@@ -89,11 +89,11 @@ def test_help_runs_without_loading_a_model() -> None:
 
 def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path: Path) -> None:
     keys = tmp_path / "keys.yaml"
-    keys.write_text("api-key: from-file\nadmin_api_key: admin\ncontext-length: 128\nenable-metrics: true\n")
+    keys.write_text("api-key: from-file\nadmin_api_key: -admin\ncontext-length: 128\nenable-metrics: true\n")
     args = parse_args(["--model-path", "m", "--config", str(keys), "--context-length", "256"])
     assert (args.api_key, args.admin_api_key, args.context_length, args.enable_metrics) == (
         "from-file",
-        "admin",
+        "-admin",  # a key may start with "-"
         256,
         True,
     )

@@ -190,7 +190,7 @@ def _config_file_flags(parser: argparse.ArgumentParser, path: str) -> list[str]:
         elif isinstance(value, list):
             flags.extend([flag, *map(str, value)])
         elif value is not None and value is not False:
-            flags.extend([flag, str(value)])
+            flags.append(f"{flag}={value}")  # one token, so a value starting with "-" stays a value
     return flags
 
 
