@@ -251,9 +251,6 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--steps", type=int, default=3, help="training steps per sleep strategy")
     parser.add_argument("--restart-steps", type=int, default=2, help="training steps with restart")
-    parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=96, help="output tokens per rollout (at most)")
     parser.add_argument(
         "--logprob-tolerance",
         type=float,
@@ -261,7 +258,6 @@ def main() -> None:
         help="largest mean absolute change of the previous adapter's served logprobs over a step that "
         "counts as kept (bf16 noise between engines is ~0.001; a lost adapter moves them ~0.1)",
     )
-    parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument(
         "--merge", action="store_true", help="add these strategies to the results already in --json"
     )
