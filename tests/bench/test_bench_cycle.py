@@ -73,7 +73,8 @@ def test_one_step_per_strategy_through_the_backend(tmp_path: Path, tiny_model_pa
         assert 0 < overhead < step and 0 < train < step and overhead + train == pytest.approx(step)
         assert s["gpu_release_s"][0] >= 0 and s["gpu_resume_s"][0] >= 0 and s["sync_s"][0] >= 0
         assert s["register_s"] > 0 and s["close_s"] > 0
-        assert s["register_profile"] == {}  # the reference engine logs none of SGLang's start phases
+        # The reference engine logs SGLang's "fired up" line, none of its start phases.
+        assert set(s["register_profile"]) == {"logged_s"} and s["register_profile"]["logged_s"] >= 0
         assert s["adapter_kept_after_step"] == [True]
         assert s["adapter_logprob_mean_abs_difference"][0] <= 0.01
         assert s["gpu_mib_server_while_training"] == [None]  # no nvidia-smi here
