@@ -129,6 +129,9 @@ class InferenceService:
         self._released_tags: tuple[str, ...] = ()  # GPU memory kinds released for the trainer
         self._holds = 0  # nested holds of the gateway; requests wait while > 0
         self._lock = asyncio.Lock()  # one command at a time changes the server
+        # Held by the watchdog while its health probes are in flight: SGLang 0.5.17 answers GET /health
+        # by generating a token, and a memory release that meets a running request kills its scheduler.
+        self._probing = asyncio.Lock()
 
     # --- what others may read ----------------------------------------------------------------------------
     @property
@@ -249,10 +252,13 @@ class InferenceService:
         if not self._serving or self._lock.locked():
             return False
         problems = {}
-        for replica in self._replicas:
-            problem = await self._problem(replica)
-            if problem is not None:
-                problems[replica] = problem
+        async with self._probing:
+            if not self._serving:
+                return False
+            for replica in self._replicas:
+                problem = await self._problem(replica)
+                if problem is not None:
+                    problems[replica] = problem
         router_died = self._router is not None and not self._router.is_alive()
         if not problems and not router_died:
             return False
@@ -431,9 +437,10 @@ class InferenceService:
         """Free the server's GPU memory of the kinds in `tags` (None = all) for the trainer (hold requests
         first); the process stays."""
         async with self._lock:
-            self._serving = False
-            clients = [r.client for r in self._replicas if r.up and r.client is not None]
-            await gather_all(*(client.release_memory_occupation(tags) for client in clients))
+            self._serving = False  # no new watchdog probe from here on; one in flight is waited for
+            async with self._probing:
+                clients = [r.client for r in self._replicas if r.up and r.client is not None]
+                await gather_all(*(client.release_memory_occupation(tags) for client in clients))
             self._released_tags = tuple(tags) if tags is not None else MEMORY_TAGS
 
     async def resume_memory(self) -> bool:
@@ -492,7 +499,9 @@ class InferenceService:
                     try:
                         await replica.client.unload_lora_adapter(name)
                     except ServerRequestError as exc:
-                        logger.warning("unloading %s from the %s failed: %s", name, replica.process.label, exc)
+                        logger.warning(
+                            "unloading %s from the %s failed: %s", name, replica.process.label, exc
+                        )
         finally:
             self._unloading.discard(name)
 
