@@ -132,6 +132,7 @@ class InferenceService:
         # Held by the watchdog while its health probes are in flight: SGLang 0.5.17 answers GET /health
         # by generating a token, and a memory release that meets a running request kills its scheduler.
         self._probing = asyncio.Lock()
+        self._quiet = 0  # > 0: no health probes (see `quiet`)
 
     # --- what others may read ----------------------------------------------------------------------------
     @property
@@ -243,20 +244,32 @@ class InferenceService:
             self._serving = False
             await self._stop_replicas(self._replicas)
 
-    async def recover(self) -> bool:
+    @contextlib.asynccontextmanager
+    async def quiet(self) -> AsyncIterator[None]:
+        """No watchdog health probes in the block (a dead server is still noticed): around a memory
+        release, so that it waits for no probe (SGLang's /health takes a second)."""
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
+
+    async def recover(self, *, probe: bool = True) -> bool:
         """Restart every server (and the router) that should serve but died, or has not answered
         `GET /health` for `unresponsive_timeout` seconds (hung or stopped), with every adapter loaded again
         before a request reaches it. With replicas, a failed one is taken out of the router first and the
         others serve meanwhile. Returns whether it restarted anything. Does nothing while another command
-        runs."""
+        runs. `probe=False` only looks for dead processes: the step path uses it, since SGLang 0.5.17's
+        /health takes a second (a one-token generation polled once a second); the watchdog probes."""
         if not self._serving or self._lock.locked():
             return False
         problems = {}
+        probe = probe and not self._quiet
         async with self._probing:
             if not self._serving:
                 return False
             for replica in self._replicas:
-                problem = await self._problem(replica)
+                problem = await self._problem(replica, probe=probe)
                 if problem is not None:
                     problems[replica] = problem
         router_died = self._router is not None and not self._router.is_alive()
@@ -284,10 +297,13 @@ class InferenceService:
                 await self._bring_up()
             return True
 
-    async def _problem(self, replica: _Replica) -> str | None:
-        """What is wrong with a server: it died, or it has not answered health checks long enough."""
+    async def _problem(self, replica: _Replica, *, probe: bool) -> str | None:
+        """What is wrong with a server: it died, or (with `probe`) it has not answered health checks long
+        enough."""
         if not replica.process.is_alive():
             return "died"
+        if not probe:
+            return None
         timeout = self._config.unresponsive_timeout
         client = replica.client
         if client is not None and await client.health(timeout=min(timeout, 10.0)):
