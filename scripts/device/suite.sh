@@ -41,7 +41,9 @@ mkdir -p "$results"
 cycle=(python3 scripts/bench_cycle.py --model "$big" "${kernels[@]}" --merge
        --json "$results/bench_cycle-${big##*/}.json" --markdown "$results/bench_cycle-${big##*/}.md")
 inference=(python3 scripts/benchmark_inference.py --model "$big")
-pipeline=(python3 scripts/bench_pipeline.py --model "$big" "${kernels[@]}" --steps 6)
+# Completions of up to 384 tokens: with 96 (the first H200 run) rollouts were ~1.5 s of a ~5 s step, too
+# little to overlap for pipelining to show.
+pipeline=(python3 scripts/bench_pipeline.py --model "$big" "${kernels[@]}" --steps 6 --max-tokens 384)
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
 for name in "$@"; do
