@@ -148,7 +148,6 @@ class InferenceService:
         # Held by the watchdog while its health probes are in flight: SGLang 0.5.17 answers GET /health
         # by generating a token, and a memory release that meets a running request kills its scheduler.
         self._probing = asyncio.Lock()
-        self._quiet = 0  # > 0: no health probes (see `quiet`)
 
     # --- what others may read ----------------------------------------------------------------------------
     @property
@@ -260,16 +259,6 @@ class InferenceService:
             self._serving = False
             await self._stop_replicas(self._replicas)
 
-    @contextlib.asynccontextmanager
-    async def quiet(self) -> AsyncIterator[None]:
-        """No watchdog health probes in the block (a dead server is still noticed): around a memory
-        release, so that it waits for no probe (SGLang's /health takes a second)."""
-        self._quiet += 1
-        try:
-            yield
-        finally:
-            self._quiet -= 1
-
     async def recover(self, *, probe: bool = True) -> bool:
         """Restart every server (and the router) that should serve but died, or has not answered
         `GET /health` for `unresponsive_timeout` seconds (hung or stopped), with every adapter loaded again
@@ -280,7 +269,6 @@ class InferenceService:
         if not self._serving or self._lock.locked():
             return False
         problems = {}
-        probe = probe and not self._quiet
         async with self._probing:
             if not self._serving:
                 return False
