@@ -145,6 +145,9 @@ class InferenceService:
         self._released_tags: tuple[str, ...] = ()  # GPU memory kinds released for the trainer
         self._holds = 0  # nested holds of the gateway; requests wait while > 0
         self._lock = asyncio.Lock()  # one command at a time changes the server
+        # Held by the watchdog while its health probes are in flight: SGLang 0.5.17 answers GET /health
+        # by generating a token, and a memory release that meets a running request kills its scheduler.
+        self._probing = asyncio.Lock()
 
     # --- what others may read ----------------------------------------------------------------------------
     @property
@@ -256,19 +259,23 @@ class InferenceService:
             self._serving = False
             await self._stop_replicas(self._replicas)
 
-    async def recover(self) -> bool:
+    async def recover(self, *, probe: bool = True) -> bool:
         """Restart every server (and the router) that should serve but died, or has not answered
         `GET /health` for `unresponsive_timeout` seconds (hung or stopped), with every adapter loaded again
         before a request reaches it. With replicas, a failed one is taken out of the router first and the
         others serve meanwhile. Returns whether it restarted anything. Does nothing while another command
-        runs."""
+        runs. `probe=False` only looks for dead processes: the step path uses it, since SGLang 0.5.17's
+        /health takes a second (a one-token generation polled once a second); the watchdog probes."""
         if not self._serving or self._lock.locked():
             return False
         problems = {}
-        for replica in self._replicas:
-            problem = await self._problem(replica)
-            if problem is not None:
-                problems[replica] = problem
+        async with self._probing:
+            if not self._serving:
+                return False
+            for replica in self._replicas:
+                problem = await self._problem(replica, probe=probe)
+                if problem is not None:
+                    problems[replica] = problem
         router_died = self._router is not None and not self._router.is_alive()
         if not problems and not router_died:
             return False
@@ -294,10 +301,13 @@ class InferenceService:
                 await self._bring_up()
             return True
 
-    async def _problem(self, replica: _Replica) -> str | None:
-        """What is wrong with a server: it died, or it has not answered health checks long enough."""
+    async def _problem(self, replica: _Replica, *, probe: bool) -> str | None:
+        """What is wrong with a server: it died, or (with `probe`) it has not answered health checks long
+        enough."""
         if not replica.process.is_alive():
             return "died"
+        if not probe:
+            return None
         timeout = self._config.unresponsive_timeout
         client = replica.client
         if client is not None and await client.health(timeout=min(timeout, 10.0)):
@@ -449,9 +459,10 @@ class InferenceService:
         """Free the server's GPU memory of the kinds in `tags` (None = all) for the trainer (hold requests
         first); the process stays."""
         async with self._lock:
-            self._serving = False
-            clients = [r.client for r in self._replicas if r.up and r.client is not None]
-            await gather_all(*(client.release_memory_occupation(tags) for client in clients))
+            self._serving = False  # no new watchdog probe from here on; one in flight is waited for
+            async with self._probing:
+                clients = [r.client for r in self._replicas if r.up and r.client is not None]
+                await gather_all(*(client.release_memory_occupation(tags) for client in clients))
             self._released_tags = tuple(tags) if tags is not None else MEMORY_TAGS
 
     async def resume_memory(self) -> bool:

@@ -23,7 +23,11 @@
 #     trainer on GPU 1 (2 GPUs)
 #   bench-replicas (~3 min, 2 GPUs, stage.sh router first): rollout tokens/s of 1 replica vs 2 behind
 #     SGLang's router, and the prefix-cache hit rate of cache-aware vs round-robin routing
+#   bench-register, bench-register-no-prefill-graphs (~3 min each): register() of one shared-mode backend,
+#     where SGLang's start went (weights, decode and prefill CUDA graphs), one step, close()
 # replicas-1gpu (~4 min, 1 GPU, stage.sh router first): two replicas on the first visible GPU behind the router
+# art-program (~4 min, after stage.sh art): an ART program with tools and _internal_config, 2 RL steps
+# Two 1-GPU suites at once, one per GPU: scripts/device/pair.sh.
 set -uo pipefail
 # shellcheck source=scripts/device/env.sh
 source scripts/device/env.sh
@@ -37,7 +41,9 @@ mkdir -p "$results"
 cycle=(python3 scripts/bench_cycle.py --model "$big" "${kernels[@]}" --merge
        --json "$results/bench_cycle-${big##*/}.json" --markdown "$results/bench_cycle-${big##*/}.md")
 inference=(python3 scripts/benchmark_inference.py --model "$big")
-pipeline=(python3 scripts/bench_pipeline.py --model "$big" "${kernels[@]}" --steps 6)
+# Completions of up to 384 tokens: with 96 (the first H200 run) rollouts were ~1.5 s of a ~5 s step, too
+# little to overlap for pipelining to show.
+pipeline=(python3 scripts/bench_pipeline.py --model "$big" "${kernels[@]}" --steps 6 --max-tokens 384)
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
 for name in "$@"; do
@@ -48,6 +54,7 @@ for name in "$@"; do
     shared-restart) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k restart) ;;
     sync) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py) ;;
     split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_split_mode.py) ;;
+    art-program) cmd=("${pytest[@]}" -m gpu tests/gpu/test_art_program.py) ;;
     faults-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k split) ;;
     faults-shared) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k shared) ;;
     replicas-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_replicas.py) ;;
@@ -55,6 +62,10 @@ for name in "$@"; do
     bench-cycle-kv) cmd=("${cycle[@]}" --strategies sleep/kv_cache --steps 3) ;;
     bench-cycle-all) cmd=("${cycle[@]}" --strategies sleep/all --steps 3) ;;
     bench-cycle-restart) cmd=("${cycle[@]}" --strategies restart --restart-steps 2) ;;
+    bench-register | bench-register-no-prefill-graphs)
+      cmd=(python3 scripts/bench_cycle.py --model "$big" "${kernels[@]}" --strategies sleep/kv_cache --steps 1
+           --workdir "/tmp/work-$name" --json "$results/$name.json" --markdown "$results/$name.md")
+      [ "$name" = bench-register ] || cmd+=(--no-prefill-cuda-graph) ;;
     bench-inference) cmd=("${inference[@]}" --engine sglang "${kernels[@]}" --prefix-cache on off
                           --json "$results/bench_inference.json" --markdown "$results/bench_inference.md") ;;
     bench-vllm) cmd=("${inference[@]}" --engine vllm "${vllm_kernels[@]}"
@@ -79,10 +90,16 @@ for name in "$@"; do
                                 --markdown "$results/bench_pipeline-split.md") ;;
     *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
   esac
+  # Each pytest suite keeps its own temporary folder, so two suites can run at once (device/pair.sh) and
+  # the servers' logs can be collected by suite.
+  if [ "${cmd[2]:-}" = pytest ]; then rm -rf "/tmp/pt-$name"; cmd+=(--basetemp "/tmp/pt-$name"); fi
   echo "=== $name: ${cmd[*]}" | tee "$OUT/$name.log"
   "${cmd[@]}" 2>&1 | tee -a "$OUT/$name.log" | grep -E --line-buffered '^(===|PASSED|FAILED|ERROR|SKIPPED)|passed|failed|error|\| '
   rc=${PIPESTATUS[0]}
   echo "=== $name: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/$name.log"
+  for log in $(find "/tmp/pt-$name" "/tmp/work-$name" -name 'server*.log' -size -4M 2>/dev/null); do
+    mkdir -p "$OUT/$name-logs" && cp "$log" "$OUT/$name-logs/$(echo "${log#/tmp/}" | tr / _)"
+  done
   [ "$rc" = 0 ] || failed=$((failed + 1))
 done
 cp -r "$results"/. "$OUT/"

@@ -26,7 +26,6 @@ import psutil
 import pytest
 import pytest_asyncio
 from gpu_helpers import (
-    compute_apps,
     generate,
     input_logprobs,
     make_groups,
@@ -121,21 +120,6 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _stray_gpu_holders() -> list[int]:
-    """Pids of SGLang or trainer processes holding GPU memory that are not this process's descendants (an
-    orphaned SGLang scheduler would be one)."""
-    mine = {p.pid for p in psutil.Process().children(recursive=True)}
-    strays = []
-    for pid, _, _ in compute_apps():
-        try:
-            cmd = " ".join(psutil.Process(pid).cmdline())
-        except psutil.Error:
-            continue  # exited between the two looks
-        if pid not in mine and ("sglang" in cmd or "art_sglang" in cmd):
-            strays.append(pid)
-    return strays
-
-
 async def test_a_first_step_moves_the_adapter_away_from_the_base_model(run: Run) -> None:
     client = run.model.openai_client()
     groups = await make_groups(client, "agent@0")
@@ -197,7 +181,9 @@ async def test_server_killed_during_train_recovers_with_the_right_adapter(run: R
     waited = [answered for sent, answered, status in results if sent > killed["at"] and status == 200]
     assert waited, "no rollout sent after the kill was answered"
     assert not any(map(_running, killed["tree"])), "a process of the killed server still runs"
-    assert run.server_pid != killed["pid"] and not _stray_gpu_holders()
+    # The killed server's whole tree (collected just before the kill) is checked above; processes of other
+    # runs on the machine (suites run two at a time, one per GPU) are none of this test's business.
+    assert run.server_pid != killed["pid"]
     # The restarted server serves step 1 with step 1's adapter, and the new step.
     after = await _served_logprobs(run, "agent@1")
     assert _mean_abs(after, run.facts["reference"]) < SAME_ADAPTER_MEAN_ABS
@@ -233,7 +219,6 @@ async def test_server_fault_between_steps_is_recovered_and_the_next_step_works(r
     assert reply.status_code == 200, reply.text
     assert run.server_pid != pid
     assert not any(map(_running, tree)), "a process of the faulted server still runs"
-    assert not _stray_gpu_holders()
     after = await _served_logprobs(run, name)
     assert _mean_abs(after, before) < SAME_ADAPTER_MEAN_ABS
 

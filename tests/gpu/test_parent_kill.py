@@ -86,7 +86,10 @@ def test_a_killed_user_script_leaves_no_process_and_no_gpu_memory(
 ) -> None:
     if mode == "split" and gpu_count < 2:
         pytest.skip(f"split mode needs 2 GPUs, {gpu_count} visible")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+    # The script imports this checkout first, and whatever else the test process finds (on the GPU machine
+    # pydantic and the trainer's stack come from PYTHONPATH).
+    paths = [str(REPO), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     command = [sys.executable, "-c", USER_SCRIPT, str(tmp_path / ".art"), gpu_model, mode]
     user = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     started = time.monotonic()
