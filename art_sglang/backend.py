@@ -29,6 +29,7 @@ from .inference import InferenceService
 from .internal_config import ModelSettings
 from .model import Model
 from .model_store import ModelStore, append_lines, name_problem, write_model_files
+from .pipelining import pin_step, pinned_step, pipelining_problem
 from .process_tree import gather_all
 from .progress import StepProgress, reports_while
 from .registered_model import RegisteredModel, checkpoint_of
@@ -51,7 +52,8 @@ class SGLangBackend:
 
     Mode (from the visible GPUs unless set): split with 2+ GPUs (server on the first, trainer on the
     rest), shared with one (server and trainer take turns: `shared_strategy` "sleep" releases the
-    server's memory, "restart" stops it), and the CPU reference engine with none. `engine` forces
+    server's memory, "restart" stops it; "co_resident" keeps both on the GPU with no handoff, for
+    pipelined training), and the CPU reference engine with none. `engine` forces
     "sglang" or "reference". `inference_devices=[0, 1]` starts one server replica per listed GPU behind
     SGLang's router (cache-aware routing), every adapter loaded on each replica before its name is
     served. `gateway=False` points clients at the server directly (no refusal of
@@ -208,11 +210,13 @@ class SGLangBackend:
         return self._service.openai_base_url, self._service.api_key
 
     def _model_inference_name(self, model: Any, step: int | None = None) -> str:
-        """`<name>@<step>` (the current step when `step` is None), in the form the client sends (see
-        `InferenceService.client_name`)."""
+        """`<name>@<step>` (when `step` is None: the step an adapter lease of this task holds, else the
+        current step), in the form the client sends (see `InferenceService.client_name`)."""
         if not getattr(model, "trainable", False):
             return model.inference_model_name or model.name
         entry = self._models.get((model.project, model.name))
+        if step is None:
+            step = pinned_step(model.name)
         if step is None:
             if entry is None:
                 raise ModelNotRegisteredError(
@@ -235,16 +239,61 @@ class SGLangBackend:
         return await self._get_step(model)
 
     async def _delete_checkpoint_files(self, model: Any, steps_to_keep: list[int]) -> None:
-        """Delete every checkpoint not in `steps_to_keep`, never the current step; adapters of deleted
-        steps are unloaded first (after their requests in flight finish)."""
+        """Delete every checkpoint not in `steps_to_keep`, never the current step nor a leased one;
+        adapters of deleted steps are unloaded first (after their requests in flight finish)."""
         entry = self._entry(model)
         async with self._lock:
-            keep = {*steps_to_keep, entry.step}
-            doomed = [s for s in entry.store.checkpoint_steps() if s not in keep]
             assert self._service is not None
+            keep = {*steps_to_keep, entry.step, *self._leased_steps(entry)}
+            doomed = [s for s in entry.store.checkpoint_steps() if s not in keep]
             for step in doomed:
                 await self._service.remove_adapter(f"{model.name}@{step}")
             await asyncio.to_thread(entry.store.delete_checkpoints, doomed)
+
+    # --- pipelined training (ART's PipelineTrainer) ------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def adapter_lease(self, model: Any, step: int) -> AsyncIterator[None]:
+        """Inside the block, `model.get_inference_name()` names `step` (in this task) and its adapter stays
+        loaded and routed, even while `train()` publishes newer steps: a rollout finishes on the policy
+        it started with. ART's PipelineTrainer wraps every rollout in one."""
+        entry = self._entry(model)
+        assert self._service is not None
+        entry.pipelined = True
+        async with pin_step(model.name, step):
+            if self._pipelining_problem() is not None:
+                yield  # train() refuses; the server is left as the weight sync and the handoff want it
+                return
+            checkpoint = entry.store.checkpoint_dir(step)  # loaded (checked first) if it is not now
+            async with self._service.lease(f"{model.name}@{step}", checkpoint):
+                yield
+
+    async def prune_model_adapters(self, model: Any, *, retain_steps: set[int]) -> None:
+        """Unload the model's adapters except `retain_steps`, the current step and the leased ones (ART's
+        PipelineTrainer calls it after each step with the steps rollouts may still use)."""
+        entry = self._entry(model)
+        assert self._service is not None
+        keep = {*retain_steps, entry.step}
+        slots = self.sglang_config.max_loras_per_batch
+        if len(keep) > slots and not entry.warned_pool:
+            entry.warned_pool = True
+            logger.warning(
+                "%s: rollouts may use adapters of %d steps at once but the server batches at most %d "
+                "(max_loras_per_batch), so some wait for a slot: set SGLangConfig(max_steps_off_policy=%d)",
+                model.name, len(keep), slots, len(keep) - 1,
+            )  # fmt: skip
+        await self._service.prune(f"{model.name}@", {f"{model.name}@{step}" for step in keep})
+
+    def _pipelining_problem(self) -> str | None:
+        return pipelining_problem(
+            self.handoff_strategy,
+            gateway=self._use_gateway,
+            weight_sync=self.sglang_config.weight_sync_method,
+        )
+
+    def _leased_steps(self, entry: RegisteredModel) -> set[int]:
+        assert self._service is not None
+        prefix = f"{entry.model.name}@"
+        return {int(name[len(prefix) :]) for name in self._service.leased() if name.startswith(prefix)}
 
     async def train(self, model: Any, trajectory_groups: Iterable[Any], **options: Any) -> LocalTrainResult:
         """One RL step on `trajectory_groups`; returns once `<name>@<new step>` answers requests.
@@ -267,6 +316,12 @@ class SGLangBackend:
         )
         entry = self._entry(model)
         check_row_length(train_options, entry.trainer.config)
+        if entry.pipelined:
+            problem = self._pipelining_problem()
+            if problem is not None:
+                raise ConfigError(
+                    f"pipelined training (rollouts hold adapter leases while train() runs): {problem}"
+                )
         self._ensure_watchdog()
         async with self._lock:
             started = time.monotonic()
@@ -444,6 +499,8 @@ class SGLangBackend:
             if self.handoff_strategy == "sleep":
                 plan = await asyncio.to_thread(self._settings.plan_shared_gpu, base_model)
                 release = self._settings.use_shared_plan(plan)
+            elif self._settings.co_resident:  # no handoff: the server's pool leaves the trainer room
+                await asyncio.to_thread(self._settings.use_co_resident_plan, base_model)
             self._service = InferenceService(
                 self.sglang_config,
                 base_model,

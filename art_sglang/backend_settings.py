@@ -13,7 +13,7 @@ from typing import Any, Literal
 from .config import DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
 from .devices import DeviceLayout, EngineChoice, choose_layout, detect_gpus
 from .errors import ConfigError
-from .gpu_budget import SharedPlan, model_weights_bytes, plan_shared_gpu
+from .gpu_budget import SharedPlan, model_weights_bytes, plan_co_resident, plan_shared_gpu
 from .internal_config import ModelSettings, internal_config_of, model_settings
 from .model_store import ModelStore, base_model_problem
 from .shared_mode import HandoffStrategy
@@ -41,8 +41,8 @@ class BackendSettings:
         layout: DeviceLayout | None,
         inference_devices: list[int] | None = None,
     ) -> None:
-        if shared_strategy not in ("sleep", "restart"):
-            raise ConfigError(f"shared_strategy={shared_strategy!r}: use 'sleep' or 'restart'")
+        if shared_strategy not in ("sleep", "restart", "co_resident"):
+            raise ConfigError(f"shared_strategy={shared_strategy!r}: use 'sleep', 'restart' or 'co_resident'")
         if engine not in ("auto", "sglang", "reference"):
             raise ConfigError(f"engine={engine!r}: use 'auto', 'sglang' or 'reference'")
         check_compatible(config, trainer_config)
@@ -100,7 +100,9 @@ class BackendSettings:
     def _configure(self, layout: DeviceLayout, config: SGLangConfig) -> None:
         """Set the device layout and the server config that follows from it (shared mode's memory saver)."""
         self.layout = layout
-        self.handoff_strategy: HandoffStrategy = self.shared_strategy if layout.mode == "shared" else "none"
+        self.handoff_strategy: HandoffStrategy = "none"
+        if layout.mode == "shared" and self.shared_strategy != "co_resident":
+            self.handoff_strategy = self.shared_strategy
         config = fit_replicas(config, layout)
         self.sglang_config = with_memory_saver(config) if self.handoff_strategy == "sleep" else config
 
@@ -170,13 +172,9 @@ class BackendSettings:
         """What a sleep handoff releases, from the shared GPU's size and the base model's (blocking)."""
         config = self.sglang_config
         requested = config.sleep_release
-        total: int | None = None
-        if self.layout.engine == "sglang":
-            gpus = {gpu.index: gpu for gpu in detect_gpus().gpus}
-            gpu = gpus.get(self.layout.inference_gpus[0]) if self.layout.inference_gpus else None
-            if gpu is None and requested == "auto":
-                return SharedPlan("all", config.mem_fraction_static, "the GPU's memory size is unknown")
-            total = gpu.memory_total_mib * 2**20 if gpu is not None else None
+        total = self._gpu_total_bytes()
+        if total is None and self.layout.engine == "sglang" and requested == "auto":
+            return SharedPlan("all", config.mem_fraction_static, "the GPU's memory size is unknown")
         return plan_shared_gpu(
             requested,
             gpu_total_bytes=total,
@@ -184,6 +182,40 @@ class BackendSettings:
             mem_fraction_static=config.mem_fraction_static,
             fraction_set_by_user="mem_fraction_static" in config.model_fields_set,
         )
+
+    @property
+    def co_resident(self) -> bool:
+        """One GPU for both, no handoff: the server serves while the trainer trains."""
+        return self.layout.mode == "shared" and self.shared_strategy == "co_resident"
+
+    def use_co_resident_plan(self, base_model: str) -> None:
+        """Size the server's pool so the trainer trains beside it on the shared GPU (blocking)."""
+        config = self.sglang_config
+        total = self._gpu_total_bytes()
+        if total is None and self.layout.engine == "sglang":
+            raise ConfigError(
+                "shared_strategy='co_resident' needs the GPU's memory size (nvidia-smi did not report it) to "
+                "leave room for the trainer: use shared_strategy='sleep'"
+            )
+        fraction = plan_co_resident(
+            gpu_total_bytes=total,
+            weights_bytes=model_weights_bytes(base_model),
+            mem_fraction_static=config.mem_fraction_static,
+            fraction_set_by_user="mem_fraction_static" in config.model_fields_set,
+        )
+        self.sglang_config = config.model_copy(update={"mem_fraction_static": fraction})
+        logger.info(
+            "shared mode, co-resident: server and trainer stay on the GPU (mem_fraction_static %.3f)",
+            fraction,
+        )
+
+    def _gpu_total_bytes(self) -> int | None:
+        """The shared GPU's memory; None on the reference engine or when nvidia-smi does not list it."""
+        if self.layout.engine != "sglang" or not self.layout.inference_gpus:
+            return None
+        gpus = {gpu.index: gpu for gpu in detect_gpus().gpus}
+        gpu = gpus.get(self.layout.inference_gpus[0])
+        return gpu.memory_total_mib * 2**20 if gpu is not None else None
 
     def gpu_ids(self, role: Literal["inference", "training"]) -> list[str]:
         """GPU ids (indices or UUIDs, as the user's CUDA_VISIBLE_DEVICES names them) for a child's

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 WeightSyncMethod = Literal["lora", "disk", "restart"]
-SharedStrategy = Literal["sleep", "restart"]
+SharedStrategy = Literal["sleep", "restart", "co_resident"]
 SleepRelease = Literal["auto", "kv_cache", "all"]
 RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "random"]
 
@@ -151,6 +151,23 @@ class SGLangConfig(BaseModel):
         ge=1,
         description="Adapters kept loaded (newest first) so requests in flight on older steps finish.",
     )
+    max_steps_off_policy: int | None = Field(
+        None,
+        ge=0,
+        description="For pipelined training (ART's PipelineTrainer with this max_steps_off_policy): rollouts "
+        "use adapters of up to max_steps_off_policy + 1 steps of a model at once, so max_loras_per_batch "
+        "is raised to that unless set. None = not pipelined.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pool_for_pipelining(cls, data: Any) -> Any:
+        pipelined = isinstance(data, dict) and data.get("max_steps_off_policy") is not None
+        if pipelined and "max_loras_per_batch" not in data:
+            # One pool slot per step a rollout may still be on, so no step waits for a slot.
+            default = cls.model_fields["max_loras_per_batch"].default
+            return {**data, "max_loras_per_batch": max(default, data["max_steps_off_policy"] + 1)}
+        return data
 
     @field_validator("lora_target_modules")
     @classmethod
@@ -163,6 +180,12 @@ class SGLangConfig(BaseModel):
     def _weights_backup_needs_saver(self) -> SGLangConfig:
         if self.enable_weights_cpu_backup and not self.enable_memory_saver:
             raise ValueError("enable_weights_cpu_backup=True needs enable_memory_saver=True")
+        if self.max_steps_off_policy is not None and self.max_loras_per_batch <= self.max_steps_off_policy:
+            raise ValueError(
+                f"max_steps_off_policy={self.max_steps_off_policy} has rollouts on "
+                f"{self.max_steps_off_policy + 1} steps' adapters at once: raise max_loras_per_batch to "
+                f"{self.max_steps_off_policy + 1} or leave it unset"
+            )
         if self.max_loras_per_batch < 2 and self.weight_sync_method == "lora" and self.adapters_to_keep > 1:
             # Keeping an older adapter loaded next to the new one needs two pool slots.
             raise ValueError(

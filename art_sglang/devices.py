@@ -194,12 +194,17 @@ class DeviceLayout:
             where = f"{replicas} and training on CPU"
         elif len(self.replicas) > 1:
             roles = ", ".join(f"replica {n} on GPU {_list(gpus)}" for n, gpus in enumerate(self.replicas))
-            where = f"inference {roles} (behind SGLang's router), training on GPU {_list(self.training_gpus)}"
+            where = f"inference {roles} (behind SGLang's router), training {_training(self.training_gpus)}"
         else:
-            where = (
-                f"inference on GPU {_list(self.inference_gpus)}, training on GPU {_list(self.training_gpus)}"
-            )
+            where = f"inference on GPU {_list(self.inference_gpus)}, training {_training(self.training_gpus)}"
         return f"{self.mode} mode, {self.engine} engine: {where} ({self.reason})"
+
+
+def _training(gpus: Sequence[int]) -> str:
+    if len(gpus) == 1:
+        return f"on GPU {gpus[0]}"
+    # One data-parallel trainer rank per GPU (training/ranks.py).
+    return "ranks " + ", ".join(f"{rank} on GPU {gpu}" for rank, gpu in enumerate(gpus))
 
 
 def _list(indices: Sequence[int]) -> str:
@@ -294,6 +299,13 @@ def choose_layout(
     serving = tuple(sorted({gpu for gpus in replicas for gpu in gpus}))
     if training is None:
         training = tuple(g.index for g in gpus if g.index not in serving) or serving
+    repeated = sorted({i for i in training if training.count(i) > 1})
+    if repeated:
+        # One trainer rank per listed GPU: two ranks cannot share one GPU.
+        raise ConfigError(
+            f"training_devices={list(training)} lists GPU {_list(repeated)} more than once: list each "
+            "training GPU once (the trainer runs one data-parallel rank per GPU)"
+        )
     if not training:
         other = next((g.index for g in gpus if g.index not in serving), serving[-1] + 1)
         raise ConfigError(

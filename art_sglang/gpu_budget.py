@@ -6,6 +6,9 @@ to release, 0.02 s to resume, outputs identical) and the trainer keeps its model
 not fit, the server releases its weights too (copied to host memory: seconds for a multi-GB model) and the
 trainer moves its model to host memory between steps.
 
+With shared_strategy "co_resident" nothing is released: both stay on the GPU and serve/train at the same
+time (pipelined training), the server's pool sized by `plan_co_resident`.
+
 Room for the trainer's resident copy comes from the server's static pool (`mem_fraction_static`): SGLang
 sizes its KV cache from that fraction of the memory free when it starts, so a fraction that leaves the
 trainer's copy outside the pool is safe whichever process loads first.
@@ -106,6 +109,46 @@ def plan_shared_gpu(
         f"server and trainer copies of the weights ({(weights_bytes or 0) / GIB:.1f} GiB each) fit with "
         f"{kv_share * 100:.0f}% of the GPU for the KV cache",
     )
+
+
+def plan_co_resident(
+    *,
+    gpu_total_bytes: int | None,
+    weights_bytes: int | None,
+    mem_fraction_static: float,
+    fraction_set_by_user: bool,
+) -> float:
+    """The server's static memory fraction when server and trainer share one GPU with no handoff at all
+    (shared_strategy "co_resident"): the trainer's copy of the model stays outside the server's pool, and
+    what is left besides the headroom is split evenly between the server's KV cache and the trainer's
+    activations (the trainer never gets the KV cache's memory, as it does in a sleep handoff).
+    `ConfigError` when that leaves either too little."""
+    if gpu_total_bytes is None:
+        return mem_fraction_static  # no GPU: nothing competes for its memory
+    if weights_bytes is None and not fraction_set_by_user:
+        raise ConfigError(
+            "shared_strategy='co_resident' needs the base model's size to leave room for the trainer, and "
+            "its weight files were not found locally: set SGLangConfig(mem_fraction_static=...) so that the "
+            "rest of the GPU holds the trainer's model and activations"
+        )
+    weights = (weights_bytes or 0) / gpu_total_bytes
+    resident = weights + TRAINER_OVERHEAD_BYTES / gpu_total_bytes
+    free = 1.0 - SERVER_HEADROOM_FRACTION - resident - weights  # besides both copies and the headroom
+    if fraction_set_by_user:
+        fraction = mem_fraction_static
+        trainer_share = 1.0 - SERVER_HEADROOM_FRACTION - fraction - resident
+    else:
+        fraction = min(mem_fraction_static, math.floor((weights + free / 2) * 1000) / 1000)
+        trainer_share = free / 2
+    if fraction - weights < MIN_KV_FRACTION or trainer_share < MIN_KV_FRACTION:
+        raise ConfigError(
+            f"shared_strategy='co_resident' does not fit: a {(weights_bytes or 0) / GIB:.1f} GiB model twice "
+            f"on a {gpu_total_bytes / GIB:.0f} GiB GPU with mem_fraction_static={fraction:.3f} leaves "
+            f"{max(fraction - weights, 0) * 100:.0f}% of the GPU for the server's KV cache and "
+            f"{max(trainer_share, 0) * 100:.0f}% for training (each needs {MIN_KV_FRACTION * 100:.0f}%): "
+            "use shared_strategy='sleep' (server and trainer take turns), or a second GPU (split mode)"
+        )
+    return fraction
 
 
 def model_weights_bytes(model: str) -> int | None:

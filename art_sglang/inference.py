@@ -19,6 +19,7 @@ import contextlib
 import logging
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +118,8 @@ class InferenceService:
         self._find_checkpoint: Callable[[str], Path | None] | None = None
         self._drain_timeout = drain_timeout
         self._adapters: dict[str, Path] = {}  # loaded (and wanted after every start), oldest first
+        self._leases: Counter[str] = Counter()  # names rollouts hold: never unloaded while held
+        self._unloading: set[str] = set()  # no longer routed, still loaded until their requests finish
         self._aliases: dict[str, str] = {}  # names served by the base slot (merged weights)
         self._base_ids: list[str] = []
         self._base_weights: Path | None = None  # merged weights the base slot holds; None = the original
@@ -126,6 +129,9 @@ class InferenceService:
         self._released_tags: tuple[str, ...] = ()  # GPU memory kinds released for the trainer
         self._holds = 0  # nested holds of the gateway; requests wait while > 0
         self._lock = asyncio.Lock()  # one command at a time changes the server
+        # Held by the watchdog while its health probes are in flight: SGLang 0.5.17 answers GET /health
+        # by generating a token, and a memory release that meets a running request kills its scheduler.
+        self._probing = asyncio.Lock()
 
     # --- what others may read ----------------------------------------------------------------------------
     @property
@@ -246,10 +252,13 @@ class InferenceService:
         if not self._serving or self._lock.locked():
             return False
         problems = {}
-        for replica in self._replicas:
-            problem = await self._problem(replica)
-            if problem is not None:
-                problems[replica] = problem
+        async with self._probing:
+            if not self._serving:
+                return False
+            for replica in self._replicas:
+                problem = await self._problem(replica)
+                if problem is not None:
+                    problems[replica] = problem
         router_died = self._router is not None and not self._router.is_alive()
         if not problems and not router_died:
             return False
@@ -428,9 +437,10 @@ class InferenceService:
         """Free the server's GPU memory of the kinds in `tags` (None = all) for the trainer (hold requests
         first); the process stays."""
         async with self._lock:
-            self._serving = False
-            clients = [r.client for r in self._replicas if r.up and r.client is not None]
-            await gather_all(*(client.release_memory_occupation(tags) for client in clients))
+            self._serving = False  # no new watchdog probe from here on; one in flight is waited for
+            async with self._probing:
+                clients = [r.client for r in self._replicas if r.up and r.client is not None]
+                await gather_all(*(client.release_memory_occupation(tags) for client in clients))
             self._released_tags = tuple(tags) if tags is not None else MEMORY_TAGS
 
     async def resume_memory(self) -> bool:
@@ -461,36 +471,77 @@ class InferenceService:
         async with self._lock:
             if name in self._adapters:
                 return
-            check_adapter(path, self._config.max_lora_rank)
-            await gather_all(*(self._load_on_server(r, name, path) for r in self._replicas if r.up))
+            if name not in self._unloading:  # else still on the servers: routing it again is enough
+                check_adapter(path, self._config.max_lora_rank)
+                await gather_all(*(self._load_on_server(r, name, path) for r in self._replicas if r.up))
             self._adapters[name] = path
             self._publish()
 
     async def remove_adapter(self, name: str) -> None:
-        """Stop routing `name`, wait for its requests in flight, then unload it from the server."""
+        """Stop routing `name`, wait for its requests in flight, then unload it from the server. A leased
+        name stays (see `lease`)."""
         async with self._lock:
-            if self._adapters.pop(name, None) is None:
+            if self._leases[name] > 0 or self._adapters.pop(name, None) is None:
                 return
+            self._unloading.add(name)
             self._publish()
-        if self._gateway is not None and not await self._gateway.wait_idle(name, self._drain_timeout):
-            logger.warning(
-                "requests on %s still in flight after %.0f s; unloading", name, self._drain_timeout
-            )
-        async with self._lock:
-            if name in self._adapters:
-                return  # loaded again meanwhile
-            for replica in self._replicas:
-                if replica.client is None or not replica.process.is_alive():
-                    continue  # gone with the process
-                try:
-                    await replica.client.unload_lora_adapter(name)
-                except ServerRequestError as exc:
-                    logger.warning("unloading %s from the %s failed: %s", name, replica.process.label, exc)
+        try:
+            if not await self._wait_unused(name):
+                logger.warning(
+                    "requests on %s still in flight after %.0f s; unloading", name, self._drain_timeout
+                )
+            async with self._lock:
+                if name in self._adapters:
+                    return  # loaded again meanwhile
+                for replica in self._replicas:
+                    if replica.client is None or not replica.process.is_alive():
+                        continue  # gone with the process
+                    try:
+                        await replica.client.unload_lora_adapter(name)
+                    except ServerRequestError as exc:
+                        logger.warning(
+                            "unloading %s from the %s failed: %s", name, replica.process.label, exc
+                        )
+        finally:
+            self._unloading.discard(name)
+
+    async def _wait_unused(self, name: str) -> bool:
+        """Wait until no request on `name` is in flight or `name` is routed again; False on timeout."""
+        deadline = time.monotonic() + self._drain_timeout
+        while self._gateway is not None and self._gateway.in_flight(name) > 0 and name not in self._adapters:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str, path: Path) -> AsyncIterator[None]:
+        """Keep `name` loaded and routed for the block (loading `path` first if it is not): the commands
+        that unload adapters (`remove_adapter`, `keep_newest`, `prune`) leave a leased name alone, so a
+        rollout finishes on the step it started with. Leases nest and may overlap."""
+        self._leases[name] += 1
+        try:
+            await self.add_adapter(name, path)
+            yield
+        finally:
+            self._leases[name] -= 1
+            if self._leases[name] <= 0:
+                del self._leases[name]
+
+    def leased(self) -> frozenset[str]:
+        """The names held by a lease now."""
+        return frozenset(self._leases)
 
     async def keep_newest(self, prefix: str, keep: int) -> None:
-        """Unload all but the `keep` newest adapters (highest step) whose name starts with `prefix`."""
+        """Unload the adapters whose name starts with `prefix` except the `keep` newest (highest step) and
+        the leased ones."""
         mine = sorted((name for name in self._adapters if name.startswith(prefix)), key=_step_of)
         for name in mine[: max(len(mine) - keep, 0)]:
+            await self.remove_adapter(name)
+
+    async def prune(self, prefix: str, retain: set[str]) -> None:
+        """Unload the adapters whose name starts with `prefix` except `retain` and the leased ones."""
+        for name in [name for name in self._adapters if name.startswith(prefix) and name not in retain]:
             await self.remove_adapter(name)
 
     async def replace_adapters(self, prefix: str, name: str, path: Path, *, restart: bool) -> None:

@@ -23,6 +23,8 @@ class RegisteredModel:
     trainer: TrainerProcess
     step: int
     lock: RunLock  # the model directory's, held while the model is registered
+    pipelined: bool = False  # rollouts took adapter leases (ART's PipelineTrainer drives the model)
+    warned_pool: bool = False  # the "more steps in use than LoRA pool slots" warning was given
 
     def target(self, step: int) -> SyncTarget:
         checkpoint = self.store.checkpoint_dir(step)

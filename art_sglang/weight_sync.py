@@ -6,7 +6,8 @@ and `apply` runs once the server is back. Strategies change the server only thro
 commands.
 
 - `LoraSync` ("lora"): load the adapter into the running server; keep the newest `adapters_to_keep`
-  names of the model loaded (requests in flight on an older step finish on it) and unload older ones.
+  names of the model loaded (requests in flight on an older step finish on it) and the ones rollouts
+  lease (pipelined training), and unload older ones.
 - `RestartSync` ("restart"): restart the server with the new adapter preloaded. `apply(...,
   may_restart=False)` loads it into the running server instead: at register, and when the shared-mode
   handoff has just started a fresh server process anyway.

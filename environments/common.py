@@ -178,9 +178,16 @@ def parse_args(description: str, argv: Sequence[str] | None, *, steps: int = 12)
     parser.add_argument("--resume", action="store_true", help="continue an earlier run of this model")
     parser.add_argument("--json", type=Path, help="also write the per-step results here")
     parser.add_argument("--tiny-model-dir", type=Path, help="where the tiny model is built (PATH/tiny-model)")
+    parser.add_argument(
+        "--pipelined",
+        type=int,
+        metavar="MAX_STEPS_OFF_POLICY",
+        help="train with ART's PipelineTrainer (openpipe-art installed): rollouts go on while the trainer\n"
+        "trains, at most this many steps behind (one GPU: with --shared-strategy co_resident)",
+    )
     backend = parser.add_argument_group("backend")
     backend.add_argument("--engine", choices=["auto", "sglang", "reference"], default="auto")
-    backend.add_argument("--shared-strategy", choices=["sleep", "restart"], default="sleep")
+    backend.add_argument("--shared-strategy", choices=["sleep", "restart", "co_resident"], default="sleep")
     backend.add_argument("--weight-sync", choices=["lora", "disk", "restart"], default="lora")
     backend.add_argument("--lora-rank", type=int, default=8)
     return parser.parse_args(argv)
@@ -196,7 +203,12 @@ async def run(
     learning_rate = args.learning_rate or (TINY_LEARNING_RATE if tiny else REAL_LEARNING_RATE)
     if args.max_tokens is not None:
         env = dataclasses.replace(env, max_tokens=args.max_tokens)  # type: ignore[type-var]
-    model = art.TrainableModel(name=env.name, project=project, base_model=base_model)
+    if args.pipelined is None:
+        model = art.TrainableModel(name=env.name, project=project, base_model=base_model)
+    else:
+        from .pipelined import openpipe_art  # PipelineTrainer keeps its state with ART's own model class
+
+        model = openpipe_art().TrainableModel(name=env.name, project=project, base_model=base_model)
     model_dir = root / project / "models" / model.name
     if model_dir.exists() and not args.resume:
         print(f"starting over: removing the earlier run in {model_dir} (--resume keeps it)")
@@ -209,23 +221,28 @@ async def run(
         path=str(root),
         engine=args.engine,
         shared_strategy=args.shared_strategy,
-        sglang_config=SGLangConfig(weight_sync_method=args.weight_sync),
+        sglang_config=SGLangConfig(weight_sync_method=args.weight_sync, max_steps_off_policy=args.pipelined),
         trainer_config=trainer_config,
     ) as backend:
         await model.register(backend)
         print(f"{backend.layout.describe()}; serving {model.get_inference_name()}", flush=True)
         print(f"registered in {time.monotonic() - started:.1f} s", flush=True)
-        reports = await train_loop(
-            backend,
-            model,
-            env,
-            steps=args.steps,
-            groups_per_step=args.groups,
-            group_size=args.group_size,
-            learning_rate=learning_rate,
-            seed=args.seed,
-            on_step=print_report,
-        )
+        loop_options: dict[str, Any] = {
+            "steps": args.steps,
+            "groups_per_step": args.groups,
+            "group_size": args.group_size,
+            "learning_rate": learning_rate,
+            "seed": args.seed,
+            "on_step": print_report,
+        }
+        if args.pipelined is None:
+            reports = await train_loop(backend, model, env, **loop_options)
+        else:
+            from .pipelined import pipelined_loop
+
+            reports = await pipelined_loop(
+                backend, model, env, max_steps_off_policy=args.pipelined, **loop_options
+            )
     first, last = reports[0].mean_reward, reports[-1].mean_reward
     print(
         f"mean reward {first:.3f} -> {last:.3f} in {len(reports)} steps, {time.monotonic() - started:.0f} s"

@@ -38,12 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # environments/ from a source checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))  # gpu_helpers
 from bench_common import (
-    add_server_args,
     device_name,
     environment,
     markdown_table,
+    rollout_workload,
     server_config,
+    startup_phases,
+    training_bench_parser,
     version_in,
+    workload_phrase,
     write_results,
 )
 from gpu_helpers import MemorySampler
@@ -83,7 +86,8 @@ async def greedy(model: art.TrainableModel, name: str, max_tokens: int) -> str:
 
 
 async def run_strategy(args: argparse.Namespace, strategy: str, steps: int) -> dict[str, Any]:
-    backend = make_backend(args, strategy, args.workdir / strategy.replace("/", "-") / ".art")
+    art_dir = args.workdir / strategy.replace("/", "-") / ".art"
+    backend = make_backend(args, strategy, art_dir)
     model = art.TrainableModel(name="bench", project="bench-cycle", base_model=args.model)
     task = CharShareTask(max_tokens=args.max_tokens)
     rows: list[dict[str, Any]] = []
@@ -91,6 +95,12 @@ async def run_strategy(args: argparse.Namespace, strategy: str, steps: int) -> d
     try:
         await model.register(backend)
         register_s = time.perf_counter() - started
+        [server_log] = art_dir.glob("*/models/*/logs/server.log")
+        register_profile = startup_phases(server_log.read_text(errors="replace"))
+        print(
+            f"{strategy} register {register_s:.1f} s, server start: {json.dumps(register_profile)}",
+            flush=True,
+        )
         for index in range(steps):
             previous = model.get_inference_name()  # the adapter serving now; it stays loaded after the step
             before = await greedy(model, previous, args.greedy_tokens)
@@ -110,6 +120,7 @@ async def run_strategy(args: argparse.Namespace, strategy: str, steps: int) -> d
         close_s = time.perf_counter() - closing
     return {
         **summarize(rows, register_s=register_s, close_s=close_s),
+        "register_profile": register_profile,
         "sglang_config": backend.sglang_config.model_dump(),
     }
 
@@ -155,10 +166,7 @@ def summarize(rows: list[dict[str, Any]], *, register_s: float, close_s: float) 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     env = environment()
     previous = json.loads(args.json.read_text()) if args.merge and args.json and args.json.exists() else None
-    workload = {
-        "task": "char_share (reward: share of vowels)", "groups": args.groups, "group_size": args.group_size,
-        "max_tokens": args.max_tokens, "lora_rank": args.lora_rank, "learning_rate": args.learning_rate,
-    }  # fmt: skip
+    workload = rollout_workload(args)
     result: dict[str, Any] = previous or {
         "device": device_name(env),
         "date": env["date"],
@@ -199,28 +207,19 @@ def table(result: dict[str, Any]) -> str:
             _median(s["sync_s"]), s["register_s"], s["close_s"], all(s["greedy_same_after_step"]),
             _median(s["gpu_mib_server_while_training"]),
         ])  # fmt: skip
-    w = result["workload"]
     head = (
         f"{result['engine']} on {result['device']}, {result['date']}; model {result['model']}; "
-        f"{w['groups']} groups x {w['group_size']} rollouts of <= {w['max_tokens']} tokens, LoRA r={w['lora_rank']}"
+        f"{workload_phrase(result['workload'])}"
     )
     return head + "\n\n" + markdown_table(headers, rows)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_server_args(parser)
-    parser.set_defaults(lora_rank=16)
+    parser = training_bench_parser(__doc__)
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--steps", type=int, default=3, help="training steps per sleep strategy")
     parser.add_argument("--restart-steps", type=int, default=2, help="training steps with restart")
-    parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=96, help="output tokens per rollout (at most)")
     parser.add_argument("--greedy-tokens", type=int, default=32, help="length of the greedy check")
-    parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument(
         "--merge", action="store_true", help="add these strategies to the results already in --json"
     )

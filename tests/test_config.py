@@ -106,3 +106,12 @@ def test_server_python_found_in_a_parent_venv(tmp_path, monkeypatch: pytest.Monk
     assert find_server_python(nested) == str(python)
     monkeypatch.setenv("ART_SGLANG_SERVER_PYTHON", "/opt/py")
     assert find_server_python(nested) == "/opt/py"
+
+
+def test_pipelining_sizes_the_adapter_pool_or_refuses_a_small_one() -> None:
+    assert SGLangConfig(max_steps_off_policy=2).max_loras_per_batch == 4  # the default already holds 3
+    config = SGLangConfig(max_steps_off_policy=6)
+    assert config.max_loras_per_batch == 7
+    assert "--max-loras-per-batch 7" in " ".join(config.server_args("m", 1))
+    with pytest.raises(ValidationError, match="raise max_loras_per_batch to 5"):
+        SGLangConfig(max_steps_off_policy=4, max_loras_per_batch=4)

@@ -261,6 +261,10 @@ def test_auto_detect_off_trusts_the_config_without_gpus_found():
             "(split mode), or training_devices=[1] to share the inference GPU",
         ),
         (
+            lambda: choose_layout(discovery=visible(3), inference_device=0, training_devices=[1, 2, 1]),
+            "training_devices=[1, 2, 1] lists GPU 1 more than once: list each training GPU once",
+        ),
+        (
             lambda: choose_layout(discovery=visible(2), inference_device=0, training_devices=[1, 5]),
             "GPU 5 does not exist: 2 GPU(s) (NVIDIA H100 80GB HBM3) visible, numbered 0..1",
         ),
@@ -339,7 +343,8 @@ def test_impossible_settings_fail_with_the_fix(call, message):
             None,
             ((0,), (1,)),
             (2, 3),
-            "inference replica 0 on GPU 0, replica 1 on GPU 1 (behind SGLang's router), training on GPU 2,3",
+            "inference replica 0 on GPU 0, replica 1 on GPU 1 (behind SGLang's router), training ranks 0 on GPU 2, "
+            "1 on GPU 3",
         ),
         (
             {"inference_devices": [0, 0], "training_devices": [1]},
@@ -353,7 +358,8 @@ def test_impossible_settings_fail_with_the_fix(call, message):
             DeviceConfig(inference_devices=[0, 0], training_devices=[2, 3]),
             ((0, 1), (0, 1)),
             (2, 3),
-            "inference replica 0 on GPU 0,1, replica 1 on GPU 0,1 (behind SGLang's router), training on GPU 2,3",
+            "inference replica 0 on GPU 0,1, replica 1 on GPU 0,1 (behind SGLang's router), training ranks 0 on "
+            "GPU 2, 1 on GPU 3",
         ),
     ],
 )
@@ -369,3 +375,13 @@ def test_one_listed_inference_device_is_one_server():
     layout = choose_layout(discovery=visible(2), inference_devices=[1])
     assert (layout.replicas, layout.replica_gpus, layout.training_gpus) == (((1,),), (), (0,))
     assert "replica" not in layout.describe()
+
+
+def test_layout_line_names_each_training_rank_gpu():
+    layout = choose_layout(discovery=visible(4), inference_device=0, training_devices=[1, 2, 3])
+    assert layout.describe() == (
+        "split mode, sglang engine: inference on GPU 0, training ranks 0 on GPU 1, 1 on GPU 2, 2 on GPU 3 "
+        "(GPUs set explicitly)"
+    )
+    one = choose_layout(discovery=visible(2), inference_device=0, training_devices=[1])
+    assert "inference on GPU 0, training on GPU 1 (" in one.describe()

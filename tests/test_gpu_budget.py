@@ -1,6 +1,7 @@
 """Shared mode's release plan: the KV cache alone when both copies of the weights fit (shrinking the
 server's pool to make room), the weights too when they do not, and loud errors where "kv_cache" was asked
-for and cannot work."""
+for and cannot work. The co-resident plan: a pool that leaves the trainer its model and activations, or
+an error naming the alternatives."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from art_sglang.errors import ConfigError
-from art_sglang.gpu_budget import GIB, TRAINER_OVERHEAD_BYTES, model_weights_bytes, plan_shared_gpu
+from art_sglang.gpu_budget import (
+    GIB,
+    TRAINER_OVERHEAD_BYTES,
+    model_weights_bytes,
+    plan_co_resident,
+    plan_shared_gpu,
+)
 
 H100 = 80 * GIB
 
@@ -63,3 +70,27 @@ def test_weight_bytes_of_a_local_model(tiny_model_path: Path, tmp_path: Path) ->
     assert model_weights_bytes(str(tiny_model_path)) == size > 0
     assert model_weights_bytes(str(tmp_path)) is None
     assert model_weights_bytes("no-such-org/no-such-model") is None
+
+
+def co_resident(*, weights=3 * GIB, total=141 * GIB, fraction=0.9, user=False):
+    return plan_co_resident(
+        gpu_total_bytes=total, weights_bytes=weights, mem_fraction_static=fraction, fraction_set_by_user=user
+    )
+
+
+def test_co_resident_splits_what_both_copies_leave_between_kv_cache_and_training() -> None:
+    fraction = co_resident(weights=3 * GIB)  # a 1.5B model on an H200
+    kv = fraction - 3 / 141
+    training = 1 - 0.1 - fraction - (3 * GIB + TRAINER_OVERHEAD_BYTES) / (141 * GIB)
+    assert kv > 0.3 and abs(kv - training) < 0.01
+    assert co_resident(weights=3 * GIB, fraction=0.3, user=True) == 0.3  # the user's, when it fits
+    assert co_resident(weights=3 * GIB, total=None) == 0.9  # no GPU: nothing to share
+
+
+def test_co_resident_that_does_not_fit_names_the_alternatives() -> None:
+    with pytest.raises(ConfigError, match=r"shared_strategy='sleep'.*split mode"):
+        co_resident(weights=33 * GIB, total=80 * GIB)
+    with pytest.raises(ConfigError, match="for training"):
+        co_resident(weights=3 * GIB, fraction=0.85, user=True)
+    with pytest.raises(ConfigError, match="mem_fraction_static"):
+        co_resident(weights=None)

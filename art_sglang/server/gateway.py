@@ -296,6 +296,7 @@ class AdapterGateway:
             headers["Authorization"] = f"Bearer {self.upstream_key}"
         deadline = time.monotonic() + self.unreachable_wait
         keys = (*(decision.names or ("",)), ANY)
+        resent = False
         while True:
             for key in keys:
                 self._in_flight[key] += 1
@@ -314,6 +315,16 @@ class AdapterGateway:
                 await asyncio.sleep(_UNREACHABLE_POLL_S)
                 assert self._open is not None
                 await self._open.wait()
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                self._done(keys)
+                # The connection broke before any answer: the server died, and a kept-alive connection
+                # to it is only found broken when reused. Every forwarded route is free of side effects,
+                # so the request is sent once more (it then waits for the restart, as above); only once,
+                # so a request that itself kills the server cannot take it down again and again.
+                if resent or time.monotonic() >= deadline:
+                    message = f"the inference server at {self.upstream} failed: {exc!r}"
+                    return _json(502, error(message, "bad_gateway"))
+                resent = True
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 self._done(keys)
                 message = f"the inference server at {target} failed: {exc!r}"

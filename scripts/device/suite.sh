@@ -5,8 +5,12 @@
 # it), and every call copies it all to $OUT.
 # A failing suite does not stop the next; the exit status is the number of failed suites.
 #   bash scripts/device/suite.sh contract shared-sleep
-# Suites: contract shared-sleep shared-restart sync split replicas-1gpu bench-trainer, and the benchmarks
-# (minutes on an H100 with the 1.5B shape; each call of `run` has 10):
+# Suites: contract shared-sleep shared-restart sync split replicas-1gpu bench-trainer, faults-split (2 GPUs)
+# and faults-shared (server SIGKILL/SIGSTOP during and between steps, user script SIGKILL; ~4 min each),
+# ddp (2 GPUs: data-parallel trainer ranks, ~4 min), and the benchmarks (minutes on an H100 with the 1.5B
+# shape; each call of `run` has 10):
+#   bench-trainer-ddp (2 GPUs, ~3 min): Unsloth trainer tokens/s on 1 vs 2 ranks, the same batch, ART's
+#     row packing and 16k-token rows, into bench_trainer_ddp.json/.md
 #   bench-cycle-kv bench-cycle-all (~3.5 min each), bench-cycle-restart (~6 min): shared-mode steps
 #     through the backend, one strategy each, merged into bench_cycle-<model>.json
 #   bench-inference (~6 min): SGLang, radix cache on and off; bench-vllm (~4 min, after stage.sh vllm):
@@ -14,9 +18,16 @@
 #   models-7b (~2 min): builds qwen2.5-7b-shape; BENCH_MODEL=/root/models/qwen2.5-7b-shape then points
 #     the benchmarks at it
 #   bench-multiturn (~5 min): tic-tac-toe through the backend, prefix-cache hit rate per turn
+#   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
+#     workload and seed, server and trainer co-resident on GPU 0; bench-pipeline-split: server on GPU 0,
+#     trainer on GPU 1 (2 GPUs)
 #   bench-replicas (~3 min, 2 GPUs, stage.sh router first): rollout tokens/s of 1 replica vs 2 behind
 #     SGLang's router, and the prefix-cache hit rate of cache-aware vs round-robin routing
+#   bench-register, bench-register-no-prefill-graphs (~3 min each): register() of one shared-mode backend,
+#     where SGLang's start went (weights, decode and prefill CUDA graphs), one step, close()
 # replicas-1gpu (~4 min, 1 GPU, stage.sh router first): two replicas on the first visible GPU behind the router
+# art-program (~4 min, after stage.sh art): an ART program with tools and _internal_config, 2 RL steps
+# Two 1-GPU suites at once, one per GPU: scripts/device/pair.sh.
 set -uo pipefail
 # shellcheck source=scripts/device/env.sh
 source scripts/device/env.sh
@@ -30,6 +41,7 @@ mkdir -p "$results"
 cycle=(python3 scripts/bench_cycle.py --model "$big" "${kernels[@]}" --merge
        --json "$results/bench_cycle-${big##*/}.json" --markdown "$results/bench_cycle-${big##*/}.md")
 inference=(python3 scripts/benchmark_inference.py --model "$big")
+pipeline=(python3 scripts/bench_pipeline.py --model "$big" "${kernels[@]}" --steps 6)
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
 for name in "$@"; do
@@ -40,10 +52,18 @@ for name in "$@"; do
     shared-restart) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k restart) ;;
     sync) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py) ;;
     split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_split_mode.py) ;;
+    art-program) cmd=("${pytest[@]}" -m gpu tests/gpu/test_art_program.py) ;;
+    faults-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k split) ;;
+    faults-shared) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k shared) ;;
     replicas-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_replicas.py) ;;
+    ddp) cmd=("${pytest[@]}" -m gpu tests/gpu/test_data_parallel.py) ;;
     bench-cycle-kv) cmd=("${cycle[@]}" --strategies sleep/kv_cache --steps 3) ;;
     bench-cycle-all) cmd=("${cycle[@]}" --strategies sleep/all --steps 3) ;;
     bench-cycle-restart) cmd=("${cycle[@]}" --strategies restart --restart-steps 2) ;;
+    bench-register | bench-register-no-prefill-graphs)
+      cmd=(python3 scripts/bench_cycle.py --model "$big" "${kernels[@]}" --strategies sleep/kv_cache --steps 1
+           --workdir "/tmp/work-$name" --json "$results/$name.json" --markdown "$results/$name.md")
+      [ "$name" = bench-register ] || cmd+=(--no-prefill-cuda-graph) ;;
     bench-inference) cmd=("${inference[@]}" --engine sglang "${kernels[@]}" --prefix-cache on off
                           --json "$results/bench_inference.json" --markdown "$results/bench_inference.md") ;;
     bench-vllm) cmd=("${inference[@]}" --engine vllm "${vllm_kernels[@]}"
@@ -57,14 +77,27 @@ for name in "$@"; do
     bench-replicas) cmd=(python3 scripts/bench_replicas.py --model "$big" "${kernels[@]}" --no-cuda-graph
                          --workdir /tmp/bench-replicas
                          --json "$results/bench_replicas.json" --markdown "$results/bench_replicas.md") ;;
+    bench-trainer-ddp) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2
+                            --batch 32 --seq 1024 --packings default,16384 --micro-batch-tokens 8192 --steps 3
+                            --name bench_trainer_ddp --work /tmp/bench-trainer-ddp --out "$results") ;;
     bench-multiturn) cmd=(python3 scripts/bench_multiturn.py --model "$big" "${kernels[@]}"
                           --json "$results/bench_multiturn.json" --markdown "$results/bench_multiturn.md") ;;
+    bench-pipeline-1gpu) cmd=("${pipeline[@]}" --layout co_resident --json "$results/bench_pipeline-1gpu.json"
+                               --markdown "$results/bench_pipeline-1gpu.md") ;;
+    bench-pipeline-split) cmd=("${pipeline[@]}" --layout split --json "$results/bench_pipeline-split.json"
+                                --markdown "$results/bench_pipeline-split.md") ;;
     *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
   esac
+  # Each pytest suite keeps its own temporary folder, so two suites can run at once (device/pair.sh) and
+  # the servers' logs can be collected by suite.
+  if [ "${cmd[2]:-}" = pytest ]; then rm -rf "/tmp/pt-$name"; cmd+=(--basetemp "/tmp/pt-$name"); fi
   echo "=== $name: ${cmd[*]}" | tee "$OUT/$name.log"
   "${cmd[@]}" 2>&1 | tee -a "$OUT/$name.log" | grep -E --line-buffered '^(===|PASSED|FAILED|ERROR|SKIPPED)|passed|failed|error|\| '
   rc=${PIPESTATUS[0]}
   echo "=== $name: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/$name.log"
+  for log in $(find "/tmp/pt-$name" "/tmp/work-$name" -name 'server*.log' -size -4M 2>/dev/null); do
+    mkdir -p "$OUT/$name-logs" && cp "$log" "$OUT/$name-logs/$(echo "${log#/tmp/}" | tr / _)"
+  done
   [ "$rc" = 0 ] || failed=$((failed + 1))
 done
 cp -r "$results"/. "$OUT/"

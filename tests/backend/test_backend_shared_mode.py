@@ -132,3 +132,20 @@ async def test_a_second_step_and_the_older_adapter_stays_loaded(shared) -> None:
     listed = {n for n in await server_models(service.process.base_url) if n.startswith("agent@")}
     # After a restart only the adapters on the wanted list are loaded again: the keep-count still holds.
     assert listed == {"agent@1", "agent@2"}
+
+
+async def test_pipelined_training_is_refused_with_the_fix(shared) -> None:
+    """ART's PipelineTrainer takes an adapter lease per rollout and calls train() while rollouts run; a
+    handoff would stop them for every step, so train() refuses before anything changes. (Last in the
+    module: the model counts as pipelined from here on.)"""
+    backend, model = shared
+    service = backend.inference
+    assert service is not None
+    pid = service.process.pid
+    groups = await sample_groups(model, seed=3)
+    async with backend.adapter_lease(model, 2):
+        assert model.get_inference_name() == "agent@2"
+        with pytest.raises(art.ConfigError, match="shared_strategy='co_resident'") as raised:
+            await backend.train(model, groups, learning_rate=1e-3)
+    assert f"shared_strategy={backend.handoff_strategy!r}" in str(raised.value)
+    assert await model.get_step() == 2 and service.process.pid == pid

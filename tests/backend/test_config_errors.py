@@ -47,7 +47,7 @@ def test_fused_server_targets_cover_their_parts():
 
 
 def test_bad_strategy_and_engine_names():
-    with pytest.raises(ConfigError, match="'sleep' or 'restart'"):
+    with pytest.raises(ConfigError, match="'sleep', 'restart' or 'co_resident'"):
         SGLangBackend(shared_strategy="nap")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="'auto', 'sglang' or 'reference'"):
         SGLangBackend(engine="vllm")  # type: ignore[arg-type]

@@ -24,6 +24,8 @@ shapes). Where SGLang's behaviour is kept on purpose, or where a CPU engine must
   with `--enable-weights-cpu-backup` they are kept in RAM (on a CPU that backup is the weights themselves),
   without it they are re-read from disk on resume. While released, generation answers 503 and
   /health_generate 503 (/health stays 200). Without the memory saver both calls are accepted no-ops.
+  A release while any request runs ends the process, as it kills SGLang's scheduler; /health is a
+  one-token generation, as SGLang's is.
 - /update_weights_from_disk reads a local checkpoint of the same shapes; adapters stay loaded; the cache is
   flushed. SIGTERM stops generations in flight at their next token.
 - GPU-only flags are accepted and ignored with a log line; unknown flags too. One log line per request.

@@ -179,7 +179,12 @@ def create_app(args: ServerArgs, engine: ReferenceEngine) -> FastAPI:
     # --- health and info ---------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        """SGLang 0.5.17's /health is its /health_generate (a one-token generation, so a running
+        request). While memory is released this answers 200 without generating; SGLang's answer there is
+        not recorded."""
+        if engine.released:
+            return Response(status_code=200)
+        return await health_generate()
 
     @app.get("/health_generate")
     async def health_generate() -> Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -370,8 +371,16 @@ class ReferenceEngine:
         --enable-memory-saver this does nothing (as SGLang). "kv_cache" clears the prefix cache; "weights"
         drops the base weights — with --enable-weights-cpu-backup they are kept in RAM for resume (on CPU
         the backup is the weights themselves), without it they are re-read from disk on resume.
-        Generation while anything is released is refused (503)."""
+        Generation while anything is released is refused (503). Called while a request runs, the engine
+        exits, as SGLang's does."""
         wanted = memory_tags(tags)
+        if self.busy:
+            # SGLang 0.5.17's scheduler asserts it is idle here and dies with the whole server, so the
+            # caller sees the connection dropped; a backend that releases under load must fail here too.
+            logger.error(
+                "AssertionError: release_memory_occupation should be called only when server is idle."
+            )
+            os._exit(1)
         with self._lock:
             if not self.args.enable_memory_saver:
                 logger.info("release_memory_occupation: nothing to release without --enable-memory-saver")

@@ -1,0 +1,190 @@
+"""Pipelined vs synchronous training, measured through the backend in one run: the same workload (the
+character-share task: G groups x N rollouts of <= T tokens with logprobs, LoRA r=16) and seed, first as
+`gather -> train -> gather` (`environments.common.train_loop`), then with ART's PipelineTrainer
+(`environments.pipelined.pipelined_loop`, at most K steps off policy), each on its own model of one
+backend (one server start for both). Per loop: steps per minute (from the start of the loop to the end of
+its last `train()`), the mean reward of every step's batch, the seconds each step took, and for the
+pipelined loop how far its batches were off policy (PipelineTrainer's `train/steps_off_policy`).
+
+Layouts: `co_resident` (server and trainer on GPU 0, no handoff), `split` (server on GPU 0, trainer on
+GPU 1), `cpu` (the reference engine, for a smoke run).
+
+    python scripts/bench_pipeline.py --model /root/models/qwen2.5-1.5b-shape --layout co_resident \\
+        --attention-backend triton --sampling-backend pytorch --json out.json --markdown out.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # environments/ from a source checkout
+from bench_common import (
+    device_name,
+    environment,
+    markdown_table,
+    rollout_workload,
+    server_config,
+    training_bench_parser,
+    version_in,
+    workload_phrase,
+    write_results,
+)
+
+import art_sglang
+from art_sglang import SGLangBackend, TrainerConfig
+from environments.char_share import CharShareTask
+from environments.common import StepReport, train_loop
+from environments.pipelined import openpipe_art, pipelined_loop
+
+LAYOUTS = ("co_resident", "split", "cpu")
+
+
+def make_backend(args: argparse.Namespace, path: Path) -> SGLangBackend:
+    k = args.max_steps_off_policy
+    config = server_config(args, max_steps_off_policy=k, max_loras_per_batch=max(4, k + 1))
+    common: dict[str, Any] = {
+        "path": str(path),
+        "sglang_config": config,
+        "trainer_config": TrainerConfig(
+            lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank, seed=args.seed
+        ),
+    }
+    if args.layout == "cpu":
+        return SGLangBackend(engine="reference", **common)
+    if args.layout == "split":
+        return SGLangBackend(engine="sglang", inference_device=0, training_devices=[1], **common)
+    return SGLangBackend(
+        engine="sglang", inference_device=0, training_devices=[0], shared_strategy="co_resident", **common
+    )
+
+
+async def run_loop(backend: SGLangBackend, model: Any, loop: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One loop's steps on `model` (registered): its per-step reports and timings."""
+    task = CharShareTask(max_tokens=args.max_tokens)
+    ends: list[float] = []
+
+    def on_step(report: StepReport) -> None:
+        ends.append(time.perf_counter())
+        print(f"{loop} step {len(ends)}/{args.steps}: mean reward {report.mean_reward:.4f}", flush=True)
+
+    options: dict[str, Any] = {
+        "steps": args.steps, "groups_per_step": args.groups, "group_size": args.group_size,
+        "learning_rate": args.learning_rate, "seed": args.seed, "on_step": on_step,
+    }  # fmt: skip
+    started = time.perf_counter()
+    if loop == "sync":
+        reports = await train_loop(backend, model, task, **options)
+    else:
+        reports = await pipelined_loop(
+            backend, model, task, max_steps_off_policy=args.max_steps_off_policy, **options
+        )
+    wall = ends[-1] - started
+    marks = [started, *ends]
+    return {
+        "steps": len(reports),
+        "wall_s": wall,
+        "steps_per_minute": 60.0 * len(reports) / wall,
+        "step_s": [b - a for a, b in itertools.pairwise(marks)],
+        "mean_reward": [r.mean_reward for r in reports],
+        "train_s": [r.train_metrics.get("time/train_s") for r in reports],
+        "trajectories": [len(r.rewards) for r in reports],
+    }
+
+
+def steps_off_policy(history: Path) -> list[float]:
+    """PipelineTrainer's staleness of each step's batch, from the run's history.jsonl."""
+    rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()]
+    return [row["train/steps_off_policy"] for row in rows if "train/steps_off_policy" in row]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    env = environment()
+    path = args.workdir / f"pipeline-{args.layout}" / ".art"
+    shutil.rmtree(path, ignore_errors=True)  # both loops start from step 0
+    backend = make_backend(args, path)
+    # PipelineTrainer keeps its state with ART's own model class; the synchronous loop takes either.
+    models = {
+        loop: module.TrainableModel(name=f"bench-{loop}", project="bench-pipeline", base_model=args.model)
+        for loop, module in (("sync", art_sglang), ("pipelined", openpipe_art()))
+    }
+    loops: dict[str, Any] = {}
+    async with backend:
+        registered = time.perf_counter()
+        for model in models.values():
+            await model.register(backend)
+        register_s = time.perf_counter() - registered
+        for loop, model in models.items():
+            loops[loop] = await run_loop(backend, model, loop, args)
+        history = path / "bench-pipeline" / "models" / "bench-pipelined" / "history.jsonl"
+        loops["pipelined"]["steps_off_policy"] = steps_off_policy(history)
+        layout, config = backend.layout.describe(), backend.sglang_config.model_dump()
+    result: dict[str, Any] = {
+        "device": device_name(env),
+        "date": env["date"],
+        "versions": env["versions"],
+        "engine": "reference" if args.layout == "cpu" else "sglang",
+        "model": args.model,
+        "layout": args.layout,
+        "layout_detail": layout,
+        "workload": {
+            **rollout_workload(args),
+            "steps": args.steps,
+            "seed": args.seed,
+            "max_steps_off_policy": args.max_steps_off_policy,
+        },
+        "register_s": register_s,
+        "loops": loops,
+        "speedup": loops["pipelined"]["steps_per_minute"] / loops["sync"]["steps_per_minute"],
+        "sglang_config": config,
+    }
+    if result["engine"] == "sglang":
+        result["versions"]["sglang"] = version_in(server_config(args).resolved_server_python(), "sglang")
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    headers = ["loop", "steps", "wall s", "steps/min", "s/step (median)", "mean reward per step",
+               "steps off policy (mean)"]  # fmt: skip
+    rows = []
+    for name, loop in result["loops"].items():
+        stale = loop.get("steps_off_policy")
+        rows.append([
+            name, loop["steps"], loop["wall_s"], loop["steps_per_minute"], statistics.median(loop["step_s"]),
+            " ".join(f"{r:.3f}" for r in loop["mean_reward"]),
+            statistics.fmean(stale) if stale else "-",
+        ])  # fmt: skip
+    w = result["workload"]
+    head = (
+        f"{result['engine']} on {result['device']} ({result['layout']}), {result['date']}; model "
+        f"{result['model']}; {workload_phrase(w)}, max_steps_off_policy={w['max_steps_off_policy']}, "
+        f"seed {w['seed']}; "
+        f"pipelined / synchronous steps per minute: {result['speedup']:.2f}x"
+    )
+    return head + "\n\n" + markdown_table(headers, rows)
+
+
+def main() -> None:
+    parser = training_bench_parser(__doc__)
+    parser.add_argument("--layout", choices=LAYOUTS, default="co_resident")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per loop")
+    parser.add_argument("--max-steps-off-policy", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.layout == "cpu":
+        args.engine = "reference"
+    result = asyncio.run(run(args))
+    write_results(args, result, table(result))
+
+
+if __name__ == "__main__":
+    main()
