@@ -447,7 +447,7 @@ class SGLangBackend:
         checkpoint if it is not running) for the body; `self._lock` is held by the caller."""
         service, handoff = self._service, self._handoff
         assert service is not None and handoff is not None
-        await service.recover()
+        await service.recover(probe=False)
         async with handoff.trainer_turn(entry.trainer) as turn:
             if not entry.trainer.is_alive():
                 logger.warning(
@@ -464,7 +464,7 @@ class SGLangBackend:
         target = entry.target(step)
         synced_at = time.monotonic()
         await self._sync.prepare(target)
-        await service.recover()
+        await service.recover(probe=False)
         await self._sync.apply(target, may_restart=may_restart)
         if self.sglang_config.flush_cache_on_sync:
             await service.flush_cache()

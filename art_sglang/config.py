@@ -118,7 +118,12 @@ class SGLangConfig(BaseModel):
         description="Skip only the prefill CUDA graphs SGLang captures by default (decode keeps its "
         "graphs): a shorter server start, slower prefill of small batches.",
     )
-    api_key: str | None = Field(None, description="API key the server requires; None = no key.")
+    api_key: str | None = Field(
+        None,
+        description="Key rollout clients must send (model.openai_client() sends it); None = any. The server's "
+        "admin routes get a key of their own, and behind the gateway with one server its other routes too "
+        "(clients never hold those); keys reach the server in a private file, never on its command line.",
+    )
     tool_call_parser: str | None = Field(
         "hermes",
         description="SGLang --tool-call-parser: how `<tool_call>` markup in a completion becomes "
@@ -174,6 +179,18 @@ class SGLangConfig(BaseModel):
     def _no_blank_targets(cls, value: list[str]) -> list[str]:
         if any(not m.strip() for m in value):
             raise ValueError("lora_target_modules must not contain empty names")
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_keys_in_extra_args(cls, value: list[str]) -> list[str]:
+        taken = sorted({arg.split("=")[0] for arg in value} & {"--api-key", "--admin-api-key", "--config"})
+        if taken:
+            raise ValueError(
+                f"extra_args must not give {', '.join(taken)}: the backend passes the server keys of its own "
+                "in a private --config file (a key on a command line is readable by every local user); "
+                "set SGLangConfig.api_key for the key rollout clients send"
+            )
         return value
 
     @model_validator(mode="after")
@@ -232,7 +249,6 @@ LAUNCH_FLAGS = (
     "enable_weights_cpu_backup",
     "disable_cuda_graph",
     "disable_prefill_cuda_graph",
-    "api_key",
     "tool_call_parser",
     "chat_template",
 )

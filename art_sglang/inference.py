@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import sys
 import time
 from collections import Counter
@@ -80,10 +81,25 @@ class InferenceService:
         self._base_model = base_model
         self._engine = engine
         placements = [gpu_ids] if replica_gpu_ids is None else list(replica_gpu_ids)
+        # The servers' keys are their own: rollout clients hold `config.api_key`, which opens the gateway;
+        # the gateway alone holds the key of a server's ordinary routes, and this service alone the admin
+        # key. Without the gateway clients talk to the server with their key, and behind SGLang's router
+        # too (the router reaches the replicas with what clients send).
+        # Hex keys: one starting with "-" would read as a flag where a config file becomes command-line flags.
+        own_key = use_gateway and len(placements) == 1
+        self._server_config = config.model_copy(
+            update={"api_key": secrets.token_hex(32) if own_key else config.api_key}
+        )
+        self._admin_key = secrets.token_hex(32)
         self._replicas = [
             _Replica(
                 ServerProcess(
-                    config, base_model, engine=engine, log_path=_numbered(log_path, n), gpu_ids=gpus
+                    self._server_config,
+                    base_model,
+                    engine=engine,
+                    log_path=_numbered(log_path, n),
+                    gpu_ids=gpus,
+                    admin_api_key=self._admin_key,
                 ),
                 tuple(str(g) for g in gpus or ()),
             )
@@ -112,7 +128,7 @@ class InferenceService:
             self._gateway = AdapterGateway(
                 "http://127.0.0.1:0",
                 api_key=config.api_key,
-                upstream_key=config.api_key,
+                upstream_key=self._server_config.api_key,
                 unreachable_wait=config.server_timeout,
             )
         self._find_checkpoint: Callable[[str], Path | None] | None = None
@@ -133,6 +149,7 @@ class InferenceService:
         # Held by the watchdog while its health probes are in flight: SGLang 0.5.17 answers GET /health
         # by generating a token, and a memory release that meets a running request kills its scheduler.
         self._probing = asyncio.Lock()
+        self._quiet = 0  # > 0: no health probes (see `quiet`)
 
     # --- what others may read ----------------------------------------------------------------------------
     @property
@@ -141,8 +158,8 @@ class InferenceService:
 
     @property
     def process(self) -> ServerProcess:
-        """The (first) server process (read its pid, address and liveness; start and stop it through the
-        service)."""
+        """The (first) server process (read its pid, address, liveness and `config.api_key`, the key of its
+        ordinary routes; start and stop it through the service)."""
         return self._replicas[0].process
 
     @property
@@ -244,20 +261,32 @@ class InferenceService:
             self._serving = False
             await self._stop_replicas(self._replicas)
 
-    async def recover(self) -> bool:
+    @contextlib.asynccontextmanager
+    async def quiet(self) -> AsyncIterator[None]:
+        """No watchdog health probes in the block (a dead server is still noticed): around a memory
+        release, so that it waits for no probe (SGLang's /health takes a second)."""
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
+
+    async def recover(self, *, probe: bool = True) -> bool:
         """Restart every server (and the router) that should serve but died, or has not answered
         `GET /health` for `unresponsive_timeout` seconds (hung or stopped), with every adapter loaded again
         before a request reaches it. With replicas, a failed one is taken out of the router first and the
         others serve meanwhile. Returns whether it restarted anything. Does nothing while another command
-        runs."""
+        runs. `probe=False` only looks for dead processes: the step path uses it, since SGLang 0.5.17's
+        /health takes a second (a one-token generation polled once a second); the watchdog probes."""
         if not self._serving or self._lock.locked():
             return False
         problems = {}
+        probe = probe and not self._quiet
         async with self._probing:
             if not self._serving:
                 return False
             for replica in self._replicas:
-                problem = await self._problem(replica)
+                problem = await self._problem(replica, probe=probe)
                 if problem is not None:
                     problems[replica] = problem
         router_died = self._router is not None and not self._router.is_alive()
@@ -285,10 +314,13 @@ class InferenceService:
                 await self._bring_up()
             return True
 
-    async def _problem(self, replica: _Replica) -> str | None:
-        """What is wrong with a server: it died, or it has not answered health checks long enough."""
+    async def _problem(self, replica: _Replica, *, probe: bool) -> str | None:
+        """What is wrong with a server: it died, or (with `probe`) it has not answered health checks long
+        enough."""
         if not replica.process.is_alive():
             return "died"
+        if not probe:
+            return None
         timeout = self._config.unresponsive_timeout
         client = replica.client
         if client is not None and await client.health(timeout=min(timeout, 10.0)):
@@ -385,14 +417,14 @@ class InferenceService:
         the memory free when it starts: with k other replicas already running on its GPU, each holding the
         share f of it, f / (1 - k*f) of what they left is the same share f of the whole GPU."""
         if not replica.gpus:
-            return self._config
+            return self._server_config
         sharing = sum(
             1 for r in self._replicas if r is not replica and r.gpus == replica.gpus and r.process.is_alive()
         )
-        fraction = self._config.mem_fraction_static
+        fraction = self._server_config.mem_fraction_static
         if sharing == 0:
-            return self._config
-        return self._config.model_copy(
+            return self._server_config
+        return self._server_config.model_copy(
             update={"mem_fraction_static": round(fraction / (1 - sharing * fraction), 3)}
         )
 
@@ -400,7 +432,9 @@ class InferenceService:
         """Give a freshly started server its admin client, the base weights and every wanted adapter."""
         if replica.client is not None:
             await replica.client.aclose()
-        replica.client = ServerClient(replica.process.base_url, api_key=self._config.api_key)
+        replica.client = ServerClient(
+            replica.process.base_url, api_key=replica.process.config.api_key, admin_api_key=self._admin_key
+        )
         self._base_ids = [card.id for card in await replica.client.list_models() if card.parent is None]
         if self._base_weights is not None:
             # A fresh process holds the original base weights; the merged ones are applied again.
@@ -607,20 +641,20 @@ class InferenceService:
         """One greedy one-token chat completion on `name` through the client path rollouts use and, with
         replicas, on each routed replica directly (the adapter selected as the gateway selects it); raises
         `ServerRequestError` unless each answers 200."""
-        targets = [(self.openai_base_url, self.client_name(name), {}, "")]
+        targets = [(self.openai_base_url, self.client_name(name), {}, self.api_key, "")]
         if self._router is not None:
             model = self._aliases.get(name, self._base_id())
             adapter = {} if name in self._aliases else {"lora_path": name}
             targets += [
-                (f"{r.routed_url}/v1", model, adapter, f" on the {r.process.label}")
+                (f"{r.routed_url}/v1", model, adapter, r.process.config.api_key, f" on the {r.process.label}")
                 for r in self._replicas
                 if r.routed_url is not None
             ]
-        headers = {"Authorization": f"Bearer {self.api_key}"}
         async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False) as http:
-            for url, model, adapter, where in targets:
+            for url, model, adapter, key, where in targets:
                 body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1,
                         "temperature": 0.0, **adapter}  # fmt: skip
+                headers = {"Authorization": f"Bearer {key}"} if key else {}
                 response = await http.post(f"{url}/chat/completions", json=body, headers=headers)
                 if response.status_code != 200:
                     raise ServerRequestError(

@@ -126,7 +126,8 @@ def spawn_logged(
     and stdout are pipes to us and only its stderr goes to the log. Returns the process and the log offset
     where this launch begins. Call it on a long-lived thread (see `parent_death_preexec`)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log:
+    # Readable by this user only: SGLang logs its launch arguments, the server's keys among them.
+    with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as log:
         start = log.tell()
         stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
         log.write(f"=== {stamp} {header}\n".encode())

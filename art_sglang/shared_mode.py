@@ -73,7 +73,7 @@ class GpuHandoff:
         if self.strategy == "none":
             yield turn
             return
-        async with self.service.holding():
+        async with self.service.quiet(), self.service.holding():
             serving = self.service.serving
             started = time.monotonic()
             if serving:

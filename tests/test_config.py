@@ -46,11 +46,17 @@ def test_optional_flags_and_extra_args_are_rendered() -> None:
         "--enable-weights-cpu-backup",
         "--disable-cuda-graph",
         "--disable-prefill-cuda-graph",
-        "--api-key k",
         "--lora-target-modules q_proj v_proj",
     ):
         assert expected in joined
     assert args[-2:] == ["--log-level", "debug"]
+    assert "--api-key" not in args and "k" not in args  # keys go to the server in a private file
+
+
+def test_keys_cannot_be_put_on_the_command_line() -> None:
+    for extra in (["--api-key", "k"], ["--admin-api-key=k"], ["--config", "mine.yaml"]):
+        with pytest.raises(ValueError, match="private --config file"):
+            SGLangConfig(extra_args=extra)
 
 
 def test_server_timeout_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

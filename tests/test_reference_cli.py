@@ -6,6 +6,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from art_sglang.config import LAUNCH_FLAGS, SGLangConfig, launch_flag
 from art_sglang.server.reference.cli import build_parser, parse_args
@@ -27,7 +30,6 @@ def test_every_rendered_flag_is_understood() -> None:
         enable_weights_cpu_backup=True,
         disable_cuda_graph=True,
         disable_prefill_cuda_graph=True,
-        api_key="k",
         tensor_parallel_size=2,
     )
     args = parse_args(config.server_args("/models/m", 4321))
@@ -36,7 +38,7 @@ def test_every_rendered_flag_is_understood() -> None:
     assert (args.mem_fraction_static, args.tp_size, args.max_loras_per_batch) == (0.5, 2, 3)
     assert args.enable_lora and args.max_lora_rank == 32
     assert args.lora_target_modules == ["q_proj", "v_proj"]
-    assert args.context_length == 512 and args.api_key == "k"
+    assert args.context_length == 512
     assert (args.attention_backend, args.sampling_backend) == ("triton", "pytorch")
     assert args.disable_radix_cache and args.enable_cache_report and args.enable_metrics
     assert args.enable_memory_saver and args.enable_weights_cpu_backup and args.disable_cuda_graph
@@ -83,3 +85,18 @@ def test_help_runs_without_loading_a_model() -> None:
         timeout=60,
     )
     assert done.returncode == 0 and "--lora-target-modules" in done.stdout
+
+
+def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("api-key: from-file\nadmin_api_key: -admin\ncontext-length: 128\nenable-metrics: true\n")
+    args = parse_args(["--model-path", "m", "--config", str(keys), "--context-length", "256"])
+    assert (args.api_key, args.admin_api_key, args.context_length, args.enable_metrics) == (
+        "from-file",
+        "-admin",  # a key may start with "-"
+        256,
+        True,
+    )
+    (tmp_path / "bad.yaml").write_text("config: other.yaml\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--config", str(tmp_path / "bad.yaml")])

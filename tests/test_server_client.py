@@ -1,5 +1,6 @@
 """ServerClient against the real reference engine: every admin method, and that refusals become the
-right exception carrying the server's own message."""
+right exception carrying the server's own message. The server has an API key and a separate admin key,
+given as SGLang takes them (`--config` file); which key opens which route is SGLang's rule."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
+import psutil
 import pytest
 from contract.contract_helpers import make_adapter
 
@@ -22,6 +25,7 @@ from art_sglang.server.client import ModelCard, ServerClient
 from art_sglang.server.process import ServerProcess
 
 API_KEY = "test-key"
+ADMIN_KEY = "admin-test-key"
 TARGETS = ["q_proj", "v_proj"]
 
 
@@ -39,7 +43,9 @@ def adapters(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     config = SGLangConfig(max_lora_rank=8, api_key=API_KEY, enable_metrics=True, server_timeout=120)
     log = tmp_path_factory.mktemp("client-server") / "server.log"
-    proc = ServerProcess(config, str(tiny_model_path), engine="reference", log_path=log)
+    proc = ServerProcess(
+        config, str(tiny_model_path), engine="reference", log_path=log, admin_api_key=ADMIN_KEY
+    )
     asyncio.run(proc.start())
     try:
         yield proc
@@ -49,7 +55,7 @@ def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 @pytest.fixture
 async def client(server: ServerProcess) -> AsyncIterator[ServerClient]:
-    async with ServerClient(server.base_url, api_key=API_KEY) as c:
+    async with ServerClient(server.base_url, api_key=API_KEY, admin_api_key=ADMIN_KEY) as c:
         yield c
 
 
@@ -126,3 +132,41 @@ async def test_unreachable_server() -> None:
         assert not await client.health()
         with pytest.raises(ServerUnavailableError, match=f"127.0.0.1:{port}/get_model_info"):
             await client.model_info()
+
+
+def test_the_keys_are_not_on_the_servers_command_line(server: ServerProcess) -> None:
+    assert server.pid is not None
+    command = " ".join(psutil.Process(server.pid).cmdline())
+    assert f"--config {server.keys_file}" in command
+    assert API_KEY not in command and ADMIN_KEY not in command
+    assert not server.keys_file.exists()
+
+
+async def test_each_key_opens_only_its_routes(server: ServerProcess, client: ServerClient) -> None:
+    """Ordinary routes take the API key and not the admin key; admin routes take the admin key and not
+    the API key; `x-api-key` counts as Bearer does; /health needs no key."""
+
+    def key(value: str | None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {value}"} if value else {}
+
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60, trust_env=False) as http:
+        assert (await http.get("/v1/models", headers=key(API_KEY))).status_code == 200
+        assert (await http.get("/v1/models", headers={"x-api-key": API_KEY})).status_code == 200
+        assert (await http.post("/flush_cache", headers=key(ADMIN_KEY))).status_code == 200
+        assert (await http.post("/flush_cache", headers={"x-api-key": ADMIN_KEY})).status_code == 200
+        for path, wrong in [("/v1/models", ADMIN_KEY), ("/flush_cache", API_KEY)]:
+            for given in (wrong, "nonsense", None):
+                method = http.get if path == "/v1/models" else http.post
+                refused = await method(path, headers=key(given))
+                assert refused.status_code == 401 and refused.json() == {"error": "Unauthorized"}, (
+                    path,
+                    given,
+                )
+        assert (await http.get("/health")).status_code == 200
+    async with ServerClient(server.base_url, api_key=API_KEY) as without_admin_key:
+        assert await without_admin_key.list_models()
+        with pytest.raises(ServerRequestError) as info:
+            await without_admin_key.flush_cache()
+    assert info.value.status == 401
+    flags = await client.server_info()
+    assert flags["api_key"] == flags["admin_api_key"] == "<set>"

@@ -31,6 +31,9 @@ HEALTH_SERVER = textwrap.dedent(
     port = int(args[args.index("--port") + 1])
     wanted = ("CUDA_VISIBLE_DEVICES", "EXTRA", "SGL")
     print("ENV " + json.dumps({k: v for k, v in sorted(os.environ.items()) if k.startswith(wanted)}))
+    if "--config" in args:
+        keys = args[args.index("--config") + 1]
+        print("CONFIG", oct(os.stat(keys).st_mode & 0o777), ",".join(sorted(json.load(open(keys)))))
     def on_sigterm(*_):
         print("SIGTERM received", flush=True)
         sys.exit(0)
@@ -55,24 +58,28 @@ HEALTH_SERVER = textwrap.dedent(
 class ScriptServer(ServerProcess):
     """A ServerProcess whose command runs `script` with the usual server flags (plus `extra`)."""
 
-    def __init__(self, script: str, tmp_path: Path, *, extra: tuple[str, ...] = (), **config: object):
+    def __init__(
+        self,
+        script: str,
+        tmp_path: Path,
+        *,
+        extra: tuple[str, ...] = (),
+        admin_api_key: str | None = None,
+        **config: object,
+    ):
         super().__init__(
             SGLangConfig(**config),
             "unused-model",
             engine="reference",
             log_path=tmp_path / "logs" / "server.log",
+            admin_api_key=admin_api_key,
         )
         self.script = script
         self.extra = extra
 
     def command(self) -> list[str]:
-        return [
-            sys.executable,
-            "-c",
-            self.script,
-            *self.config.server_args(self.model_path, self.port),
-            *self.extra,
-        ]
+        python_and_module = 3
+        return [sys.executable, "-c", self.script, *super().command()[python_and_module:], *self.extra]
 
 
 def tree_pids(pid: int) -> list[int]:
@@ -147,14 +154,20 @@ async def test_stop_kills_whole_tree_even_when_sigterm_is_ignored(tmp_path: Path
 
 
 async def test_environment_and_log_header(tmp_path: Path) -> None:
-    server = ScriptServer(HEALTH_SERVER, tmp_path, server_env={"EXTRA": "1"}, api_key="s3cret")
+    server = ScriptServer(
+        HEALTH_SERVER, tmp_path, server_env={"EXTRA": "1"}, api_key="s3cret", admin_api_key="4dmin"
+    )
     server.gpu_ids = [2, 3]
     await server.start()
+    assert not server.keys_file.exists()  # read by the server at its start, deleted once it is up
     await server.stop()
     log = server.log_path.read_text()
     assert log.startswith("=== ")
-    assert "--api-key REDACTED" in log
-    assert "s3cret" not in log
+    # The keys reach the server in a file only this user can read, never on its command line.
+    assert f"--config {server.keys_file}" in log and "--api-key" not in log
+    assert "CONFIG 0o600 admin-api-key,api-key" in log
+    assert server.log_path.stat().st_mode & 0o777 == 0o600  # SGLang logs its arguments, keys included
+    assert "s3cret" not in log and "4dmin" not in log
     assert '"CUDA_VISIBLE_DEVICES": "2,3"' in log
     assert '"EXTRA": "1"' in log
     name, value = next(iter(SGLANG_ENV_DEFAULTS.items()))

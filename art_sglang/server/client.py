@@ -23,6 +23,18 @@ from art_sglang.errors import (
 # tags, frees both). CUDA graphs stay: a graph captured against released memory is still valid on resume.
 KV_CACHE_TAG, WEIGHTS_TAG = "kv_cache", "weights"
 MEMORY_TAGS = (KV_CACHE_TAG, WEIGHTS_TAG)
+# The routes of this API that SGLang counts as admin routes: with `--admin-api-key` set, only that key
+# opens them.
+ADMIN_ROUTES = frozenset(
+    {
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+        "/flush_cache",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/update_weights_from_disk",
+    }
+)
 
 
 class ModelCard(BaseModel):
@@ -51,11 +63,21 @@ def _server_message(response: httpx.Response) -> str:
 
 
 class ServerClient:
-    """Admin requests to the server at `base_url` (no `/v1`), authenticated with `api_key` as Bearer."""
+    """Admin requests to the server at `base_url` (no `/v1`): `ADMIN_ROUTES` authenticated with
+    `admin_api_key` (if given, else `api_key`), the others with `api_key`, as Bearer tokens."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        *,
+        admin_api_key: str | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        admin_key = admin_api_key or api_key
+        self._admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         # trust_env=False: a proxy from the environment must not intercept the local server.
         self._http = httpx.AsyncClient(
             base_url=self.base_url, headers=headers, timeout=timeout, trust_env=False
@@ -78,8 +100,9 @@ class ServerClient:
         error: type[ServerRequestError] = ServerRequestError,
     ) -> httpx.Response:
         """Send a request; raise `error` on an HTTP error status, `ServerUnavailableError` if unreachable."""
+        headers = self._admin_headers if path in ADMIN_ROUTES else None
         try:
-            response = await self._http.request(method, path, json=body)
+            response = await self._http.request(method, path, json=body, headers=headers)
         except httpx.TransportError as exc:
             raise ServerUnavailableError(
                 f"{method} {self.base_url}{path} failed: {type(exc).__name__}: {exc}"

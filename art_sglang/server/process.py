@@ -1,9 +1,15 @@
 """`ServerProcess`: one inference server (SGLang or the reference engine) as a subprocess — launch, wait
-until healthy, stop its whole process tree, restart, and notice when it died."""
+until healthy, stop its whole process tree, restart, and notice when it died.
+
+Its keys (`--api-key`, `--admin-api-key`) never appear on its command line, which every local user can
+read (`ps`): they are written to a file only this user can read, passed as SGLang's `--config <file>`, and
+the file is deleted once the server is up (SGLang reads it while parsing its arguments)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import random
 import socket
@@ -98,9 +104,13 @@ class ServerProcess(ManagedProcess):
         engine: Engine,
         log_path: Path,
         gpu_ids: Sequence[int | str] | None = None,
+        admin_api_key: str | None = None,
     ) -> None:
+        """`config.api_key` is the key of the server's ordinary routes, `admin_api_key` that of its admin
+        routes (None: the ordinary key opens them too, as in SGLang)."""
         super().__init__(f"{engine} server", log_path)
         self.config = config
+        self.admin_api_key = admin_api_key
         self.model_path = model_path
         self.engine: Engine = engine
         self.gpu_ids = gpu_ids
@@ -117,15 +127,35 @@ class ServerProcess(ManagedProcess):
         """`http://<host>:<port>` without `/v1`."""
         return f"http://{_connect_host(self.config.host)}:{self.port}"
 
+    @property
+    def keys_file(self) -> Path:
+        """Where the keys are written for a start (deleted again once the server is up)."""
+        return self.log_path.with_name(f".{self.log_path.stem}-keys-{self.port}.yaml")
+
+    def _keys(self) -> dict[str, str]:
+        keys = {"api-key": self.config.api_key, "admin-api-key": self.admin_api_key}
+        return {flag: key for flag, key in keys.items() if key is not None}
+
     def command(self) -> list[str]:
         """The launch command; SGLang runs under the server venv's python, the reference engine under ours."""
         python = self.config.resolved_server_python() if self.engine == "sglang" else sys.executable
+        keys = ["--config", str(self.keys_file)] if self._keys() else []
         return [
             python,
             "-m",
             ENGINE_MODULES[self.engine],
             *self.config.server_args(self.model_path, self.port),
+            *keys,
         ]
+
+    def _write_keys(self) -> None:
+        """The keys file, readable by this user only (JSON, which SGLang's YAML reader reads too)."""
+        self.keys_file.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.keys_file.unlink()  # created anew below, so the mode applies
+        fd = os.open(self.keys_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self._keys(), f)
 
     def environment(self) -> dict[str, str]:
         env = {**os.environ, **SGLANG_ENV_DEFAULTS, **self.config.server_env}
@@ -148,25 +178,30 @@ class ServerProcess(ManagedProcess):
             await self.stop(timeout=EXIT_GRACE_SECONDS)
         self._port = self.config.port or claim_port(self.config.host, self._port)
         command = self.command()
-        # Popen runs on the event loop's thread on purpose: the parent-death signal is tied to the forking
-        # thread, and an executor thread may exit while the server still runs.
+        if self._keys():
+            self._write_keys()
         try:
-            self._launch(command, self.environment(), pipes=False)
-        except OSError as exc:  # e.g. the server venv's python does not exist
-            self._release_auto_port()
-            raise ServerStartError(f"Could not run {display_command(command)}: {exc}") from exc
-        try:
-            await self._wait_healthy(command)
-        except BaseException:
-            # Timeout, early exit, or the caller gave up (cancellation, Ctrl-C): never leave it running.
-            await self.stop(timeout=EXIT_GRACE_SECONDS)
-            raise
+            # Popen runs on the event loop's thread on purpose: the parent-death signal is tied to the
+            # forking thread, and an executor thread may exit while the server still runs.
+            try:
+                self._launch(command, self.environment(), pipes=False)
+            except OSError as exc:  # e.g. the server venv's python does not exist
+                self._release_auto_port()
+                raise ServerStartError(f"Could not run {display_command(command)}: {exc}") from exc
+            try:
+                await self._wait_healthy(command)
+            except BaseException:
+                # Timeout, early exit, or the caller gave up (cancellation, Ctrl-C): never leave it running.
+                await self.stop(timeout=EXIT_GRACE_SECONDS)
+                raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                self.keys_file.unlink()
 
     async def _wait_healthy(self, command: list[str]) -> None:
         assert self._popen is not None
         timeout = self.config.server_timeout
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-        url = f"{self.base_url}/health"
+        url = f"{self.base_url}/health"  # open without a key
         began = time.monotonic()
         bar = tqdm(
             desc=f"Starting {self.engine} server",
@@ -176,7 +211,7 @@ class ServerProcess(ManagedProcess):
             mininterval=1.0,
         )
         # trust_env=False: a proxy from the environment must not intercept a local server.
-        async with httpx.AsyncClient(timeout=5.0, headers=headers, trust_env=False) as http:
+        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
             try:
                 while True:
                     code = peek_exit_code(self._popen)

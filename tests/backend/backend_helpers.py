@@ -34,23 +34,32 @@ async def sample_groups(
     )
 
 
-async def server_models(base_url: str) -> set[str]:
-    """Ids listed by GET /v1/models of a server (or the gateway), `base_url` without /v1."""
-    async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+def bearer(key: str | None) -> dict[str, str]:
+    """The Authorization header for `key` (none for None)."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+async def server_models(base_url: str, key: str | None = None) -> set[str]:
+    """Ids listed by GET /v1/models of a server (or the gateway), `base_url` without /v1; `key`: the
+    server's own key (a backend's server is closed without it: `service.process.config.api_key`)."""
+    async with httpx.AsyncClient(timeout=30, trust_env=False, headers=bearer(key)) as http:
         response = await http.get(f"{base_url}/v1/models")
     response.raise_for_status()
     return {card["id"] for card in response.json()["data"]}
 
 
-async def chat(base_url: str, model: str, *, max_tokens: int = 4, stream: bool = False) -> httpx.Response:
-    """One chat completion straight over HTTP (no client-side checks), `base_url` without /v1."""
+async def chat(
+    base_url: str, model: str, *, max_tokens: int = 4, stream: bool = False, key: str | None = None
+) -> httpx.Response:
+    """One chat completion straight over HTTP (no client-side checks), `base_url` without /v1 (`key` as
+    for `server_models`)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "hello"}],
         "max_tokens": max_tokens,
         "stream": stream,
     }
-    async with httpx.AsyncClient(timeout=120, trust_env=False) as http:
+    async with httpx.AsyncClient(timeout=120, trust_env=False, headers=bearer(key)) as http:
         response = await http.post(f"{base_url}/v1/chat/completions", json=body)
         await response.aread()
         return response

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from backend_helpers import chat, sample_groups, server_models
+from backend_helpers import bearer, chat, sample_groups, server_models
 
 import art_sglang as art
 from art_sglang import SGLangBackend
@@ -50,7 +50,8 @@ async def _server_state(backend: SGLangBackend) -> dict[str, Any]:
     assert service is not None
     if not service.process.is_alive():
         return {"alive": False}
-    async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+    headers = bearer(service.process.config.api_key)
+    async with httpx.AsyncClient(timeout=10, trust_env=False, headers=headers) as http:
         info = (await http.get(f"{service.process.base_url}/server_info")).json()
         metrics = (await http.get(f"{service.process.base_url}/metrics")).text.splitlines()
     weights = next(line for line in metrics if line.startswith("sglang:weight_memory_usage_gb"))
@@ -101,7 +102,7 @@ async def test_training_takes_the_server_away_and_gives_it_back(shared) -> None:
     assert await _server_state(backend) == {"alive": True, "released": False, "weights_held": True}
     assert result.step == 1 and result.metrics["time/gpu_release_s"] >= 0
     assert result.metrics["time/gpu_resume_s"] >= 0
-    assert "agent@1" in await server_models(service.process.base_url)
+    assert "agent@1" in await server_models(service.process.base_url, service.process.config.api_key)
     assert (await chat(gateway, "agent@1")).status_code == 200
 
 
@@ -129,7 +130,11 @@ async def test_a_second_step_and_the_older_adapter_stays_loaded(shared) -> None:
     assert result.step == 2
     service = backend.inference
     assert service is not None
-    listed = {n for n in await server_models(service.process.base_url) if n.startswith("agent@")}
+    listed = {
+        n
+        for n in await server_models(service.process.base_url, service.process.config.api_key)
+        if n.startswith("agent@")
+    }
     # After a restart only the adapters on the wanted list are loaded again: the keep-count still holds.
     assert listed == {"agent@1", "agent@2"}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from backend_helpers import REPO
+from backend_helpers import REPO, bearer
 
 import art_sglang as art
 from art_sglang import ConfigError, SGLangBackend
@@ -84,8 +84,11 @@ async def test_registration_integrity(tmp_path: Path, tiny_model_path: Path, ope
             "messages": [{"role": "user", "content": "x" * 50_000_000}],
             "max_tokens": 1,
         }
-        async with httpx.AsyncClient(timeout=120, trust_env=False) as http:
-            response = await http.post(f"{backend.inference.process.base_url}/v1/chat/completions", json=huge)
+        server = backend.inference.process
+        async with httpx.AsyncClient(
+            timeout=120, trust_env=False, headers=bearer(server.config.api_key)
+        ) as http:
+            response = await http.post(f"{server.base_url}/v1/chat/completions", json=huge)
         assert response.status_code == 400 and "at least" in response.json()["message"]
 
         # The trainer's log starts without runpy's warning about the worker module.

@@ -16,11 +16,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import openai
 import psutil
 import pytest
 import pytest_asyncio
-from backend_helpers import REPO, chat, sample_groups, server_models, tree_snapshot
+from backend_helpers import REPO, bearer, chat, sample_groups, server_models, tree_snapshot
 
 import art_sglang as art
 from art_sglang import ConfigError, SGLangBackend, SGLangConfig, TrainingError, TrainingInputError
@@ -43,6 +44,11 @@ class Loop:
     def server_url(self) -> str:
         assert self.backend.inference is not None
         return self.backend.inference.process.base_url
+
+    @property
+    def server_key(self) -> str | None:
+        assert self.backend.inference is not None
+        return self.backend.inference.process.config.api_key
 
     @property
     def gateway_url(self) -> str:
@@ -78,7 +84,7 @@ async def test_register_serves_step_zero_and_writes_the_layout(loop: Loop) -> No
 
 
 async def test_unloaded_name_is_404_through_the_gateway_but_base_model_200_on_the_server(loop: Loop) -> None:
-    direct = await chat(loop.server_url, "agent@7")
+    direct = await chat(loop.server_url, "agent@7", key=loop.server_key)
     assert direct.status_code == 200 and direct.json()["model"] == "agent@7"  # the trap
     refused = await chat(loop.gateway_url, "agent@7")
     assert refused.status_code == 404
@@ -95,6 +101,27 @@ async def test_unloaded_name_is_404_through_the_gateway_but_base_model_200_on_th
     assert base.status_code == 200 and b"data: [DONE]" in base.content
 
 
+async def test_rollout_clients_hold_no_key_of_the_server(loop: Loop) -> None:
+    """The key rollouts get opens the gateway only: the server's ordinary routes want the gateway's own
+    key, its admin routes yet another one, and no key is on the server's command line."""
+    service = loop.backend.inference
+    assert service is not None and service.process.pid is not None
+    rollout_key, server_key = loop.model.inference_api_key, loop.server_key
+    assert server_key and rollout_key != server_key
+    assert (await chat(loop.gateway_url, "agent@0")).status_code == 200
+    assert (await chat(loop.server_url, "agent@0", key=rollout_key)).status_code == 401
+    assert (await chat(loop.server_url, "agent@0", key=server_key)).status_code == 200
+    async with httpx.AsyncClient(base_url=loop.server_url, timeout=30, trust_env=False) as http:
+        for key in (rollout_key, server_key):
+            refused = await http.post(
+                "/unload_lora_adapter", json={"lora_name": "agent@0"}, headers=bearer(key)
+            )
+            assert refused.status_code == 401
+    assert "agent@0" in await server_models(loop.server_url, server_key)
+    command = " ".join(psutil.Process(service.process.pid).cmdline())
+    assert server_key not in command and "--config" in command
+
+
 async def test_three_steps_hot_load_and_keep_the_newest_adapters(loop: Loop) -> None:
     for step in (1, 2, 3):
         groups = await sample_groups(loop.model, seed=step)
@@ -105,7 +132,11 @@ async def test_three_steps_hot_load_and_keep_the_newest_adapters(loop: Loop) -> 
         assert loop.model.get_inference_name() == f"agent@{step}"
         for key in ("time/train_s", "time/sync_s", "time/probe_s", "loss", "reward"):
             assert key in result.metrics, key
-        on_server = {name for name in await server_models(loop.server_url) if name.startswith("agent@")}
+        on_server = {
+            name
+            for name in await server_models(loop.server_url, loop.server_key)
+            if name.startswith("agent@")
+        }
         assert on_server == {f"agent@{s}" for s in range(max(0, step - KEEP + 1), step + 1)}
         assert (await chat(loop.gateway_url, f"agent@{step}")).status_code == 200
         if step >= KEEP:
@@ -118,9 +149,9 @@ async def test_three_steps_hot_load_and_keep_the_newest_adapters(loop: Loop) -> 
 
 async def test_an_older_step_on_disk_is_loaded_on_request(loop: Loop) -> None:
     older = loop.model.get_inference_name(step=1)
-    assert older == "agent@1" and older not in await server_models(loop.server_url)
+    assert older == "agent@1" and older not in await server_models(loop.server_url, loop.server_key)
     assert (await chat(loop.gateway_url, older)).status_code == 200
-    assert older in await server_models(loop.server_url)
+    assert older in await server_models(loop.server_url, loop.server_key)
     missing = await chat(loop.gateway_url, loop.model.get_inference_name(step=99))
     assert missing.status_code == 404 and "No checkpoint of that step is on disk" in missing.text
     # The next sync's keep-count unloads it again (the newest steps stay).
@@ -131,7 +162,9 @@ async def test_an_older_step_on_disk_is_loaded_on_request(loop: Loop) -> None:
         learning_rate=1e-3,
         allow_training_without_logprobs=True,
     )
-    listed = {name for name in await server_models(loop.server_url) if name.startswith("agent@")}
+    listed = {
+        name for name in await server_models(loop.server_url, loop.server_key) if name.startswith("agent@")
+    }
     assert listed == {f"agent@{current}", f"agent@{current + 1}"}
 
 
@@ -252,13 +285,15 @@ async def test_delete_checkpoints_keeps_latest_and_best_and_unloads_the_rest(loo
     current = await loop.model.get_step()
     await loop.model.delete_checkpoints()  # best by val/reward: logged only at the current step
     assert loop.store.checkpoint_steps() == [current]
-    on_server = {name for name in await server_models(loop.server_url) if name.startswith("agent@")}
+    on_server = {
+        name for name in await server_models(loop.server_url, loop.server_key) if name.startswith("agent@")
+    }
     assert on_server == {f"agent@{current}"}
     assert (await chat(loop.gateway_url, f"agent@{current}")).status_code == 200
 
 
 async def test_a_second_model_shares_the_server_with_its_own_trainer(loop: Loop) -> None:
-    mine = {n for n in await server_models(loop.server_url) if n.startswith("agent@")}
+    mine = {n for n in await server_models(loop.server_url, loop.server_key) if n.startswith("agent@")}
     other = art.TrainableModel(name="other", project="loop", base_model=loop.model.base_model)
     await other.register(loop.backend)
     assert (
@@ -268,7 +303,7 @@ async def test_a_second_model_shares_the_server_with_its_own_trainer(loop: Loop)
         other, await sample_groups(other, seed=31), learning_rate=1e-3, allow_training_without_logprobs=True
     )
     assert result.step == 1 and other.get_inference_name() == "other@1"
-    listed = await server_models(loop.server_url)
+    listed = await server_models(loop.server_url, loop.server_key)
     assert {"other@0", "other@1"} <= listed and mine <= listed  # the keep-count is per model
     elsewhere = art.TrainableModel(name="third", project="loop", base_model="Qwen/Qwen2.5-0.5B-Instruct")
     with pytest.raises(ConfigError, match="one server serves one base model"):
@@ -290,7 +325,7 @@ async def test_a_crashed_server_comes_back_with_its_adapters(loop: Loop) -> None
         await asyncio.sleep(0.2)
     # Ready means the current adapter is loaded: the first request on it succeeds.
     assert (await chat(loop.gateway_url, name)).status_code == 200
-    assert name in await server_models(loop.server_url)
+    assert name in await server_models(loop.server_url, loop.server_key)
 
 
 RESUME = textwrap.dedent(

@@ -57,7 +57,7 @@ def test_one_step_per_strategy_through_the_backend(tmp_path: Path, tiny_model_pa
     done = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench_cycle.py"), "--engine", "reference",
          "--model", str(tiny_model_path), "--strategies", *strategies, "--steps", "1", "--restart-steps",
-         "1", "--groups", "2", "--group-size", "3", "--max-tokens", "6", "--greedy-tokens", "6",
+         "1", "--groups", "2", "--group-size", "3", "--max-tokens", "6",
          "--learning-rate", "0.05", "--workdir", str(tmp_path / "work"), "--json", str(out),
          "--markdown", str(table)],
         capture_output=True, text=True, timeout=300,
@@ -74,9 +74,45 @@ def test_one_step_per_strategy_through_the_backend(tmp_path: Path, tiny_model_pa
         assert s["gpu_release_s"][0] >= 0 and s["gpu_resume_s"][0] >= 0 and s["sync_s"][0] >= 0
         assert s["register_s"] > 0 and s["close_s"] > 0
         assert s["register_profile"] == {}  # the reference engine logs none of SGLang's start phases
-        assert s["greedy_same_after_step"] == [True]
+        assert s["adapter_kept_after_step"] == [True]
+        assert s["adapter_logprob_mean_abs_difference"][0] <= 0.01
         assert s["gpu_mib_server_while_training"] == [None]  # no nvidia-smi here
     assert result["strategies"]["sleep/kv_cache"]["sglang_config"]["sleep_release"] == "kv_cache"
     assert result["strategies"]["sleep/kv_cache"]["sglang_config"]["enable_memory_saver"] is True
     rows = [line for line in table.read_text().splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0] for row in rows[1:]] == [f"| {s}" for s in strategies]
+
+
+async def test_the_handoff_check_tells_the_same_adapter_from_another(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """What a broken handoff serves (another adapter under the name, or the base weights) fails the check;
+    the same adapter asked again passes it."""
+    from contract.contract_helpers import make_adapter
+
+    from art_sglang import SGLangConfig
+    from art_sglang.server.client import ServerClient
+    from art_sglang.server.process import ServerProcess
+
+    model = str(tiny_model_path)
+    targets = ["q_proj", "v_proj"]
+    server = ServerProcess(
+        SGLangConfig(server_timeout=120), model, engine="reference", log_path=tmp_path / "s.log"
+    )
+    await server.start()
+    try:
+        async with ServerClient(server.base_url) as client:
+            for name, seed in (("kept", 1), ("other", 2)):
+                await client.load_lora_adapter(
+                    name, str(make_adapter(model, tmp_path / name, rank=4, targets=targets, seed=seed))
+                )
+        first = await bench_cycle.served_logprobs(server.base_url, None, "kept")
+        again = await bench_cycle.served_logprobs(server.base_url, None, "kept")
+        other = await bench_cycle.served_logprobs(server.base_url, None, "other")
+        base = await bench_cycle.served_logprobs(server.base_url, None, None)
+    finally:
+        await server.stop()
+    assert bench_cycle.logprobs_kept(first, again, 0.01) == (True, 0.0)
+    for broken in (other, base, first[:-1]):
+        kept, difference = bench_cycle.logprobs_kept(first, broken, 0.01)
+        assert not kept and difference > 0.01

@@ -1,9 +1,11 @@
 """Serving behaviour beyond shapes: bad requests are 4xx and harmless, streaming equals the plain answer,
-logprobs are the model's log-softmax, seeded sampling repeats, stop strings, the prefix-cache report,
-flush, release/resume memory, weights from disk, metrics and the info endpoints."""
+logprobs are the model's log-softmax, seeded sampling repeats, stop strings, tool_choice "required" and a
+named tool force a call, the prefix-cache report, flush, release/resume memory, weights from disk, metrics
+and the info endpoints."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -195,6 +197,48 @@ def test_generate_native_api(client: httpx.Client) -> None:
     assert [t[1] for t in meta["input_token_logprobs"]] == [1, 2, 3, 4]
     assert [t[1] for t in meta["output_token_logprobs"]] == answer["output_ids"]
     assert all(t[0] <= 0 for t in meta["output_token_logprobs"])
+
+
+def _tool(name: str) -> dict:
+    # No parameters: the constrained call is short whatever a random model prefers.
+    parameters = {"type": "object", "properties": {}}
+    return {"type": "function", "function": {"name": name, "description": name, "parameters": parameters}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_and_named_tool_choice_force_a_call(client: httpx.Client, stream: bool) -> None:
+    """Decoding is constrained to a JSON array of calls (SGLang: a JSON-schema grammar), read back as
+    `tool_calls` with finish_reason "tool_calls"; a named tool is the one call."""
+    tools = [_tool("add"), _tool("mul")]
+    for choice, allowed, most in [("required", {"add", "mul"}, None), (_named("mul"), {"mul"}, 1)]:
+        body = {"model": "default", "messages": MESSAGES, "tools": tools, "tool_choice": choice,
+                "max_tokens": 128, "temperature": 0, "stream": stream}  # fmt: skip
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        if stream:
+            chunks = [c for c in parse_sse(response.text) if c != "[DONE]"]
+            deltas = [c["choices"][0]["delta"] for c in chunks]
+            finish = chunks[-1]["choices"][0]["finish_reason"]
+            names = [
+                call["function"]["name"]
+                for d in deltas
+                for call in d.get("tool_calls") or []
+                if call.get("function", {}).get("name")
+            ]
+            assert not "".join(d.get("content") or "" for d in deltas)
+        else:
+            choice_out = response.json()["choices"][0]
+            finish = choice_out["finish_reason"]
+            calls = choice_out["message"]["tool_calls"] or []
+            names = [call["function"]["name"] for call in calls]
+            assert all(isinstance(json.loads(call["function"]["arguments"]), dict) for call in calls)
+            assert not choice_out["message"]["content"]
+        assert finish == "tool_calls", response.text[-2000:]
+        assert names and set(names) <= allowed and (most is None or len(names) <= most), names
+
+
+def _named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
 
 
 def test_cache_report_counts_a_repeated_prefix_and_flush_clears_it(client: httpx.Client) -> None:

@@ -103,7 +103,7 @@ async def test_server_killed_during_train_only_fails_requests_in_flight(faulty) 
     assert [s for began, s in results if began > killed["back"]] and all(
         s == 200 for began, s in results if began > killed["at"]
     )
-    assert "agent@1" in await server_models(service.process.base_url)
+    assert "agent@1" in await server_models(service.process.base_url, service.process.config.api_key)
 
 
 async def test_a_checkpoint_the_dead_trainer_never_reported_is_served(faulty) -> None:

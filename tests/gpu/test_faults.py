@@ -100,12 +100,8 @@ async def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 async def _served_logprobs(run: Run, name: str | None) -> list[float]:
-    """Input logprobs of the fixed probe sequence: through the gateway for an adapter, from the server
-    itself for the base model (None)."""
-    service = run.backend.inference
-    assert service is not None
-    url = run.gateway_url if name is not None else service.process.base_url
-    return input_logprobs(await generate(url, run.probe_ids, lora=name))
+    """Input logprobs of the fixed probe sequence on adapter `name` (None: the base model), as served."""
+    return input_logprobs(await generate(run.gateway_url, run.probe_ids, lora=name))
 
 
 def _mean_abs(a: list[float], b: list[float]) -> float:

@@ -67,6 +67,13 @@ class Run:
         return service.process.base_url
 
     @property
+    def direct_headers(self) -> dict[str, str]:
+        """The server's own key (it differs from the key rollouts send to the gateway)."""
+        service = self.backend.inference
+        assert service is not None
+        return {"Authorization": f"Bearer {service.process.config.api_key}"}
+
+    @property
     def gateway_url(self) -> str:
         assert self.model.inference_base_url is not None
         return self.model.inference_base_url.removesuffix("/v1")
@@ -115,7 +122,9 @@ async def test_register_serves_step_zero(run: Run) -> None:
 async def test_unknown_adapter_is_base_on_sglang_but_an_error_through_the_backend(run: Run) -> None:
     body = {"model": "agent@7", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8}
     async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
-        direct = await http.post(f"{run.direct_url}/v1/chat/completions", json=body)
+        direct = await http.post(
+            f"{run.direct_url}/v1/chat/completions", json=body, headers=run.direct_headers
+        )
         via_backend = await http.post(f"{run.gateway_url}/v1/chat/completions", json=body)
     # SGLang's trap: HTTP 200, the unknown name echoed, the base model answering.
     assert direct.status_code == 200, direct.text
@@ -184,7 +193,9 @@ async def test_trained_adapter_changes_sglang_outputs(run: Run) -> None:
             for name, out in ((base_id, base), ("agent@1", bare)):
                 body = {"model": name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
                         "temperature": 0.0}  # fmt: skip
-                response = await http.post(f"{run.direct_url}/v1/chat/completions", json=body)
+                response = await http.post(
+                    f"{run.direct_url}/v1/chat/completions", json=body, headers=run.direct_headers
+                )
                 out.append(response.json()["choices"][0]["message"]["content"])
     assert base == step0
     record(f"shared-{run.strategy}/adapter-changes-outputs",

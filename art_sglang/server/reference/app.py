@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -14,6 +15,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from ..client import ADMIN_ROUTES
 from .adapters import AdapterError
 from .cli import ServerArgs
 from .engine import ReferenceEngine
@@ -50,6 +52,22 @@ FLUSH_MESSAGE = (
 )
 # /health* and /metrics stay open with --api-key, as in SGLang.
 _OPEN_PATHS = ("/health", "/metrics")
+
+
+def _refused(request: Request, args: ServerArgs) -> int | None:
+    """401 if the request lacks the key its route needs, as SGLang decides: /health* and /metrics are
+    open; admin routes need the admin key if one is set, else the API key if set; every other route the
+    API key if set. A key comes as `Authorization: Bearer <key>` or `x-api-key: <key>`."""
+    path = request.url.path
+    if request.method == "OPTIONS" or path.startswith(_OPEN_PATHS):
+        return None
+    needed = (args.admin_api_key or args.api_key) if path in ADMIN_ROUTES else args.api_key
+    if needed is None:
+        return None
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    given = [token] if scheme.lower() == "bearer" else []
+    given += [request.headers["x-api-key"]] if "x-api-key" in request.headers else []
+    return None if any(secrets.compare_digest(key, needed) for key in given) else 401
 
 
 def _native_sampling(params: dict[str, Any]) -> tuple[SamplingOptions, int]:
@@ -142,12 +160,10 @@ def create_app(args: ServerArgs, engine: ReferenceEngine) -> FastAPI:
     @app.middleware("http")
     async def log_and_authorize(request: Request, call_next: Any) -> Response:
         started = time.perf_counter()
-        guarded = (
-            args.api_key and request.method != "OPTIONS" and not request.url.path.startswith(_OPEN_PATHS)
-        )
-        if guarded and request.headers.get("authorization") != f"Bearer {args.api_key}":
-            _log(request, 401, started)
-            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        status = _refused(request, args)
+        if status is not None:
+            _log(request, status, started)
+            return JSONResponse({"error": "Unauthorized"}, status_code=status)
         response = await call_next(request)
         body = response.body_iterator
 
@@ -220,7 +236,9 @@ def create_app(args: ServerArgs, engine: ReferenceEngine) -> FastAPI:
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
         flags = args.model_dump(exclude={"ignored_args"})
-        flags["api_key"] = None if args.api_key is None else "<set>"
+        # SGLang shows both keys as they are; the reference engine only says whether they are set.
+        for key in ("api_key", "admin_api_key"):
+            flags[key] = None if flags[key] is None else "<set>"
         flags["tokenizer_path"] = args.tokenizer_path or args.model_path
         flags["served_model_name"] = args.model_name
         flags["lora_paths"] = [f"{name}={path}" for name, path in args.lora_paths.items()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 from types import UnionType
 from typing import Any, Union, get_args, get_origin
@@ -67,7 +68,14 @@ class ServerArgs(BaseModel):
     enable_weights_cpu_backup: bool = False
     disable_cuda_graph: bool = False
     disable_prefill_cuda_graph: bool = False
-    api_key: str | None = None
+    api_key: str | None = Field(
+        None, description="Key of every route but /health* and /metrics (Bearer or x-api-key)."
+    )
+    admin_api_key: str | None = Field(
+        None,
+        description="Key of the admin routes (adapters, weights, memory, cache); when set, --api-key no "
+        "longer opens them.",
+    )
     tool_call_parser: str | None = Field(
         None,
         description="Parsers of the <tool_call> JSON markup.",
@@ -104,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, field in ServerArgs.model_fields.items():
         if name != "ignored_args":
             _add_flag(parser, name, field)
+    # Read by parse_args before parsing (its flags go in front of the command line's).
+    parser.add_argument(
+        "--config", default=argparse.SUPPRESS, help="A YAML or JSON file of flags; the command line wins."
+    )
     return parser
 
 
@@ -139,8 +151,15 @@ def _add_flag(parser: argparse.ArgumentParser, name: str, field: FieldInfo) -> N
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
-    """Parse `argv`; unknown flags are kept in `ignored_args` instead of failing."""
+    """Parse `argv`; unknown flags are kept in `ignored_args` instead of failing. `--config FILE` (YAML or
+    JSON: flag names without dashes as keys) gives flags as SGLang's does: the command line wins."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--config" in argv:
+        at = argv.index("--config")
+        if at + 1 >= len(argv):
+            parser.error("--config needs a file")
+        argv = [*_config_file_flags(parser, argv[at + 1]), *argv[:at], *argv[at + 2 :]]
     namespace, unknown = parser.parse_known_args(argv)
     values = vars(namespace)
     template = values.get("chat_template")
@@ -149,6 +168,30 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     if "lora_paths" in values:
         values["lora_paths"] = _parse_lora_paths(values["lora_paths"])
     return ServerArgs(**values, ignored_args=unknown)
+
+
+def _config_file_flags(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """The flags a `--config` file stands for (`key: value` -> `--key value`, `key: true` -> `--key`)."""
+    import yaml  # comes with transformers, which the engine needs anyway
+
+    try:
+        values = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"--config {path}: {exc}")
+    if not isinstance(values, dict):
+        parser.error(f"--config {path}: the file must hold a mapping of flag names to values")
+    flags: list[str] = []
+    for key, value in values.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag == "--config":
+            parser.error(f"--config {path}: 'config' cannot be given in a config file")
+        if value is True:
+            flags.append(flag)
+        elif isinstance(value, list):
+            flags.extend([flag, *map(str, value)])
+        elif value is not None and value is not False:
+            flags.append(f"{flag}={value}")  # one token, so a value starting with "-" stays a value
+    return flags
 
 
 def log_ignored(args: ServerArgs) -> None:

@@ -107,6 +107,7 @@ class ReferenceEngine:
         # A plain flag, not a threading.Event: shutdown() runs in a signal handler, and Event.set() takes a
         # lock that a second signal arriving inside the first handler would wait on forever.
         self._shutting_down = False
+        self._token_texts: list[str] | None = None
         self._released: set[str] = set()  # memory tags released ("kv_cache", "weights")
         self._backup: dict[str, torch.Tensor] | None = None
         # Shapes the served model needs, checked against new weights (also while released).
@@ -273,8 +274,17 @@ class ReferenceEngine:
             next_logits = logits[-1]
             finish = FinishReason("length", length=0)
             while len(output_ids) < max_new:
+                if request.grammar is not None:
+                    # Masked before the logprobs, as SGLang applies a grammar's mask to the logits.
+                    allowed = request.grammar.mask(stop_ids)
+                    if not allowed.any():  # complete, and no end-of-sequence token may end it
+                        finish = FinishReason("stop", matched=None)
+                        break
+                    next_logits = next_logits.masked_fill(~allowed[: next_logits.shape[-1]], float("-inf"))
                 logprobs = logprobs_of(next_logits, options)
                 token = choose_token(logprobs, options, generator)
+                if request.grammar is not None:
+                    request.grammar.accept(self.token_text(token))
                 entry = self._logprob_entry(logprobs, token, request.top_logprobs)
                 output_ids.append(token)
                 output_logprobs.append(entry)
@@ -319,6 +329,13 @@ class ReferenceEngine:
     def _emit(request: GenerationRequest, delta: str, entry: TokenLogprob | None) -> None:
         if request.on_delta is not None:
             request.on_delta(delta, entry)
+
+    def token_texts(self) -> list[str]:
+        """Every token's text by id (computed once; ids the tokenizer lacks have none)."""
+        if self._token_texts is None:
+            size = self.hf_config.vocab_size
+            self._token_texts = [self.token_text(i) if i < len(self.tokenizer) else "" for i in range(size)]
+        return self._token_texts
 
     def token_text(self, token_id: int) -> str:
         """A token's text as SGLang shows it in logprobs (partial UTF-8 decodes to U+FFFD)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .adapters import LoadedAdapter
+from .call_grammar import CallGrammar
 from .sampling import SamplingOptions
 
 
@@ -46,6 +47,7 @@ class GenerationRequest:
     input_logprob_start: int | None = None  # None: no prompt logprobs
     on_delta: DeltaCallback | None = None  # streamed text pieces (and the token they came with)
     abort: threading.Event | None = None
+    grammar: CallGrammar | None = None  # tokens that leave it are masked (tool_choice "required"/named)
 
 
 @dataclass

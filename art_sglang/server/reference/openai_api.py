@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import tool_calls
+from .call_grammar import CallGrammar
 from .engine import ReferenceEngine
 from .generation import GenerationRequest, GenerationResult
 from .http_common import (
@@ -129,21 +130,28 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     engine = _engine(request)
     note(request, model=body.model)
 
-    names = _parsed_tools(engine, body)
+    parsing = _tool_parsing(body)
+    if isinstance(parsing, Response):
+        return parsing
+    forced = parsing if parsing is not None and parsing.forced else None
+    if engine.args.tool_call_parser is None:
+        parsing = None  # SGLang reads calls only with --tool-call-parser; a forced array stays the text
 
     def prepare() -> list[GenerationRequest]:
         prompt_ids = engine.encode_chat(body.messages, body.tools, body.chat_template_kwargs)
         sampling = _sampling(engine, body, body.max_new_tokens)
-        if names is not None:
+        if parsing is not None:
             sampling.skip_special_tokens = False  # as SGLang: tool-call markup may be special tokens
         sampling.verify()
         engine.check_length(len(prompt_ids), sampling.max_new_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else 0
-        return _choices(engine, prompt_ids, sampling, body, top)
+        requests = _choices(engine, prompt_ids, sampling, body, top)
+        if forced is not None:
+            for generation in requests:
+                generation.grammar = CallGrammar(sorted(forced.names), forced.max_calls, engine.token_texts())
+        return requests
 
-    if isinstance(names, Response):
-        return names
-    stream = (lambda prepared: chat_stream(engine, body, prepared, request, names)) if body.stream else None
+    stream = (lambda prepared: chat_stream(engine, body, prepared, request, parsing)) if body.stream else None
     results = await _run(engine, request, prepare, stream)
     if isinstance(results, Response):
         return results
@@ -151,7 +159,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     for index, result in enumerate(results):
         finish, matched = finish_fields(result)
         content, calls = result.text, None
-        parsed = tool_calls.parse(result.text, names) if names is not None else None
+        parsed = parsing.parse(result.text) if parsing is not None else None
         if parsed is not None:
             content, found = parsed
             calls = [call.as_openai(i) for i, call in enumerate(found)]
@@ -178,17 +186,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     return _response("chat.completion", engine, body, choices, results)
 
 
-def _parsed_tools(engine: ReferenceEngine, body: ChatCompletionRequest) -> set[str] | Response | None:
-    """The tool names whose calls are parsed out of completions (None: no parsing), or SGLang-style 400
-    for a tool_choice this engine cannot honour (SGLang constrains decoding for them)."""
-    if not body.tools or body.tool_choice == "none" or engine.args.tool_call_parser is None:
+def _tool_parsing(body: ChatCompletionRequest) -> tool_calls.ToolParsing | Response | None:
+    """How the request's completions become tool calls (None: they do not), or a 400 for a named tool
+    that is not among `tools`. "required" and a named tool constrain decoding to a JSON array of calls."""
+    if not body.tools or body.tool_choice == "none":
         return None
-    if body.tool_choice not in (None, "auto"):
-        return error_response(
-            f"tool_choice={body.tool_choice!r} needs constrained decoding, which the reference engine does "
-            "not implement: use tool_choice='auto'"
-        )
-    return tool_calls.tool_names(body.tools)
+    names = tool_calls.tool_names(body.tools)
+    choice = body.tool_choice
+    if choice in (None, "auto"):
+        return tool_calls.ToolParsing(names)
+    if choice == "required":
+        return tool_calls.ToolParsing(names, forced=True)
+    named = ((choice.get("function") or {}).get("name")) if isinstance(choice, dict) else None
+    if named not in names:
+        return error_response(f"tool_choice names a function that is not in tools: {choice!r}")
+    return tool_calls.ToolParsing({named}, forced=True, max_calls=1)
 
 
 def _response(

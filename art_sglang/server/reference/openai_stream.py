@@ -23,9 +23,12 @@ def chat_stream(
     body: ChatCompletionRequest,
     requests: list[GenerationRequest],
     request: Request,
-    names: set[str] | None,
+    parsing: tool_calls.ToolParsing | None,
 ) -> AsyncIterator[str]:
-    splitters = {index: tool_calls.StreamSplitter() for index in range(len(requests))}
+    splitters = {
+        index: parsing.splitter() if parsing is not None else tool_calls.StreamSplitter()
+        for index in range(len(requests))
+    }
 
     def choice(
         index: int, delta: dict[str, Any], logprobs: Any = None, finish: Any = None, matched: Any = None
@@ -42,7 +45,7 @@ def chat_stream(
         logprobs = None
         if body.logprobs and item.logprob is not None:
             logprobs = {"content": [chat_logprob(engine, item.logprob)]}
-        text = splitters[item.index].push(item.text) if names is not None else item.text
+        text = splitters[item.index].push(item.text) if parsing is not None else item.text
         if not text and logprobs is None:
             return None
         return choice(item.index, {"content": text} if text else {}, logprobs)
@@ -50,8 +53,8 @@ def chat_stream(
     def last(index: int, result: GenerationResult) -> list[dict[str, Any]]:
         finish, matched = finish_fields(result)
         chunks = []
-        if names is not None:
-            rest, calls = splitters[index].finish(names)
+        if parsing is not None:
+            rest, calls = splitters[index].finish(parsing)
             if rest:
                 chunks.append(choice(index, {"content": rest}))
             for position, call in enumerate(calls):

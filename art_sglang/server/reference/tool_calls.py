@@ -7,6 +7,9 @@ this way; whitespace around the JSON is allowed). As SGLang's detector does: the
 request's tools becomes a call (arguments re-serialised as JSON text), and a stop becomes
 `finish_reason="tool_calls"`. A stream holds text back from the first `<tool_call>` on and sends the calls
 when the completion ends.
+
+With `tool_choice="required"` or a named tool SGLang instead constrains decoding to a JSON array of calls
+(`call_grammar.py`) and reads the whole completion as that array.
 """
 
 from __future__ import annotations
@@ -42,6 +45,32 @@ def tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
     return {str((t.get("function") or {}).get("name")) for t in tools or [] if isinstance(t, dict)}
 
 
+@dataclass
+class ToolParsing:
+    """How a chat request's completions become calls: `<tool_call>` markup naming one of `names`, or,
+    when `forced` (tool_choice "required" or a named tool), the whole completion read as the JSON array
+    of calls decoding was constrained to; `max_calls` is 1 for a named tool."""
+
+    names: set[str]
+    forced: bool = False
+    max_calls: int | None = None
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]] | None:
+        """(content, calls), or None when the completion holds no calls (it stays the content)."""
+        if not self.forced:
+            return parse(text, self.names)
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:  # cut off by max_tokens
+            return None
+        calls = [ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
+        return "", calls
+
+    def splitter(self) -> StreamSplitter:
+        """What a stream holds back: from the first `<tool_call>` on, or everything when forced."""
+        return StreamSplitter(in_call=self.forced)
+
+
 def parse(text: str, names: set[str]) -> tuple[str, list[ToolCall]] | None:
     """(content before the calls, calls), or None when `text` holds no tool-call markup."""
     first = text.find(START)
@@ -70,9 +99,9 @@ def parse(text: str, names: set[str]) -> tuple[str, list[ToolCall]] | None:
 class StreamSplitter:
     """Splits streamed text into what can be sent as content now and the held-back tool-call part."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_call: bool = False) -> None:
         self.held = ""
-        self.in_call = False
+        self.in_call = in_call
 
     def push(self, piece: str) -> str:
         """Add streamed text; return the content that is certainly not part of a tool call."""
@@ -91,10 +120,10 @@ class StreamSplitter:
         self.held = text[len(text) - keep :]
         return text[: len(text) - keep]
 
-    def finish(self, names: set[str]) -> tuple[str, list[ToolCall]]:
+    def finish(self, parsing: ToolParsing) -> tuple[str, list[ToolCall]]:
         """(content still to send, the calls) once the completion ended."""
         rest, self.held = self.held, ""
         if not self.in_call:
             return rest, []
-        parsed = parse(rest, names)
+        parsed = parsing.parse(rest)
         return ("", parsed[1]) if parsed is not None else (rest, [])
