@@ -135,7 +135,8 @@ class InferenceService:
         self._drain_timeout = drain_timeout
         self._adapters: dict[str, Path] = {}  # loaded (and wanted after every start), oldest first
         self._leases: Counter[str] = Counter()  # names rollouts hold: never unloaded while held
-        self._unloading: set[str] = set()  # no longer routed, still loaded until their requests finish
+        # No longer routed, still loaded (on every running server) until their requests finish.
+        self._unloading: dict[str, Path] = {}
         self._aliases: dict[str, str] = {}  # names served by the base slot (merged weights)
         self._base_ids: list[str] = []
         self._base_weights: Path | None = None  # merged weights the base slot holds; None = the original
@@ -426,7 +427,8 @@ class InferenceService:
         if self._base_weights is not None:
             # A fresh process holds the original base weights; the merged ones are applied again.
             await replica.client.update_weights_from_disk(str(self._base_weights))
-        for name, path in self._adapters.items():
+        # A name being unloaded is still on the other servers, and may be routed again before it is gone.
+        for name, path in {**self._unloading, **self._adapters}.items():
             await self._load_on_server(replica, name, path)
 
     async def _put_in(self, replica: _Replica) -> None:
@@ -503,9 +505,9 @@ class InferenceService:
         """Stop routing `name`, wait for its requests in flight, then unload it from the server. A leased
         name stays (see `lease`)."""
         async with self._lock:
-            if self._leases[name] > 0 or self._adapters.pop(name, None) is None:
+            if self._leases[name] > 0 or name not in self._adapters:
                 return
-            self._unloading.add(name)
+            self._unloading[name] = self._adapters.pop(name)
             self._publish()
         try:
             if not await self._wait_unused(name):
@@ -525,7 +527,7 @@ class InferenceService:
                             "unloading %s from the %s failed: %s", name, replica.process.label, exc
                         )
         finally:
-            self._unloading.discard(name)
+            self._unloading.pop(name, None)
 
     async def _wait_unused(self, name: str) -> bool:
         """Wait until no request on `name` is in flight or `name` is routed again; False on timeout."""

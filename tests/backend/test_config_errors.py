@@ -163,8 +163,8 @@ def test_replicas_sharing_a_gpu_split_its_memory_and_each_gets_its_gpus(tmp_path
         "split", "sglang", (0,), (1,), "test", cuda_ids=("GPU-aa11", "GPU-bb22"), replica_gpus=((0,), (0,))
     )
     backend = SGLangBackend(layout=two_on_one)
-    assert backend.sglang_config.mem_fraction_static == 0.45  # an equal share, when not set
-    with pytest.raises(ConfigError, match=r"2 server replicas share a GPU.*mem_fraction_static <= 0.47"):
+    assert backend.sglang_config.mem_fraction_static == 0.42  # an equal share of 85 %, when not set
+    with pytest.raises(ConfigError, match=r"2 server replicas share a GPU.*mem_fraction_static <= 0.45"):
         SGLangBackend(layout=two_on_one, sglang_config=SGLangConfig(mem_fraction_static=0.6))
     with pytest.raises(ConfigError, match=r"api_key=\.\.\.\) with several server replicas"):
         SGLangBackend(layout=two_on_one, sglang_config=SGLangConfig(api_key="secret"))

@@ -45,7 +45,7 @@ class Replicated:
 async def replicated(tmp_path_factory: pytest.TempPathFactory, gpu_model: str):
     root = tmp_path_factory.mktemp("replicas")
     # Both replicas on the first visible GPU, the trainer on CPU (no training GPU: its CUDA_VISIBLE_DEVICES
-    # is empty); mem_fraction_static left to the backend (an equal share: 0.45 each).
+    # is empty); mem_fraction_static left to the backend (an equal share: 0.42 each).
     gpus = detect_gpus().gpus
     layout = DeviceLayout("split", "sglang", (0,), (), "replicas test: one GPU, trainer on CPU",
                           cuda_ids=tuple(g.cuda_id for g in gpus), replica_gpus=((0,), (0,)))  # fmt: skip
@@ -65,7 +65,7 @@ async def test_two_replicas_share_gpu_0_behind_the_router(replicated: Replicated
     service = replicated.service
     layout = replicated.backend.layout
     assert layout.replicas == ((0,), (0,)) and backend_gpu_ids(replicated) == (["0"], [])
-    assert replicated.backend.sglang_config.mem_fraction_static == 0.45
+    assert replicated.backend.sglang_config.mem_fraction_static == 0.42
     assert service.router is not None
     assert await service.router.workers() == {p.base_url: True for p in service.processes}
     held = [_gpu_memory_of(p.pid) for p in service.processes]

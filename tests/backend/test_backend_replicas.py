@@ -119,7 +119,8 @@ async def test_a_dead_router_is_restarted_with_both_replicas(replicated: Replica
 
 async def test_a_multi_turn_conversation_stays_on_its_replica(replicated: Replicated) -> None:
     service = replicated.service
-    before = [len(chat_lines(p.log_path)) for p in service.processes]
+    logs = [p.log_path for p in service.processes]
+    before = [len(chat_lines(log)) for log in logs]
     client = replicated.model.openai_client()
     messages = [{"role": "user", "content": "Let us play a long game of words, you and I, turn by turn."}]
     for turn in range(3):
@@ -132,8 +133,12 @@ async def test_a_multi_turn_conversation_stays_on_its_replica(replicated: Replic
             {"role": "assistant", "content": reply.choices[0].message.content or ""},
             {"role": "user", "content": f"Turn {turn + 2}: go on."},
         ]
-    added = sorted(len(chat_lines(p.log_path)) - n for p, n in zip(service.processes, before, strict=True))
-    assert added == [0, 3]
+    # A server writes a request's log line once the response is sent: wait for all three.
+    deadline = time.monotonic() + 60
+    while sum(added := [len(chat_lines(log)) - before[i] for i, log in enumerate(logs)]) < 3:
+        assert time.monotonic() < deadline, added
+        await asyncio.sleep(0.1)
+    assert sorted(added) == [0, 3]
 
 
 async def test_no_request_reached_a_replica_without_its_adapter(replicated: Replicated) -> None:
