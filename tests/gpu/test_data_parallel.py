@@ -86,8 +86,10 @@ async def test_two_float32_ranks_give_the_one_gpu_adapter(gpu_model: str, tmp_pa
         loss=(expected.metrics["loss"], got.metrics["loss"]),
     )
     assert moved > 1e-3
+    # A lost share of the batch changes most weights by about the update itself (~1e-2 at this learning
+    # rate); cuBLAS picking other kernels for other batch shapes moves a few by far less.
     for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(b[name], a[name], rtol=1e-3, atol=1e-4)
     assert got.metrics["num_tokens"] == expected.metrics["num_tokens"]
 
 
