@@ -3,7 +3,7 @@ ranks give the one-GPU adapter; Unsloth ranks train, each on its own GPU; and th
 (a TP=2 server on GPUs 0,1, the only layout with two training ranks on two GPUs) trains a step with both
 ranks and serves it.
 
-    pytest -m gpu tests/gpu/test_data_parallel.py      (needs 2 GPUs; ~4 min)
+    pytest -m gpu tests/gpu/test_training_ranks.py      (needs 2 GPUs; ~4 min)
 """
 
 from __future__ import annotations
