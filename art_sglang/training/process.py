@@ -244,7 +244,13 @@ class TrainerProcess(ManagedProcess):
                     return message.get("data") or {}
                 elif event == ERROR:
                     error = _ERRORS.get(message.get("error_type"), TrainerError)
-                    raise error(message.get("message", "unknown trainer error"))
+                    text = message.get("message", "unknown trainer error")
+                    if error is TrainerError and self.ranks > 1:
+                        # Such an error ends a worker of several ranks (worker.py), often because another
+                        # rank died: say how it ended, with the launcher's summary from the log.
+                        await asyncio.to_thread(_wait_quietly, popen)
+                        raise self._died(f"stopped after an error on rank 0 ({text})")
+                    raise error(text)
 
 
 def _write(stream: IO[bytes] | None, request: dict[str, Any]) -> None:

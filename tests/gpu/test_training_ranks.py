@@ -3,7 +3,7 @@ ranks give the one-GPU adapter; Unsloth ranks train, each on its own GPU; and th
 (a TP=2 server on GPUs 0,1, the only layout with two training ranks on two GPUs) trains a step with both
 ranks and serves it.
 
-    pytest -m gpu tests/gpu/test_data_parallel.py      (needs 2 GPUs; ~4 min)
+    pytest -m gpu tests/gpu/test_training_ranks.py      (needs 2 GPUs; ~4 min)
 """
 
 from __future__ import annotations
@@ -86,8 +86,10 @@ async def test_two_float32_ranks_give_the_one_gpu_adapter(gpu_model: str, tmp_pa
         loss=(expected.metrics["loss"], got.metrics["loss"]),
     )
     assert moved > 1e-3
+    # A lost share of the batch changes most weights by about the update itself (~1e-2 at this learning
+    # rate); cuBLAS picking other kernels for other batch shapes moves a few by far less.
     for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(b[name], a[name], rtol=1e-3, atol=1e-4)
     assert got.metrics["num_tokens"] == expected.metrics["num_tokens"]
 
 
