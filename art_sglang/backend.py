@@ -54,7 +54,9 @@ class SGLangBackend:
     rest), shared with one (server and trainer take turns: `shared_strategy` "sleep" releases the
     server's memory, "restart" stops it; "co_resident" keeps both on the GPU with no handoff, for
     pipelined training), and the CPU reference engine with none. `engine` forces
-    "sglang" or "reference". `gateway=False` points clients at the server directly (no refusal of
+    "sglang" or "reference". `inference_devices=[0, 1]` starts one server replica per listed GPU behind
+    SGLang's router (cache-aware routing), every adapter loaded on each replica before its name is
+    served. `gateway=False` points clients at the server directly (no refusal of
     unloaded model names). `layout` overrides the device choice entirely (tests use it to force shared
     mode on CPU).
     """
@@ -64,6 +66,7 @@ class SGLangBackend:
         *,
         inference_device: int | None = None,
         training_devices: list[int] | None = None,
+        inference_devices: list[int] | None = None,
         device_config: DeviceConfig | None = None,
         sglang_config: SGLangConfig | None = None,
         trainer_config: TrainerConfig | None = None,
@@ -84,6 +87,7 @@ class SGLangBackend:
             inference_device=inference_device,
             training_devices=training_devices,
             layout=layout,
+            inference_devices=inference_devices,
         )
         self._path = path
         self._use_gateway = gateway
@@ -504,6 +508,7 @@ class SGLangBackend:
                 log_path=store.server_log,
                 gpu_ids=self._gpu_ids("inference"),
                 use_gateway=self._use_gateway,
+                replica_gpu_ids=self._settings.replica_gpu_ids() if len(self.layout.replicas) > 1 else None,
             )
             if self.sglang_config.weight_sync_method != "disk":
                 # Merged weights hold one step only; an older step's adapter on top would be wrong.

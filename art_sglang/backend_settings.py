@@ -6,6 +6,8 @@ anything starts."""
 from __future__ import annotations
 
 import logging
+import math
+from collections import Counter
 from typing import Any, Literal
 
 from .config import DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
@@ -18,6 +20,9 @@ from .shared_mode import HandoffStrategy
 from .training.options import TrainOptions
 
 logger = logging.getLogger(__name__)
+
+# Replicas sharing a GPU leave at least this much of it to CUDA contexts and activations together.
+MAX_SHARED_FRACTION = 0.95
 
 
 class BackendSettings:
@@ -34,6 +39,7 @@ class BackendSettings:
         inference_device: int | None,
         training_devices: list[int] | None,
         layout: DeviceLayout | None,
+        inference_devices: list[int] | None = None,
     ) -> None:
         if shared_strategy not in ("sleep", "restart", "co_resident"):
             raise ConfigError(f"shared_strategy={shared_strategy!r}: use 'sleep', 'restart' or 'co_resident'")
@@ -46,11 +52,15 @@ class BackendSettings:
         self._requested_config = config
         self._device_request = (device_config, engine)
         self._devices_given = (
-            layout is not None or inference_device is not None or training_devices is not None
+            layout is not None
+            or inference_device is not None
+            or inference_devices is not None
+            or training_devices is not None
         )
         self._initial_layout = layout or choose_layout(
             device_config,
             inference_device=inference_device,
+            inference_devices=inference_devices,
             training_devices=training_devices,
             engine=engine,
             tensor_parallel_size=config.tensor_parallel_size,
@@ -93,6 +103,7 @@ class BackendSettings:
         self.handoff_strategy: HandoffStrategy = "none"
         if layout.mode == "shared" and self.shared_strategy != "co_resident":
             self.handoff_strategy = self.shared_strategy
+        config = fit_replicas(config, layout)
         self.sglang_config = with_memory_saver(config) if self.handoff_strategy == "sleep" else config
 
     def apply_first_model(self, settings: ModelSettings, store: ModelStore) -> None:
@@ -213,6 +224,12 @@ class BackendSettings:
             return []
         return [part for part in self.layout.cuda_visible_devices(role).split(",") if part]
 
+    def replica_gpu_ids(self) -> list[list[str]]:
+        """`gpu_ids("inference")` for each server replica."""
+        if self.layout.engine == "reference":
+            return [[] for _ in self.layout.replicas]
+        return [[p for p in self.layout.cuda_names(gpus).split(",") if p] for gpus in self.layout.replicas]
+
     def use_shared_plan(self, plan: SharedPlan) -> Literal["kv_cache", "all"]:
         """Take shared mode's memory plan (the server's mem_fraction_static); returns what each step
         releases."""
@@ -268,6 +285,36 @@ def server_updates(settings: ModelSettings, store: ModelStore) -> dict[str, Any]
     elif settings.chat_template is not None:
         updates["chat_template"] = str(store.chat_template_file)
     return updates
+
+
+def fit_replicas(config: SGLangConfig, layout: DeviceLayout) -> SGLangConfig:
+    """Server replicas sharing a GPU split its memory: mem_fraction_static defaults to an equal share and
+    may not ask for more than the GPU has (`ConfigError` before anything starts)."""
+    if len(layout.replicas) > 1 and config.port is not None:
+        raise ConfigError(
+            f"SGLangConfig(port={config.port}) with several server replicas: each replica needs its own "
+            "port; leave port unset (free ports are picked)"
+        )
+    if len(layout.replicas) > 1 and config.api_key is not None:
+        raise ConfigError(
+            "SGLangConfig(api_key=...) with several server replicas: the replicas sit behind SGLang's router, "
+            "which this backend starts without worker keys; leave api_key unset (the gateway is the one door "
+            "clients use), or serve with one replica"
+        )
+    shares = Counter(gpu for gpus in layout.replicas for gpu in gpus)
+    crowd = max(shares.values(), default=1)
+    if crowd < 2:
+        return config
+    if "mem_fraction_static" not in config.model_fields_set:
+        return config.model_copy(update={"mem_fraction_static": math.floor(90 / crowd) / 100})
+    if config.mem_fraction_static * crowd > MAX_SHARED_FRACTION:
+        raise ConfigError(
+            f"{crowd} server replicas share a GPU, each with mem_fraction_static="
+            f"{config.mem_fraction_static}: together more than {MAX_SHARED_FRACTION:.0%} of its memory; set "
+            f"mem_fraction_static <= {math.floor(100 * MAX_SHARED_FRACTION / crowd) / 100}, or put the "
+            "replicas on different GPUs"
+        )
+    return config
 
 
 def with_memory_saver(config: SGLangConfig) -> SGLangConfig:

@@ -13,6 +13,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 WeightSyncMethod = Literal["lora", "disk", "restart"]
 SharedStrategy = Literal["sleep", "restart", "co_resident"]
 SleepRelease = Literal["auto", "kv_cache", "all"]
+RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "random"]
 
 SERVER_PYTHON_ENV = "ART_SGLANG_SERVER_PYTHON"
 SERVER_TIMEOUT_ENV = "ART_SERVER_TIMEOUT"
@@ -137,6 +138,13 @@ class SGLangConfig(BaseModel):
         default_factory=list, description="Further CLI flags passed through verbatim."
     )
 
+    router_policy: RouterPolicy = Field(
+        "cache_aware",
+        description="How SGLang's router spreads requests over server replicas (inference_devices): "
+        "'cache_aware' sends a prompt to the replica holding its longest cached prefix (so a multi-turn "
+        "rollout stays on its replica) unless the load is uneven.",
+    )
+
     # --- weight sync ---------------------------------------------------------------------------------
     adapters_to_keep: int = Field(
         2,
@@ -242,8 +250,20 @@ class DeviceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     inference_device: int = Field(0, ge=0, description="GPU index of the SGLang server.")
+    inference_devices: list[int] | None = Field(
+        None,
+        description="First GPU of each SGLang server replica (replicas serve behind SGLang's router; a GPU "
+        "listed twice holds two replicas); None = one server on inference_device.",
+    )
     training_devices: list[int] = Field(default_factory=lambda: [1], description="GPU indices for training.")
     auto_detect: bool = Field(True, description="Detect GPUs and choose the mode from their number.")
+
+    @field_validator("inference_devices")
+    @classmethod
+    def _gpu_indices(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(d < 0 for d in value):
+            raise ValueError(f"inference_devices must be GPU indices >= 0, got {value}")
+        return value
 
     @field_validator("training_devices")
     @classmethod

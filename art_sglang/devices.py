@@ -168,23 +168,43 @@ class DeviceLayout:
     training_gpus: tuple[int, ...]
     reason: str
     cuda_ids: tuple[str, ...] = ()  # cuda_ids[i]: how a child names visible GPU i
+    # The GPUs of each inference server replica (behind SGLang's router when there are several); empty:
+    # one server on `inference_gpus`. On CPU, one empty tuple per reference-engine replica.
+    replica_gpus: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def replicas(self) -> tuple[tuple[int, ...], ...]:
+        """The GPUs of each inference server (one entry per server)."""
+        return self.replica_gpus or (self.inference_gpus,)
 
     def cuda_visible_devices(self, role: Literal["inference", "training"]) -> str:
         """The `CUDA_VISIBLE_DEVICES` value for the server ("inference") or trainer ("training") process;
         "" in cpu mode, which hides every GPU from it."""
-        gpus = self.inference_gpus if role == "inference" else self.training_gpus
+        return self.cuda_names(self.inference_gpus if role == "inference" else self.training_gpus)
+
+    def cuda_names(self, gpus: Sequence[int]) -> str:
+        """The `CUDA_VISIBLE_DEVICES` value that shows a child exactly `gpus`."""
         # No ids: nothing detected and no CUDA_VISIBLE_DEVICES, so CUDA's numbering is the physical one.
         return ",".join(self.cuda_ids[i] if self.cuda_ids else str(i) for i in gpus)
 
     def describe(self) -> str:
         """One line for the log."""
         if self.mode == "cpu":
-            where = "inference and training on CPU"
+            replicas = f"{len(self.replicas)} inference replicas" if len(self.replicas) > 1 else "inference"
+            where = f"{replicas} and training on CPU"
+        elif len(self.replicas) > 1:
+            roles = ", ".join(f"replica {n} on GPU {_list(gpus)}" for n, gpus in enumerate(self.replicas))
+            where = f"inference {roles} (behind SGLang's router), training {_training(self.training_gpus)}"
         else:
-            where = (
-                f"inference on GPU {_list(self.inference_gpus)}, training on GPU {_list(self.training_gpus)}"
-            )
+            where = f"inference on GPU {_list(self.inference_gpus)}, training {_training(self.training_gpus)}"
         return f"{self.mode} mode, {self.engine} engine: {where} ({self.reason})"
+
+
+def _training(gpus: Sequence[int]) -> str:
+    if len(gpus) == 1:
+        return f"on GPU {gpus[0]}"
+    # One data-parallel trainer rank per GPU (training/ranks.py).
+    return "ranks " + ", ".join(f"{rank} on GPU {gpu}" for rank, gpu in enumerate(gpus))
 
 
 def _list(indices: Sequence[int]) -> str:
@@ -197,24 +217,38 @@ def choose_layout(
     inference_device: int | None = None,
     training_devices: Sequence[int] | None = None,
     engine: EngineChoice = "auto",
+    inference_devices: Sequence[int] | None = None,
     tensor_parallel_size: int = 1,
     discovery: Discovery | None = None,
 ) -> DeviceLayout:
     """Choose split/shared/cpu from the visible GPUs and what the user set.
 
-    `inference_device`/`training_devices` (SGLangBackend's arguments) win over `config`; `config` fields
-    the user set, or all of them with `auto_detect=False`, win over detection. The server takes
-    `tensor_parallel_size` consecutive GPUs from `inference_device`. Settings that cannot work raise
-    `ConfigError` naming the fix.
+    `inference_device`/`inference_devices`/`training_devices` (SGLangBackend's arguments) win over
+    `config`; `config` fields the user set, or all of them with `auto_detect=False`, win over detection.
+    The server takes `tensor_parallel_size` consecutive GPUs from `inference_device`; with
+    `inference_devices` one server replica starts at each listed GPU (a GPU listed twice holds two).
+    Settings that cannot work raise `ConfigError` naming the fix.
     """
     config = config or DeviceConfig()
     discovery = discovery or detect_gpus()
     trust_config = not config.auto_detect
     named_gpus = (
         inference_device is not None
+        or inference_devices is not None
         or training_devices is not None
-        or bool({"inference_device", "training_devices"} & config.model_fields_set)
+        or bool({"inference_device", "inference_devices", "training_devices"} & config.model_fields_set)
     )
+    if inference_devices is None and config.inference_devices is not None:
+        inference_devices = config.inference_devices
+    if inference_devices is not None:
+        if inference_device is not None or "inference_device" in config.model_fields_set:
+            raise ConfigError(
+                "both inference_device and inference_devices are set: use inference_devices alone "
+                f"(inference_devices=[{inference_device if inference_device is not None else 0}] is one server)"
+            )
+        if not inference_devices:
+            raise ConfigError("inference_devices is empty: list the first GPU of each server replica")
+        inference_device = inference_devices[0]
     if inference_device is None and (trust_config or "inference_device" in config.model_fields_set):
         inference_device = config.inference_device
     if training_devices is None and (trust_config or "training_devices" in config.model_fields_set):
@@ -261,9 +295,17 @@ def choose_layout(
         # Only training GPUs given: serve on the first GPU they leave free.
         free = [g.index for g in gpus if g.index not in (training or ())]
         inference_device = free[0] if free else (training or (0,))[0]
-    serving = tuple(range(inference_device, inference_device + tp))
+    replicas = _replica_gpus(inference_devices or [inference_device], tp)
+    serving = tuple(sorted({gpu for gpus in replicas for gpu in gpus}))
     if training is None:
         training = tuple(g.index for g in gpus if g.index not in serving) or serving
+    repeated = sorted({i for i in training if training.count(i) > 1})
+    if repeated:
+        # One trainer rank per listed GPU: two ranks cannot share one GPU.
+        raise ConfigError(
+            f"training_devices={list(training)} lists GPU {_list(repeated)} more than once: list each "
+            "training GPU once (the trainer runs one data-parallel rank per GPU)"
+        )
     if not training:
         other = next((g.index for g in gpus if g.index not in serving), serving[-1] + 1)
         raise ConfigError(
@@ -285,7 +327,14 @@ def choose_layout(
             f"({discovery.detail}); use indices in that range (they count only the GPUs "
             "CUDA_VISIBLE_DEVICES shows)"
         )
+    several = replicas if len(replicas) > 1 else ()
     if set(training) == set(serving):
+        if several:
+            raise ConfigError(
+                f"inference_devices={list(inference_devices or ())} starts {len(replicas)} server replicas on "
+                f"the training GPU(s) {_list(training)}: replicas need split mode, give training its own "
+                "GPU(s) in training_devices"
+            )
         return DeviceLayout("shared", "sglang", serving, training, f"{how}, the same for both", cuda_ids)
     overlap = sorted(set(training) & set(serving))
     if overlap:
@@ -294,7 +343,20 @@ def choose_layout(
             f"(GPU {_list(training)}); in split mode they must be different GPUs: remove it from "
             f"training_devices, or set training_devices=[{_list(serving)}] for shared mode"
         )
-    return DeviceLayout("split", "sglang", serving, training, how, cuda_ids)
+    return DeviceLayout("split", "sglang", serving, training, how, cuda_ids, several)
+
+
+def _replica_gpus(firsts: Sequence[int], tp: int) -> tuple[tuple[int, ...], ...]:
+    """Each replica's `tp` consecutive GPUs from its first; replicas share all their GPUs or none."""
+    replicas = tuple(tuple(range(first, first + tp)) for first in firsts)
+    for n, gpus in enumerate(replicas):
+        for other in replicas[:n]:
+            if gpus != other and set(gpus) & set(other):
+                raise ConfigError(
+                    f"server replicas on GPU {_list(other)} and GPU {_list(gpus)} (tensor_parallel_size={tp}) "
+                    f"partly overlap: start replicas {tp} GPUs apart, or at the same GPU to share it"
+                )
+    return replicas
 
 
 def _cuda_ids(discovery: Discovery) -> tuple[str, ...]:

@@ -1,13 +1,15 @@
-"""`InferenceService`: the one inference server of a backend, kept in a known state.
+"""`InferenceService`: the inference server(s) of a backend, kept in a known state.
 
-It owns the server process, its admin client, the `AdapterGateway` in front of it, the adapters that must
-be loaded, the aliases served by the base slot and the base weights the server must hold. All of that is
-private; callers (the backend, the weight-sync strategies, the GPU handoff) change it only through the
-commands below, and each command keeps one invariant: **a name the gateway routes is loaded on the
-server**. Whenever the server (re)starts — first start, a weight-sync restart, the shared-mode restart,
-crash recovery — the gateway holds new requests until every wanted adapter (and the base weights) is
-loaded again. Names are routed only after the server loaded them and stop being routed before they are
-unloaded.
+It owns the server process — or several replicas of it behind SGLang's router (`ReplicaRouter`) — their
+admin clients, the `AdapterGateway` in front, the adapters that must be loaded, the aliases served by the
+base slot and the base weights the servers must hold. All of that is private; callers (the backend, the
+weight-sync strategies, the GPU handoff) change it only through the commands below, and each command
+keeps one invariant: **a name the gateway routes is loaded on every server a request can reach**. Names
+are routed only after every running replica loaded them and stop being routed before they are unloaded.
+Whenever a server (re)starts — first start, a weight-sync restart, the shared-mode restart, crash
+recovery — it loads every wanted adapter (and the base weights) before it is routed to: with one server
+the gateway holds new requests meanwhile; with replicas the router is told to leave the restarting one
+out, and the others go on serving.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -26,10 +30,11 @@ import httpx
 from .config import SGLangConfig
 from .errors import AdapterLoadError, ServerCrashedError, ServerRequestError
 from .model_store import check_adapter
-from .process_tree import EXIT_GRACE_SECONDS
+from .process_tree import EXIT_GRACE_SECONDS, gather_all
 from .server.client import MEMORY_TAGS, WEIGHTS_TAG, ServerClient
 from .server.gateway import ANY, AdapterGateway
 from .server.process import ServerProcess
+from .server.replica_router import ReplicaRouter
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +43,26 @@ PROBE_TIMEOUT_S = 120.0
 _HUNG_GRACE_S = 5.0
 
 
+@dataclass(eq=False)
+class _Replica:
+    """One server process, its admin client once it was brought up, and where the router reaches it."""
+
+    process: ServerProcess
+    gpus: tuple[str, ...]
+    client: ServerClient | None = None
+    routed_url: str | None = None  # the URL requests reach it at; None while it is not routed to
+    unanswered_since: float | None = None  # first failed health check in a row
+
+    @property
+    def up(self) -> bool:
+        """Running and brought up (holds what it must hold)."""
+        return self.client is not None and self.process.is_alive()
+
+
 class InferenceService:
-    """Server process + admin client + gateway + what the server must hold (adapters, base weights)."""
+    """Server process(es) + admin clients + router + gateway + what every server must hold (adapters,
+    base weights). `replica_gpu_ids`: one server replica per entry (its GPUs), behind SGLang's router when
+    there are several; None: one server on `gpu_ids`."""
 
     def __init__(
         self,
@@ -51,10 +74,38 @@ class InferenceService:
         gpu_ids: Sequence[int | str] | None,
         use_gateway: bool = True,
         drain_timeout: float = 600.0,
+        replica_gpu_ids: Sequence[Sequence[int | str]] | None = None,
     ):
         self._config = config
         self._base_model = base_model
-        self._process = ServerProcess(config, base_model, engine=engine, log_path=log_path, gpu_ids=gpu_ids)
+        self._engine = engine
+        placements = [gpu_ids] if replica_gpu_ids is None else list(replica_gpu_ids)
+        self._replicas = [
+            _Replica(
+                ServerProcess(
+                    config, base_model, engine=engine, log_path=_numbered(log_path, n), gpu_ids=gpus
+                ),
+                tuple(str(g) for g in gpus or ()),
+            )
+            for n, gpus in enumerate(placements)
+        ]
+        self._router: ReplicaRouter | None = None
+        if len(self._replicas) > 1:
+            for n, replica in enumerate(self._replicas):
+                replica.process.label = f"{engine} server replica {n}"
+            python = config.resolved_server_python() if engine == "sglang" else sys.executable
+            self._router = ReplicaRouter(
+                python=python,
+                policy=config.router_policy,
+                log_path=log_path.with_name(f"{log_path.stem}-router{log_path.suffix}"),
+                startup_timeout=config.server_timeout,
+            )
+            logger.warning(
+                "%d server replicas behind SGLang's router: the router re-encodes requests and drops "
+                "`return_token_ids`, so completions carry no sampled token ids and the trainer tokenizes "
+                "them from their logprobs and text (as for a server that returns no ids)",
+                len(self._replicas),
+            )
         self._gateway: AdapterGateway | None = None
         if use_gateway:
             # A request the dead server refuses waits for the restart (as long as a start may take).
@@ -72,12 +123,10 @@ class InferenceService:
         self._aliases: dict[str, str] = {}  # names served by the base slot (merged weights)
         self._base_ids: list[str] = []
         self._base_weights: Path | None = None  # merged weights the base slot holds; None = the original
-        self._client: ServerClient | None = None
         # Whether the server is meant to serve now: False before the first start, while the trainer has
         # the GPU (shared mode) and after close(). Crash recovery restarts only a server meant to serve.
         self._serving = False
         self._released_tags: tuple[str, ...] = ()  # GPU memory kinds released for the trainer
-        self._unanswered_since: float | None = None  # first failed health check in a row
         self._holds = 0  # nested holds of the gateway; requests wait while > 0
         self._lock = asyncio.Lock()  # one command at a time changes the server
 
@@ -88,8 +137,19 @@ class InferenceService:
 
     @property
     def process(self) -> ServerProcess:
-        """The server process (read its pid, address and liveness; start and stop it through the service)."""
-        return self._process
+        """The (first) server process (read its pid, address and liveness; start and stop it through the
+        service)."""
+        return self._replicas[0].process
+
+    @property
+    def processes(self) -> tuple[ServerProcess, ...]:
+        """Every server replica's process, in the order of their GPUs."""
+        return tuple(replica.process for replica in self._replicas)
+
+    @property
+    def router(self) -> ReplicaRouter | None:
+        """SGLang's router in front of the replicas; None with one server."""
+        return self._router
 
     @property
     def gateway(self) -> AdapterGateway | None:
@@ -103,8 +163,12 @@ class InferenceService:
     @property
     def openai_base_url(self) -> str:
         """What models' OpenAI clients use: the gateway when on, else the server itself (with /v1)."""
-        root = self._gateway.base_url if self._gateway is not None else self._process.base_url
+        root = self._gateway.base_url if self._gateway is not None else self._upstream()
         return f"{root}/v1"
+
+    def _upstream(self) -> str:
+        """Where requests go behind the gateway: the router, or the one server."""
+        return self._router.base_url if self._router is not None else self._replicas[0].process.base_url
 
     @property
     def api_key(self) -> str:
@@ -164,104 +228,203 @@ class InferenceService:
             return await self._bring_up()
 
     async def restart(self) -> None:
-        """Stop the server and start it again, requests held meanwhile."""
+        """Stop the server(s) and start again, requests held meanwhile."""
         async with self._lock, self.holding():
-            await self._process.stop()
+            await self._stop_replicas(self._replicas)
             await self._bring_up()
 
     async def stop(self) -> None:
-        """Stop the server on purpose (shared mode "restart"): crash recovery leaves it down until
+        """Stop the server(s) on purpose (shared mode "restart"): crash recovery leaves them down until
         `start()`. Requests wait while the gateway is held, else fail with 502."""
         async with self._lock:
             self._serving = False
-            await self._process.stop()
+            await self._stop_replicas(self._replicas)
 
     async def recover(self) -> bool:
-        """Restart a server that should serve but died, or has not answered `GET /health` for
-        `unresponsive_timeout` seconds (hung or stopped), with every adapter loaded again before a request
-        reaches it. Returns whether it restarted the server. Does nothing while another command runs."""
+        """Restart every server (and the router) that should serve but died, or has not answered
+        `GET /health` for `unresponsive_timeout` seconds (hung or stopped), with every adapter loaded again
+        before a request reaches it. With replicas, a failed one is taken out of the router first and the
+        others serve meanwhile. Returns whether it restarted anything. Does nothing while another command
+        runs."""
         if not self._serving or self._lock.locked():
             return False
-        if self._process.is_alive():
-            problem = await self._unresponsive()
-            if problem is None:
-                return False
-        else:
-            problem = "died"
+        problems = {}
+        for replica in self._replicas:
+            problem = await self._problem(replica)
+            if problem is not None:
+                problems[replica] = problem
+        router_died = self._router is not None and not self._router.is_alive()
+        if not problems and not router_died:
+            return False
         async with self._lock:
             if not self._serving:
                 return False
-            logger.warning(
-                "the inference server %s; restarting it. Last lines of its log:\n%s",
-                problem,
-                self._process.log_tail(),
-            )
-            # Requests in flight are lost with the process; none is waited for.
-            async with self.holding(drain=False):
-                await self._process.stop(timeout=_HUNG_GRACE_S)
+            for replica, problem in problems.items():
+                logger.warning(
+                    "the %s %s; restarting it. Last lines of its log:\n%s",
+                    replica.process.label,
+                    problem,
+                    replica.process.log_tail(),
+                )
+            if router_died and self._router is not None:
+                logger.warning("SGLang's router died; restarting it. Last lines of its log:\n%s",
+                               self._router.log_tail())  # fmt: skip
+            survivors = [r for r in self._replicas if r not in problems and r.routed_url is not None]
+            # Requests in flight on a failed server are lost with it; none is waited for. Requests wait in
+            # the gateway only when no server is left to answer them.
+            hold = self.holding(drain=False) if router_died or not survivors else contextlib.nullcontext()
+            async with hold:
+                await self._stop_replicas(list(problems), timeout=_HUNG_GRACE_S)
                 await self._bring_up()
             return True
 
-    async def _unresponsive(self) -> str | None:
-        """What is wrong with a running server that does not answer health checks long enough, else None."""
+    async def _problem(self, replica: _Replica) -> str | None:
+        """What is wrong with a server: it died, or it has not answered health checks long enough."""
+        if not replica.process.is_alive():
+            return "died"
         timeout = self._config.unresponsive_timeout
-        if self._client is not None and await self._client.health(timeout=min(timeout, 10.0)):
-            self._unanswered_since = None
+        client = replica.client
+        if client is not None and await client.health(timeout=min(timeout, 10.0)):
+            replica.unanswered_since = None
             return None
         now = time.monotonic()
-        if self._unanswered_since is None:
-            self._unanswered_since = now
-        if now - self._unanswered_since < timeout:
+        if replica.unanswered_since is None:
+            replica.unanswered_since = now
+        if now - replica.unanswered_since < timeout:
             return None
-        self._unanswered_since = None
+        replica.unanswered_since = None
         return f"did not answer GET /health for {timeout:g} s"
 
     async def close(self) -> None:
-        """Stop the server, the gateway and the client. Idempotent. The server gets the short grace period:
-        at close nothing on it is worth waiting for, and SGLang's scheduler sleeps 5 s on SIGTERM."""
+        """Stop the server(s), the router, the gateway and the clients. Idempotent. Servers get the short
+        grace period: at close nothing on them is worth waiting for, and SGLang's scheduler sleeps 5 s on
+        SIGTERM."""
         self._serving = False
-        await self._process.stop(timeout=EXIT_GRACE_SECONDS)
+        stops = [replica.process.stop(timeout=EXIT_GRACE_SECONDS) for replica in self._replicas]
+        if self._router is not None:
+            stops.append(self._router.stop())
+        await gather_all(*stops)
         if self._gateway is not None:
             self._gateway.close()
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        for replica in self._replicas:
+            replica.routed_url = None
+            if replica.client is not None:
+                await replica.client.aclose()
+                replica.client = None
+
+    async def _stop_replicas(self, replicas: Sequence[_Replica], timeout: float = 20.0) -> None:
+        """Take servers out of the router, then stop them."""
+        for replica in replicas:
+            await self._take_out(replica)
+        await gather_all(*(replica.process.stop(timeout=timeout) for replica in replicas))
 
     async def _bring_up(self) -> bool:
-        """Start the server if needed and load what it must hold, the gateway held meanwhile (the one place
-        that enforces the invariant after a start). Call with the lock held."""
-        if self._process.is_alive() and self._client is not None:
+        """Start every server (and the router) not running and load what it must hold before it is routed
+        to (the one place that enforces the invariant after a start). New requests wait in the gateway
+        meanwhile unless another server serves them. Call with the lock held. Returns whether a server
+        process was started."""
+        down = [replica for replica in self._replicas if not replica.up]
+        router_down = self._router is not None and not self._router.is_alive()
+        if not down and not router_down:
             return False
+        serving = [r for r in self._replicas if r not in down and r.routed_url is not None]
         # Nothing to drain: the callers that stop a serving server drained it first.
-        async with self.holding(drain=False):
+        async with self.holding(drain=False) if router_down or not serving else contextlib.nullcontext():
             began = time.monotonic()
-            await self._process.start()
-            if self._client is not None:
-                await self._client.aclose()
-            self._client = ServerClient(self._process.base_url, api_key=self._config.api_key)
-            self._base_ids = [card.id for card in await self._client.list_models() if card.parent is None]
-            if self._base_weights is not None:
-                # A fresh process holds the original base weights; the merged ones are applied again.
-                await self._client.update_weights_from_disk(str(self._base_weights))
-            for name, path in self._adapters.items():
-                await self._load_on_server(name, path)
+            for replica in down:
+                await self._take_out(replica)
+            await self._start_processes(down)
+            if self._router is not None and router_down:
+                await self._router.start()
+                for replica in self._replicas:
+                    replica.routed_url = None  # a new router routes to nothing yet
+            for replica in down:
+                await self._load_everything(replica)
+            for replica in self._replicas:
+                if replica.routed_url is None:
+                    await self._put_in(replica)
             if self._gateway is not None:
-                self._gateway.set_upstream(self._process.base_url)
                 self._gateway.start()
             self._publish()
             self._serving = True
             logger.info(
-                "inference server ready at %s (%.1f s); adapters: %s",
-                self._process.base_url,
+                "%s ready at %s (%.1f s); adapters: %s",
+                ", ".join(r.process.label for r in down) or "SGLang's router",
+                ", ".join(r.process.base_url for r in down) or self._upstream(),
                 time.monotonic() - began,
                 ", ".join(self._adapters) or "none",
             )
-        return True
+        return bool(down)
 
-    def _admin(self) -> ServerClient:
-        if self._client is None:
+    async def _start_processes(self, replicas: Sequence[_Replica]) -> None:
+        """Start server processes: on different GPUs at the same time; replicas sharing a GPU one after the
+        other (a server measures the GPU's free memory when it starts and sizes its own from it, so one
+        starting alongside another could count memory the other is about to take), each asking for its
+        share of the GPU's memory."""
+        groups: dict[tuple[str, ...], list[_Replica]] = {}
+        for n, replica in enumerate(replicas):
+            # Without GPUs (the reference engine) nothing is shared; each starts on its own.
+            groups.setdefault(replica.gpus or (f"cpu{n}",), []).append(replica)
+
+        async def start_in_turn(group: list[_Replica]) -> None:
+            for replica in group:
+                replica.process.config = self._config_for(replica)
+                await replica.process.start()
+
+        await gather_all(*(start_in_turn(group) for group in groups.values()))
+
+    def _config_for(self, replica: _Replica) -> SGLangConfig:
+        """The server config of a replica about to start. SGLang sizes its memory as mem_fraction_static of
+        the memory free when it starts: with k other replicas already running on its GPU, each holding the
+        share f of it, f / (1 - k*f) of what they left is the same share f of the whole GPU."""
+        if not replica.gpus:
+            return self._config
+        sharing = sum(
+            1 for r in self._replicas if r is not replica and r.gpus == replica.gpus and r.process.is_alive()
+        )
+        fraction = self._config.mem_fraction_static
+        if sharing == 0:
+            return self._config
+        return self._config.model_copy(
+            update={"mem_fraction_static": round(fraction / (1 - sharing * fraction), 3)}
+        )
+
+    async def _load_everything(self, replica: _Replica) -> None:
+        """Give a freshly started server its admin client, the base weights and every wanted adapter."""
+        if replica.client is not None:
+            await replica.client.aclose()
+        replica.client = ServerClient(replica.process.base_url, api_key=self._config.api_key)
+        self._base_ids = [card.id for card in await replica.client.list_models() if card.parent is None]
+        if self._base_weights is not None:
+            # A fresh process holds the original base weights; the merged ones are applied again.
+            await replica.client.update_weights_from_disk(str(self._base_weights))
+        for name, path in self._adapters.items():
+            await self._load_on_server(replica, name, path)
+
+    async def _put_in(self, replica: _Replica) -> None:
+        """Route requests to a brought-up server."""
+        if not replica.up:
+            return
+        url = replica.process.base_url
+        if self._router is not None:
+            await self._router.add_worker(url)
+        replica.routed_url = url
+
+    async def _take_out(self, replica: _Replica) -> None:
+        """Stop routing requests to a server (the router forgets it before it stops or restarts)."""
+        url, replica.routed_url = replica.routed_url, None
+        if url is None:
+            return
+        self._publish()
+        if self._router is not None:
+            await self._router.remove_worker(url)
+
+    def _live(self) -> list[ServerClient]:
+        """Admin clients of the servers that are up; `ServerCrashedError` if none is."""
+        clients = [replica.client for replica in self._replicas if replica.up and replica.client is not None]
+        if not clients:
             raise ServerCrashedError("the inference server is not running: start it first")
-        return self._client
+        return clients
 
     # --- shared mode: GPU memory ---------------------------------------------------------------------------
     async def release_memory(self, tags: Sequence[str] | None = None) -> None:
@@ -269,8 +432,8 @@ class InferenceService:
         first); the process stays."""
         async with self._lock:
             self._serving = False
-            if self._process.is_alive():
-                await self._admin().release_memory_occupation(tags)
+            clients = [r.client for r in self._replicas if r.up and r.client is not None]
+            await gather_all(*(client.release_memory_occupation(tags) for client in clients))
             self._released_tags = tuple(tags) if tags is not None else MEMORY_TAGS
 
     async def resume_memory(self) -> bool:
@@ -280,28 +443,30 @@ class InferenceService:
         meanwhile is started instead. Returns whether a server process was started."""
         async with self._lock:
             tags, self._released_tags = self._released_tags, ()
-            if not self._process.is_alive():
-                return await self._bring_up()
             async with self.holding():
-                client = self._admin()
-                if tags:
-                    await client.resume_memory_occupation(list(tags))
-                if WEIGHTS_TAG in tags:
-                    for name, path in self._adapters.items():
-                        with contextlib.suppress(ServerRequestError):  # already gone with the release
-                            await client.unload_lora_adapter(name)
-                        await self._load_on_server(name, path)
+                for replica in [r for r in self._replicas if r.up]:
+                    assert replica.client is not None
+                    if tags:
+                        await replica.client.resume_memory_occupation(list(tags))
+                    if WEIGHTS_TAG in tags:
+                        for name, path in self._adapters.items():
+                            with contextlib.suppress(ServerRequestError):  # already gone with the release
+                                await replica.client.unload_lora_adapter(name)
+                            await self._load_on_server(replica, name, path)
+                started = await self._bring_up()
                 self._serving = True
-            return False
+            return started
 
     # --- adapters --------------------------------------------------------------------------------------
     async def add_adapter(self, name: str, path: Path) -> None:
-        """Load `path` as `name` (checked locally first), then route it. No-op if already loaded."""
+        """Load `path` as `name` (checked locally first) on every running server, then route it. No-op if
+        already loaded. A server that is down loads it when it is brought up, before it is routed to."""
         async with self._lock:
             if name in self._adapters:
                 return
-            if name not in self._unloading:  # else still on the server: routing it again is enough
-                await self._load_on_server(name, path)
+            if name not in self._unloading:  # else still on the servers: routing it again is enough
+                check_adapter(path, self._config.max_lora_rank)
+                await gather_all(*(self._load_on_server(r, name, path) for r in self._replicas if r.up))
             self._adapters[name] = path
             self._publish()
 
@@ -319,12 +484,15 @@ class InferenceService:
                     "requests on %s still in flight after %.0f s; unloading", name, self._drain_timeout
                 )
             async with self._lock:
-                if name in self._adapters or not self._process.is_alive():
-                    return  # loaded again meanwhile, or gone with the process
-                try:
-                    await self._admin().unload_lora_adapter(name)
-                except ServerRequestError as exc:
-                    logger.warning("unloading %s failed: %s", name, exc)
+                if name in self._adapters:
+                    return  # loaded again meanwhile
+                for replica in self._replicas:
+                    if replica.client is None or not replica.process.is_alive():
+                        continue  # gone with the process
+                    try:
+                        await replica.client.unload_lora_adapter(name)
+                    except ServerRequestError as exc:
+                        logger.warning("unloading %s from the %s failed: %s", name, replica.process.label, exc)
         finally:
             self._unloading.discard(name)
 
@@ -380,16 +548,17 @@ class InferenceService:
                 del self._adapters[old]
             self._adapters[name] = path
             check_adapter(path, self._config.max_lora_rank)
-            await self._process.stop()
+            await self._stop_replicas(self._replicas)
             await self._bring_up()
 
-    async def _load_on_server(self, name: str, path: Path) -> None:
+    async def _load_on_server(self, replica: _Replica, name: str, path: Path) -> None:
+        assert replica.client is not None
         check_adapter(path, self._config.max_lora_rank)
         try:
-            await self._admin().load_lora_adapter(name, str(path))
+            await replica.client.load_lora_adapter(name, str(path))
         except AdapterLoadError as exc:
             raise AdapterLoadError(
-                f"the server refused adapter {name!r} from {path}: {exc}",
+                f"the {replica.process.label} refused adapter {name!r} from {path}: {exc}",
                 status=exc.status,
                 server_message=exc.server_message,
             ) from exc
@@ -403,9 +572,10 @@ class InferenceService:
             if path == previous:
                 return previous
             async with self.holding():
-                await self._admin().update_weights_from_disk(str(path or self._base_model))
-                # The prefix cache holds keys/values computed with the old weights of the same slot.
-                await self._admin().flush_cache()
+                for client in self._live():
+                    await client.update_weights_from_disk(str(path or self._base_model))
+                    # The prefix cache holds keys/values computed with the old weights of the same slot.
+                    await client.flush_cache()
             self._base_weights = path
             return previous
 
@@ -418,33 +588,49 @@ class InferenceService:
     def _publish(self) -> None:
         if self._gateway is not None:
             self._gateway.set_served(self._adapters, self._base_ids, self._aliases)
+            routed = [r.routed_url for r in self._replicas if r.routed_url is not None]
+            self._gateway.set_upstream(self._upstream(), reads=routed[0] if routed else None)
 
     # --- checks ----------------------------------------------------------------------------------------
     async def probe(self, name: str) -> None:
-        """One greedy one-token chat completion on `name` through the client path rollouts use; raises
-        `ServerRequestError` unless it answers 200."""
+        """One greedy one-token chat completion on `name` through the client path rollouts use and, with
+        replicas, on each routed replica directly (the adapter selected as the gateway selects it); raises
+        `ServerRequestError` unless each answers 200."""
+        targets = [(self.openai_base_url, self.client_name(name), {}, "")]
+        if self._router is not None:
+            model = self._aliases.get(name, self._base_id())
+            adapter = {} if name in self._aliases else {"lora_path": name}
+            targets += [
+                (f"{r.routed_url}/v1", model, adapter, f" on the {r.process.label}")
+                for r in self._replicas
+                if r.routed_url is not None
+            ]
         headers = {"Authorization": f"Bearer {self.api_key}"}
-        body = {
-            "model": self.client_name(name),
-            "messages": [{"role": "user", "content": "ping"}],
-            "max_tokens": 1,
-            "temperature": 0.0,
-        }
         async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False) as http:
-            response = await http.post(f"{self.openai_base_url}/chat/completions", json=body, headers=headers)
-        if response.status_code != 200:
-            raise ServerRequestError(
-                f"probe request on {name!r} failed with HTTP {response.status_code}: {response.text[:500]}",
-                status=response.status_code,
-                server_message=response.text,
-            )
+            for url, model, adapter, where in targets:
+                body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1,
+                        "temperature": 0.0, **adapter}  # fmt: skip
+                response = await http.post(f"{url}/chat/completions", json=body, headers=headers)
+                if response.status_code != 200:
+                    raise ServerRequestError(
+                        f"probe request on {name!r}{where} failed with HTTP {response.status_code}: "
+                        f"{response.text[:500]}",
+                        status=response.status_code,
+                        server_message=response.text,
+                    )
 
     async def flush_cache(self) -> None:
         async with self._lock:
-            await self._admin().flush_cache()
+            for client in self._live():
+                await client.flush_cache()
 
 
 def _step_of(name: str) -> int:
     """The step of `<model>@<step>` (-1 for another form)."""
     step = name.rpartition("@")[2]
     return int(step) if step.isdigit() else -1
+
+
+def _numbered(log_path: Path, n: int) -> Path:
+    """Replica n's server log: the server log itself for the first, `server-replica<n>.log` for others."""
+    return log_path if n == 0 else log_path.with_name(f"{log_path.stem}-replica{n}{log_path.suffix}")

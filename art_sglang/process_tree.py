@@ -249,13 +249,20 @@ def parent_death_preexec() -> Callable[[], None] | None:
     # another thread of the parent.
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     parent = os.getpid()
+    return lambda: _die_with(prctl, parent)
 
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
 
-    return preexec
+def die_with_parent() -> None:
+    """From inside a process whose parent started it without `parent_death_preexec` (torch's launcher
+    starts its workers itself): Linux SIGKILLs this process when its parent dies. No-op off Linux."""
+    if sys.platform.startswith("linux"):
+        _die_with(ctypes.CDLL(None, use_errno=True).prctl, os.getppid())
+
+
+def _die_with(prctl: Callable[..., int], parent: int) -> None:
+    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 async def gather_all(*calls: Awaitable[Any]) -> list[Any]:

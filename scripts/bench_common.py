@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import subprocess
 import time
 from collections.abc import Sequence
@@ -33,6 +34,12 @@ def add_server_args(
         action=argparse.BooleanOptionalAction,
         default=True,
         help="capture CUDA graphs (slower start, faster decode; vLLM: off = --enforce-eager)",
+    )
+    parser.add_argument(
+        "--prefill-cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="SGLang only: off = --disable-prefill-cuda-graph (decode keeps its graphs; shorter start)",
     )
     parser.add_argument(
         "--attention-backend",
@@ -83,6 +90,7 @@ class ServerSettings:
     prefix_cache: bool = True
     mem_fraction: float = 0.5  # SGLang --mem-fraction-static, vLLM --gpu-memory-utilization
     cuda_graph: bool = True
+    prefill_cuda_graph: bool = True  # SGLang only
     max_lora_rank: int = 8
     max_loras_per_batch: int = 4
     attention_backend: str | None = None  # the engine's own name
@@ -95,6 +103,7 @@ def server_settings(args: argparse.Namespace, **changes: Any) -> ServerSettings:
         model=args.model,
         mem_fraction=args.mem_fraction_static,
         cuda_graph=args.cuda_graph,
+        prefill_cuda_graph=args.prefill_cuda_graph,
         max_lora_rank=max(args.lora_rank, 8),
         attention_backend=args.attention_backend,
         sampling_backend=args.sampling_backend,
@@ -108,6 +117,7 @@ def sglang_config(settings: ServerSettings, **overrides: Any) -> SGLangConfig:
         "mem_fraction_static": settings.mem_fraction,
         "disable_radix_cache": not settings.prefix_cache,
         "disable_cuda_graph": not settings.cuda_graph,
+        "disable_prefill_cuda_graph": not settings.prefill_cuda_graph,
         "attention_backend": settings.attention_backend,
         "sampling_backend": settings.sampling_backend,
         "enable_cache_report": True,
@@ -145,6 +155,40 @@ def make_random_adapter(model_path: str, out: Path, *, rank: int = 8, seed: int 
     lora.base_model_name_or_path = model_path
     lora.save_pretrained(str(out))
     return out
+
+
+_SGLANG_LOG_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)?[^\]]*\] (.*)$")
+_ELAPSED = re.compile(r"elapsed=([0-9.]+) s")
+_PHASES = {
+    "Load weight end": "load_weights_s",
+    "Capture target decode": "decode_cuda_graphs_s",
+    "Capture target prefill": "prefill_cuda_graphs_s",
+}
+
+
+def startup_phases(log_text: str) -> dict[str, float]:
+    """Where an SGLang server's start went, from its log: the elapsed time SGLang 0.5.17 reports for
+    loading weights and capturing the decode and prefill CUDA graphs, and `logged_s` from its first log
+    line to "fired up" (what is before the first line is the interpreter importing sglang). The last start
+    in the log counts."""
+    started: dict[str, float] = {}
+    phases: dict[str, float] = {}
+    first: float | None = None
+    for line in log_text.splitlines():
+        found = _SGLANG_LOG_LINE.match(line)
+        if not found:
+            continue
+        stamp = time.mktime(time.strptime(found[1], "%Y-%m-%d %H:%M:%S"))
+        message = found[2]
+        first = stamp if first is None else first
+        elapsed = _ELAPSED.search(message)
+        for start, name in _PHASES.items():
+            if message.startswith(start) and " end." in message and elapsed:
+                phases[name] = float(elapsed[1])
+        if "fired up and ready" in message:
+            started = {**phases, "logged_s": stamp - first}
+            phases, first = {}, None
+    return started
 
 
 def _nvidia_smi(query: str) -> list[str] | None:

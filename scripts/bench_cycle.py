@@ -43,6 +43,7 @@ from bench_common import (
     markdown_table,
     rollout_workload,
     server_config,
+    startup_phases,
     training_bench_parser,
     version_in,
     workload_phrase,
@@ -85,7 +86,8 @@ async def greedy(model: art.TrainableModel, name: str, max_tokens: int) -> str:
 
 
 async def run_strategy(args: argparse.Namespace, strategy: str, steps: int) -> dict[str, Any]:
-    backend = make_backend(args, strategy, args.workdir / strategy.replace("/", "-") / ".art")
+    art_dir = args.workdir / strategy.replace("/", "-") / ".art"
+    backend = make_backend(args, strategy, art_dir)
     model = art.TrainableModel(name="bench", project="bench-cycle", base_model=args.model)
     task = CharShareTask(max_tokens=args.max_tokens)
     rows: list[dict[str, Any]] = []
@@ -93,6 +95,12 @@ async def run_strategy(args: argparse.Namespace, strategy: str, steps: int) -> d
     try:
         await model.register(backend)
         register_s = time.perf_counter() - started
+        [server_log] = art_dir.glob("*/models/*/logs/server.log")
+        register_profile = startup_phases(server_log.read_text(errors="replace"))
+        print(
+            f"{strategy} register {register_s:.1f} s, server start: {json.dumps(register_profile)}",
+            flush=True,
+        )
         for index in range(steps):
             previous = model.get_inference_name()  # the adapter serving now; it stays loaded after the step
             before = await greedy(model, previous, args.greedy_tokens)
@@ -112,6 +120,7 @@ async def run_strategy(args: argparse.Namespace, strategy: str, steps: int) -> d
         close_s = time.perf_counter() - closing
     return {
         **summarize(rows, register_s=register_s, close_s=close_s),
+        "register_profile": register_profile,
         "sglang_config": backend.sglang_config.model_dump(),
     }
 

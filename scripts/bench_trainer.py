@@ -1,9 +1,11 @@
 """Trainer throughput: tokens/s of one training step on the same synthetic batch, through the real
 worker process, for the transformers + peft path and (with a GPU and unsloth installed) the Unsloth
-path. Writes `bench_trainer.json` and `bench_trainer.md` into --out.
+path. With `--ranks 1,2` each path runs once per rank count (data parallelism, one GPU per rank; gloo
+ranks on CPU) on the same batch. Writes `<name>.json` and `<name>.md` into --out.
 
     python scripts/bench_trainer.py --model /root/models/qwen2.5-1.5b-shape --batch 8 --seq 512 --steps 5 --out docs/results
     python scripts/bench_trainer.py --out /tmp/bench        # tiny model, built offline, peft only on CPU
+    python scripts/bench_trainer.py --model M --backends unsloth --ranks 1,2 --name bench_trainer_ddp --out DIR
 """
 
 from __future__ import annotations
@@ -57,46 +59,59 @@ def synthetic_groups(model: str, batch: int, seq: int, seed: int = 0) -> list[di
 
 
 async def bench_backend(
-    args: argparse.Namespace, model: str, unsloth: bool, groups: list[dict[str, Any]]
-) -> dict[str, Any]:
-    folder = args.out / "work" / ("unsloth" if unsloth else "peft")
+    args: argparse.Namespace, model: str, unsloth: bool, groups: list[dict[str, Any]], ranks: int
+) -> list[dict[str, Any]]:
+    """One trainer (one load) timed on the batch with each packing of `--packings`."""
+    backend = "unsloth" if unsloth else "peft"
+    folder = args.work / f"{backend}-{ranks}-ranks"
     config = TrainerConfig(
         use_unsloth=unsloth,
         lora_rank=args.lora_rank,
-        max_seq_length=args.seq + 64,
+        max_seq_length=max([args.seq + 64, *(p for p in args.packings if p is not None)]),
         micro_batch_tokens=args.micro_batch_tokens,
     )
-    gpus = [0] if args.gpu else None
+    gpus = list(range(ranks)) if args.gpu else None
     proc = TrainerProcess(
-        model, folder / "checkpoints", config, gpu_ids=gpus, log_path=folder / "trainer.log"
+        model, folder / "checkpoints", config, gpu_ids=gpus, log_path=folder / "trainer.log", cpu_ranks=ranks
     )
-    options = TrainOptions(learning_rate=1e-5, allow_training_without_logprobs=True, save_checkpoint=False)
+    results = []
     started = time.perf_counter()
     try:
         await proc.start()
         load_s = time.perf_counter() - started
-        await proc.train(groups, options)  # warm-up: kernels, allocator, compilation
-        steps = []
-        for _ in range(args.steps):
-            begin = time.perf_counter()
-            outcome = await proc.train(groups, options)
-            steps.append((time.perf_counter() - begin, outcome.metrics))
+        for packing in args.packings:
+            options = TrainOptions(
+                learning_rate=1e-5,
+                allow_training_without_logprobs=True,
+                save_checkpoint=False,
+                packed_sequence_length=packing,
+            )
+            await proc.train(groups, options)  # warm-up: kernels, allocator, compilation
+            steps = []
+            for _ in range(args.steps):
+                begin = time.perf_counter()
+                outcome = await proc.train(groups, options)
+                steps.append((time.perf_counter() - begin, outcome.metrics))
+            results.append({"packed_sequence_length": packing, **_summary(steps)})
     except Exception as exc:
-        return {"backend": "unsloth" if unsloth else "peft", "error": f"{type(exc).__name__}: {exc}"[:3000]}
+        results.append({"error": f"{type(exc).__name__}: {exc}"[:3000]})
     finally:
         await proc.stop()
+    common = {"backend": proc.info.get("backend", backend), "ranks": ranks, "device": proc.info.get("device")}
+    return [{**common, "load_s": load_s, **r} if "error" not in r else {**common, **r} for r in results]
+
+
+def _summary(steps: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
     tokens = sum(m["num_tokens"] for _, m in steps)
     forwarded = sum(m["tokens_per_second"] * m["seconds"] for _, m in steps)
     wall = sum(s for s, _ in steps)
     return {
-        "backend": proc.info.get("backend"),
-        "device": proc.info.get("device"),
-        "load_s": load_s,
         "step_s": wall / len(steps),
         "train_tokens_per_s": tokens / wall,
         "forward_tokens_per_s": sum(m["tokens_per_second"] for _, m in steps) / len(steps),
         "tokens_per_step": forwarded / len(steps),
         "trained_tokens_per_step": tokens / len(steps),
+        "optimizer_steps": steps[-1][1]["gradient_steps"],
         "gpu_peak_memory_gb": max((m.get("gpu_peak_memory_gb", 0.0) for _, m in steps), default=0.0),
     }
 
@@ -112,13 +127,24 @@ async def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--backends", default="auto", help="peft,unsloth | auto (unsloth only with a GPU)")
-    parser.add_argument("--out", type=Path, required=True, help="folder for bench_trainer.json/.md")
+    parser.add_argument("--ranks", default="1", help="trainer rank counts to compare, e.g. 1,2")
+    parser.add_argument("--name", default="bench_trainer", help="file name of the JSON and markdown")
+    parser.add_argument(
+        "--packings",
+        default="default",
+        help="packed_sequence_length values to time, comma-separated; 'default' = ART's (the longest "
+        "sequence rounded up to 2048): with more ranks a step gains only where a row holds several sequences",
+    )
+    parser.add_argument("--work", type=Path, default=None, help="models and checkpoints (default: OUT/work)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for <name>.json/.md")
     args = parser.parse_args()
     import torch
 
     args.gpu = torch.cuda.is_available()
     args.out.mkdir(parents=True, exist_ok=True)
-    model = args.model or str(build_tiny_model(args.out / "work" / "tiny-model"))
+    args.work = args.work or args.out / "work"
+    args.packings = [None if p == "default" else int(p) for p in args.packings.split(",")]
+    model = args.model or str(build_tiny_model(args.work / "tiny-model"))
     backends = (
         ["peft", "unsloth"]
         if args.backends == "auto" and args.gpu
@@ -127,24 +153,42 @@ async def main() -> None:
         else args.backends.split(",")
     )
     groups = synthetic_groups(model, args.batch, args.seq)
-    results = [await bench_backend(args, model, name == "unsloth", groups) for name in backends]
+    counts = [int(n) for n in args.ranks.split(",")]
+    results = [
+        result
+        for name in backends
+        for ranks in counts
+        for result in await bench_backend(args, model, name == "unsloth", groups, ranks)
+    ]
+    for result in results:  # against the same path and packing on one rank
+        same = ("backend", "packed_sequence_length")
+        single = next(
+            (r for r in results if r["ranks"] == 1 and all(r.get(k) == result.get(k) for k in same)), {}
+        )
+        if "train_tokens_per_s" in result and "train_tokens_per_s" in single:
+            result["speedup_vs_1_rank"] = result["train_tokens_per_s"] / single["train_tokens_per_s"]
     report = {
         "model": model,
         "batch": args.batch,
         "seq": args.seq,
         "steps": args.steps,
         "lora_rank": args.lora_rank,
+        "micro_batch_tokens": args.micro_batch_tokens,
         "results": results,
         "environment": environment(),
     }
     rows = [
         [
             r.get("backend"),
+            r.get("packed_sequence_length") or "default",
+            r["ranks"],
             r.get("device", "-"),
             r.get("load_s", "-"),
+            r.get("optimizer_steps", "-"),
             r.get("step_s", "-"),
             r.get("train_tokens_per_s", "-"),
             r.get("forward_tokens_per_s", "-"),
+            r.get("speedup_vs_1_rank", "-"),
             r.get("gpu_peak_memory_gb", "-"),
             r.get("error", ""),
         ]
@@ -154,18 +198,22 @@ async def main() -> None:
     table = header + markdown_table(
         [
             "path",
+            "packed row",
+            "ranks",
             "device",
             "load s",
+            "optimizer steps",
             "step s",
             "trained tokens/s",
             "forward tokens/s",
-            "peak GPU GB",
+            "× 1 rank",
+            "peak GPU GB (fullest rank)",
             "error",
         ],
         rows,
     )
-    (args.out / "bench_trainer.json").write_text(json.dumps(report, indent=1, default=str))
-    (args.out / "bench_trainer.md").write_text(table + "\n")
+    (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1, default=str))
+    (args.out / f"{args.name}.md").write_text(table + "\n")
     print(table)
 
 

@@ -7,6 +7,7 @@
 set -euo pipefail
 
 SGLANG_SPEC="sglang[srt]==0.5.17"   # the release verified on a GPU (docs/verification.md)
+ROUTER_SPEC="sglang-router==0.3.2"  # SGLang's router, for several server replicas (inference_devices)
 CPU_TORCH_SPEC="torch==2.13.0"      # CPU runs: the release the CPU suite is tested with
 
 usage() {
@@ -15,7 +16,8 @@ Usage: scripts/setup_sglang.sh [--cpu] [--system-site-packages] [--python PYTHON
 
 Creates (or updates) the environments in the project root:
   .venv                 the project with extras [train,dev]          (with --cpu: [reference,dev] + CPU torch)
-  .venv-sglang-server   sglang[srt]==0.5.17, isolated from the project (skipped with --cpu)
+  .venv-sglang-server   sglang[srt]==0.5.17 and sglang-router==0.3.2, isolated from the project
+                        (skipped with --cpu)
 
 Options:
   --cpu                   machine without a GPU: no SGLang server venv; the backend then uses its
@@ -107,13 +109,19 @@ if [ $cpu = 1 ]; then
   say "--cpu: no SGLang server venv; the backend uses the reference engine"
 else
   make_venv .venv-sglang-server 0
-  if .venv-sglang-server/bin/python -c 'import sglang, sys; sys.exit(sglang.__version__ != "0.5.17")' 2>/dev/null; then
-    say ".venv-sglang-server already has sglang 0.5.17"
-  else
-    say "installing $SGLANG_SPEC into .venv-sglang-server (large: torch, flashinfer, kernels)"
-    install .venv-sglang-server "$SGLANG_SPEC"
-    done_lines+=("installed $SGLANG_SPEC into .venv-sglang-server")
-  fi
+  # Install spec $2 into the server venv unless the Python check $1 already passes there ($3: a note).
+  server_package() {
+    if .venv-sglang-server/bin/python -c "$1" 2>/dev/null; then
+      say ".venv-sglang-server already has $2"
+    else
+      say "installing $2 into .venv-sglang-server${3:-}"
+      install .venv-sglang-server "$2"
+      done_lines+=("installed $2 into .venv-sglang-server")
+    fi
+  }
+  server_package 'import sglang, sys; sys.exit(sglang.__version__ != "0.5.17")' "$SGLANG_SPEC" \
+    " (large: torch, flashinfer, kernels)"
+  server_package 'import sglang_router' "$ROUTER_SPEC"
   .venv-sglang-server/bin/python - <<'PY'
 import importlib.util, sys
 import sglang

@@ -261,6 +261,10 @@ def test_auto_detect_off_trusts_the_config_without_gpus_found():
             "(split mode), or training_devices=[1] to share the inference GPU",
         ),
         (
+            lambda: choose_layout(discovery=visible(3), inference_device=0, training_devices=[1, 2, 1]),
+            "training_devices=[1, 2, 1] lists GPU 1 more than once: list each training GPU once",
+        ),
+        (
             lambda: choose_layout(discovery=visible(2), inference_device=0, training_devices=[1, 5]),
             "GPU 5 does not exist: 2 GPU(s) (NVIDIA H100 80GB HBM3) visible, numbered 0..1",
         ),
@@ -297,9 +301,87 @@ def test_auto_detect_off_trusts_the_config_without_gpus_found():
             "tensor_parallel_size=4 needs 4 GPUs but 2 are visible (2 GPU(s) in nvidia-smi); "
             "lower tensor_parallel_size",
         ),
+        (
+            lambda: choose_layout(discovery=visible(4), inference_devices=[0, 1], tensor_parallel_size=2),
+            "server replicas on GPU 0,1 and GPU 1,2 (tensor_parallel_size=2) partly overlap: start replicas "
+            "2 GPUs apart, or at the same GPU to share it",
+        ),
+        (
+            lambda: choose_layout(discovery=visible(2), inference_devices=[0, 1], training_devices=[0, 1]),
+            "inference_devices=[0, 1] starts 2 server replicas on the training GPU(s) 0,1: replicas need "
+            "split mode, give training its own GPU(s) in training_devices",
+        ),
+        (
+            lambda: choose_layout(discovery=visible(4), inference_device=0, inference_devices=[0, 1]),
+            "both inference_device and inference_devices are set: use inference_devices alone",
+        ),
+        (
+            lambda: choose_layout(discovery=visible(2), inference_devices=[0, 2]),
+            "GPU 2 does not exist: 2 GPU(s) (NVIDIA H100 80GB HBM3) visible, numbered 0..1",
+        ),
+        (
+            lambda: choose_layout(discovery=visible(2), inference_devices=[]),
+            "inference_devices is empty: list the first GPU of each server replica",
+        ),
+        (
+            lambda: choose_layout(discovery=visible(2), engine="reference", inference_devices=[0, 0]),
+            "engine='reference' runs on CPU, but GPUs were set",
+        ),
     ],
 )
 def test_impossible_settings_fail_with_the_fix(call, message):
     with pytest.raises(ConfigError) as error:
         call()
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "config", "replicas", "training", "role_line"),
+    [
+        (
+            {"inference_devices": [0, 1]},
+            None,
+            ((0,), (1,)),
+            (2, 3),
+            "inference replica 0 on GPU 0, replica 1 on GPU 1 (behind SGLang's router), training ranks 0 on GPU 2, "
+            "1 on GPU 3",
+        ),
+        (
+            {"inference_devices": [0, 0], "training_devices": [1]},
+            None,
+            ((0,), (0,)),
+            (1,),
+            "inference replica 0 on GPU 0, replica 1 on GPU 0 (behind SGLang's router), training on GPU 1",
+        ),
+        (
+            {"tensor_parallel_size": 2},
+            DeviceConfig(inference_devices=[0, 0], training_devices=[2, 3]),
+            ((0, 1), (0, 1)),
+            (2, 3),
+            "inference replica 0 on GPU 0,1, replica 1 on GPU 0,1 (behind SGLang's router), training ranks 0 on "
+            "GPU 2, 1 on GPU 3",
+        ),
+    ],
+)
+def test_inference_devices_start_one_replica_per_gpu_listed(kwargs, config, replicas, training, role_line):
+    layout = choose_layout(config, discovery=visible(4), **kwargs)
+    assert (layout.mode, layout.replicas, layout.training_gpus) == ("split", replicas, training)
+    assert layout.inference_gpus == tuple(sorted({g for gpus in replicas for g in gpus}))
+    assert layout.describe() == f"split mode, sglang engine: {role_line} (GPUs set explicitly)"
+    assert [layout.cuda_names(gpus) for gpus in layout.replicas] == [",".join(map(str, g)) for g in replicas]
+
+
+def test_one_listed_inference_device_is_one_server():
+    layout = choose_layout(discovery=visible(2), inference_devices=[1])
+    assert (layout.replicas, layout.replica_gpus, layout.training_gpus) == (((1,),), (), (0,))
+    assert "replica" not in layout.describe()
+
+
+def test_layout_line_names_each_training_rank_gpu():
+    layout = choose_layout(discovery=visible(4), inference_device=0, training_devices=[1, 2, 3])
+    assert layout.describe() == (
+        "split mode, sglang engine: inference on GPU 0, training ranks 0 on GPU 1, 1 on GPU 2, 2 on GPU 3 "
+        "(GPUs set explicitly)"
+    )
+    one = choose_layout(discovery=visible(2), inference_device=0, training_devices=[1])
+    assert "inference on GPU 0, training on GPU 1 (" in one.describe()

@@ -83,6 +83,7 @@ class AdapterGateway:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ):
         self.upstream = upstream.rstrip("/")
+        self.read_upstream = self.upstream
         self.host = host
         self.port = port
         self.api_key = api_key
@@ -161,9 +162,12 @@ class AdapterGateway:
         """Offer names that are not served to `loader`, run on `loop` (the backend's)."""
         self.loader, self._loader_loop = loader, loop
 
-    def set_upstream(self, upstream: str) -> None:
+    def set_upstream(self, upstream: str, reads: str | None = None) -> None:
+        """Forward to `upstream` from now on; read-only requests (model list, health) to `reads` if given
+        (SGLang's router answers /v1/models itself, without the adapters: one replica lists them)."""
         # Pooled connections to an earlier server fail once and are replaced by aiohttp.
         self.upstream = upstream.rstrip("/")
+        self.read_upstream = (reads or upstream).rstrip("/")
 
     def in_flight(self, name: str = ANY) -> int:
         """Requests being forwarded for `name` (adapter or base id), or for any name with `ANY`."""
@@ -292,26 +296,38 @@ class AdapterGateway:
             headers["Authorization"] = f"Bearer {self.upstream_key}"
         deadline = time.monotonic() + self.unreachable_wait
         keys = (*(decision.names or ("",)), ANY)
+        resent = False
         while True:
             for key in keys:
                 self._in_flight[key] += 1
+            target = self.read_upstream if decision.read else self.upstream
             try:
                 upstream = await self._session.request(
-                    request.method, self.upstream + decision.path, data=decision.body, headers=headers
+                    request.method, target + decision.path, data=decision.body, headers=headers
                 )
                 break
             except aiohttp.ClientConnectorError as exc:
                 self._done(keys)
                 # Nothing reached the server: waiting for the restart and sending again is safe.
                 if time.monotonic() >= deadline:
-                    message = f"the inference server at {self.upstream} is not reachable: {exc}"
+                    message = f"the inference server at {target} is not reachable: {exc}"
                     return _json(502, error(message, "bad_gateway"))
                 await asyncio.sleep(_UNREACHABLE_POLL_S)
                 assert self._open is not None
                 await self._open.wait()
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                self._done(keys)
+                # The connection broke before any answer: the server died, and a kept-alive connection
+                # to it is only found broken when reused. Every forwarded route is free of side effects,
+                # so the request is sent once more (it then waits for the restart, as above); only once,
+                # so a request that itself kills the server cannot take it down again and again.
+                if resent or time.monotonic() >= deadline:
+                    message = f"the inference server at {self.upstream} failed: {exc!r}"
+                    return _json(502, error(message, "bad_gateway"))
+                resent = True
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 self._done(keys)
-                message = f"the inference server at {self.upstream} failed: {exc!r}"
+                message = f"the inference server at {target} failed: {exc!r}"
                 return _json(502, error(message, "bad_gateway"))
             except BaseException:
                 self._done(keys)

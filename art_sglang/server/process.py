@@ -54,7 +54,7 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def _claim_port(host: str, wanted: int | None) -> int:
+def claim_port(host: str, wanted: int | None) -> int:
     """Reserve `wanted` if it is free and unreserved, else a random free port.
 
     The port is chosen below the OS's ephemeral range: the server binds it only after loading the model
@@ -74,7 +74,7 @@ def _claim_port(host: str, wanted: int | None) -> int:
     raise ServerStartError(f"found no free port on {host} in {low}-{high}")
 
 
-def _release_port(port: int) -> None:
+def release_port(port: int) -> None:
     with _ports_lock:
         _reserved_ports.discard(port)
 
@@ -146,7 +146,7 @@ class ServerProcess(ManagedProcess):
         if self._popen is not None:
             # It crashed: clear what is left of its tree (and its exit hook) first.
             await self.stop(timeout=EXIT_GRACE_SECONDS)
-        self._port = self.config.port or _claim_port(self.config.host, self._port)
+        self._port = self.config.port or claim_port(self.config.host, self._port)
         command = self.command()
         # Popen runs on the event loop's thread on purpose: the parent-death signal is tied to the forking
         # thread, and an executor thread may exit while the server still runs.
@@ -211,7 +211,7 @@ class ServerProcess(ManagedProcess):
 
     def _release_auto_port(self) -> None:
         if self.config.port is None and self._port is not None:
-            _release_port(self._port)
+            release_port(self._port)
 
     async def restart(self) -> None:
         """Stop and start again, on the same port when it is still free."""

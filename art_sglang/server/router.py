@@ -60,11 +60,13 @@ class Served:
 
 @dataclass(frozen=True)
 class Forward:
-    """Send `body` to the server as `method path?query`; `names` are the models it asks for."""
+    """Send `body` to the server as `method path?query`; `names` are the models it asks for; `read`: a
+    read-only request (model list, health)."""
 
     path: str
     body: bytes
     names: tuple[str, ...] = ()
+    read: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def route(
         return Refuse(400, error("the request path is not valid UTF-8 after percent-decoding", "bad_path"))
     canonical = f"{path}?{query}" if query else path
     if path in READ_PATHS and method in ("GET", "HEAD"):
-        return Forward(canonical, body)
+        return Forward(canonical, body, read=True)
     if path not in INFERENCE_PATHS:
         return Refuse(404, error(f"the gateway does not serve {method} {path}", "not_found"))
     if method != "POST":

@@ -61,7 +61,8 @@ def load_model(base_model: str, config: TrainerConfig) -> LoadedModel:
         model, tokenizer = _load_peft(base_model, config, dtype, checkpointing, cuda)
     if not cuda:
         limit_threads_for_small_model(model)
-    device = torch.device("cuda" if cuda else "cpu")
+    # The current device is this rank's (ranks.py sets it; Unsloth places the model there too).
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return LoadedModel(model, tokenizer, device, dtype, backend, checkpointing)
 
 
@@ -73,8 +74,14 @@ def _load_unsloth(
     os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
     from unsloth import FastLanguageModel
 
+    # The whole model on this rank's GPU: Unsloth's default ("sequential") would fill the first visible
+    # GPU from every rank.
     model, tokenizer = FastLanguageModel.from_pretrained(
-        model_name=base_model, max_seq_length=config.max_seq_length, dtype=dtype, load_in_4bit=False
+        model_name=base_model,
+        max_seq_length=config.max_seq_length,
+        dtype=dtype,
+        load_in_4bit=False,
+        device_map={"": torch.cuda.current_device()},
     )
     model = FastLanguageModel.get_peft_model(
         model,

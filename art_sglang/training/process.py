@@ -2,6 +2,8 @@
 protocol). The worker gets `CUDA_VISIBLE_DEVICES` in its environment before it imports torch, runs in its
 own session, writes stderr to the trainer log, and is killed with its whole tree by `stop()`, at
 interpreter exit, when the handle is garbage collected, and (Linux) when the thread that started it dies.
+With several GPUs (or `cpu_ranks` > 1) the worker is started through torch's elastic launcher, one
+data-parallel rank per device (ranks.py); the launcher ends every rank when one of them dies.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ from .validation import WireGroup, groups_to_wire, validate_groups
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN_WAIT_SECONDS = 10.0
+_LAUNCHER_VARIABLES = {
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+}  # fmt: skip
 
 ProgressCallback = Callable[[dict[str, Any]], None]
 _ERRORS: dict[Any, type[TrainerError] | type[TrainingInputError]] = {
@@ -53,12 +60,20 @@ class TrainerProcess(ManagedProcess):
         *,
         gpu_ids: Sequence[int | str] | None,
         log_path: Path,
+        cpu_ranks: int = 1,
     ) -> None:
         self.base_model = base_model
         self.checkpoint_dir = Path(checkpoint_dir)
         self.config = config
         self.gpu_ids = gpu_ids
-        super().__init__("trainer worker", log_path)
+        # One rank per training GPU; on CPU (no gpu_ids, or none listed) as many as asked.
+        self.ranks = len(gpu_ids) if gpu_ids else cpu_ranks
+        label = (
+            "trainer worker"
+            if self.ranks == 1
+            else f"trainer worker of {self.ranks} ranks (torch.distributed.run)"
+        )
+        super().__init__(label, log_path)
         self.info: dict[str, Any] = {}  # the worker's answer to init: step, resumed, backend, device
         self._lines: _Lines | None = None
         self.step: int | None = None  # the newest step the worker reported
@@ -66,10 +81,18 @@ class TrainerProcess(ManagedProcess):
         self._lock = asyncio.Lock()
 
     def command(self) -> list[str]:
-        return [self.config.trainer_python or sys.executable, "-m", "art_sglang.training.worker"]
+        python = self.config.trainer_python or sys.executable
+        if self.ranks == 1:
+            return [python, "-m", "art_sglang.training.worker"]
+        # --standalone: a rendezvous of its own on a free local port; no restarts: a dead rank ends the
+        # worker, and the next step starts a new one from the newest checkpoint.
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.ranks}"]
+        return [python, *launcher, "--max-restarts=0", "-m", "art_sglang.training.worker"]
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        # A backend that itself runs under torch's launcher must not hand its own rank and rendezvous to
+        # the trainer: the trainer's launcher sets its ranks' own, and a single worker has none.
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
         if self.gpu_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
         # The worker must import this very package, even when it is not installed (a source checkout).
@@ -99,6 +122,14 @@ class TrainerProcess(ManagedProcess):
             await self.stop()
             raise
         self.step = int(self.info["step"])
+        logger.info(
+            "trainer for %s: %s on %s, %s (pids %s)",
+            self.checkpoint_dir.parent.name,
+            self.info.get("backend"),
+            "GPU " + ",".join(map(str, self.gpu_ids)) if self.gpu_ids else "CPU",
+            "1 rank" if self.ranks == 1 else f"{self.ranks} data-parallel ranks (torch.distributed.run)",
+            self.info.get("pids"),
+        )
         for note in self.info.get("notes") or []:
             logger.warning("%s: %s", self.checkpoint_dir, note)
         return self.step

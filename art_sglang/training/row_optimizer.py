@@ -1,7 +1,11 @@
 """The RL optimizer steps of one `train()` call over its planned rows (as ART 0.5.18: one AdamW step per
 row): micro-batched forward/backward of the token loss, the KL penalty against a reference (the base
 model or another adapter), and precalculated logprobs. A non-finite loss, gradient norm or weight raises
-`TrainingError`; rolling the step back is the trainer's."""
+`TrainingError`; rolling the step back is the trainer's.
+
+With several ranks (ranks.py) each rank forwards its share of every row's sequences; the losses are
+already divided by the whole row's token count, so the ranks' summed gradients are the row's gradient, and
+every decision (clipping, the finite checks, the step) is taken on summed values, the same on every rank."""
 
 from __future__ import annotations
 
@@ -61,24 +65,31 @@ class RowOptimizer:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         self._trainer.model.train()
+        ranks = self._trainer.ranks
+        budget = self._trainer.config.micro_batch_tokens
+        shares = [ranks.share(row, lambda s: len(s.input_ids)) for row in rows]
         if options.precalculate_logprobs:
-            self._precalculate(selected)
+            self._precalculate([s for share in shares for s in share])
         max_norm = options.max_grad_norm or self._trainer.config.max_grad_norm or math.inf
         sums = _Sums()
-        total = sum(len(plan_micro_batches(row, self._trainer.config.micro_batch_tokens)) for row in rows)
-        for row_index, row in enumerate(rows):
-            batches = plan_micro_batches(row, self._trainer.config.micro_batch_tokens)
+        total = sum(len(plan_micro_batches(share, budget)) for share in shares)  # this rank's
+        for row_index, (row, share) in enumerate(zip(rows, shares, strict=True)):
+            batches = plan_micro_batches(share, budget)
             row_tokens = sum(s.num_sampled for s in row)
             kl = self._row_kl(batches, reference) if options.kl_penalty_coef > 0 else None
-            row_kl = float(sum(k.sum() for k in kl)) / (row_tokens + ROW_MEAN_EPS) if kl else 0.0
+            row_kl = 0.0
+            if kl is not None:
+                (kl_sum,) = ranks.reduce([float(sum(k.sum() for k in kl))])
+                row_kl = kl_sum / (row_tokens + ROW_MEAN_EPS)
             self._trainer.optimizer.zero_grad(set_to_none=True)
             row_loss = 0.0
             for index, batch in enumerate(batches):
                 row_loss += self._micro_batch(
-                    batch, row_tokens, options, kl[index] if kl else None, row_kl, sums
+                    batch, row_tokens, options, kl[index] if kl is not None else None, row_kl, sums
                 )
                 sums.micro_batches += 1
                 progress({"phase": "train", "micro_batch": sums.micro_batches, "micro_batches": total})
+            (row_loss,) = ranks.sum_gradients(self._trainer.params, [row_loss])
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trainer.params, max_norm))
             where = f"row {row_index + 1} of {len(rows)}"
             if not math.isfinite(row_loss):
@@ -102,21 +113,27 @@ class RowOptimizer:
             sums.loss += row_loss
             sums.kl += row_kl
             sums.grad_norm += grad_norm
+        ratio, clipped, tokens, forwarded, micro_batches = ranks.reduce(
+            [sums.ratio, sums.clipped, sums.tokens, sums.tokens_forwarded, sums.micro_batches]
+        )
         seconds = time.perf_counter() - started
-        memory = {"gpu_peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30} if cuda else {}
+        memory: dict[str, float] = {}
+        if cuda:  # the fullest rank's
+            (peak,) = ranks.reduce([torch.cuda.max_memory_allocated() / 2**30], "max")
+            memory = {"gpu_peak_memory_gb": peak}
         return {
             **memory,
             "loss": sums.loss / len(rows),
             "kl": sums.kl / len(rows),
             "grad_norm": sums.grad_norm / len(rows),
-            "clip_fraction": sums.clipped / sums.tokens,
-            "ratio_mean": sums.ratio / sums.tokens,
-            "num_tokens": float(sums.tokens),
+            "clip_fraction": clipped / tokens,
+            "ratio_mean": ratio / tokens,
+            "num_tokens": tokens,
             "num_sequences": float(len(selected)),
             "gradient_steps": float(len(rows)),
             "row_length": float(max(len(s.input_ids) for row in rows for s in row)),
-            "micro_batches": float(sums.micro_batches),
-            "tokens_per_second": sums.tokens_forwarded / seconds if seconds > 0 else 0.0,
+            "micro_batches": micro_batches,
+            "tokens_per_second": forwarded / seconds if seconds > 0 else 0.0,
         }
 
     def _micro_batch(
@@ -222,7 +239,7 @@ class RowOptimizer:
     @torch.no_grad()
     def _precalculate(self, sequences: list[TokenizedSequence]) -> None:
         """precalculate_logprobs: the policy's own logprobs before the step become the old logprobs; the
-        sampler's are kept for truncated importance sampling."""
+        sampler's are kept for truncated importance sampling. Each rank needs them for its own share only."""
         for batch in plan_micro_batches(sequences, self._trainer.config.micro_batch_tokens):
             values = iter(self._logprobs(self._tensors(batch)).tolist())
             for s in batch:

@@ -9,6 +9,8 @@
   are context. Sampler token ids and logprobs play no part.
 - A trajectory longer than `max_seq_length` is dropped and counted, as ART does; a trajectory without
   any assistant turn is a TrainingInputError (it has nothing to learn).
+- With several ranks each forwards its share of a batch's sequences and the ranks sum their gradients
+  (ranks.py), as in RL training.
 
 The parent imports the batching and validation here; the training itself (`run_sft`) runs in the worker.
 """
@@ -141,13 +143,14 @@ def run_sft(
         batch_loss, grad_norm = 0.0, 0.0
         if batch_tokens:
             trainer.optimizer.zero_grad(set_to_none=True)
-            for sequence in sequences:
+            for sequence in trainer.ranks.share(sequences, lambda s: len(s.input_ids)):
                 input_ids = torch.tensor([sequence.input_ids], device=trainer.device)
                 mask = torch.tensor([sequence.sampled_mask], device=trainer.device)
                 logits = trainer.model(input_ids=input_ids, use_cache=False).logits
                 loss = -sampled_token_logprobs(logits, input_ids, mask).sum() / batch_tokens
                 loss.backward()
                 batch_loss += float(loss.detach())
+            (batch_loss,) = trainer.ranks.sum_gradients(trainer.params, [batch_loss])
             grad_norm = float(torch.nn.utils.clip_grad_norm_(trainer.params, MAX_GRAD_NORM))
             trainer.optimizer.step()
             trainer.optimizer.zero_grad(set_to_none=True)

@@ -4,7 +4,10 @@ micro-batched forward/backward → checkpoint. A call is applied, saved and coun
 on a non-finite loss, gradient norm or weight, or a checkpoint that cannot be written, the weights,
 optimizer state, RNG and step are restored to what they were before the call (`TrainingError`).
 
-The optimizer steps themselves are row_optimizer.py's; a checkpoint's files are checkpoint_io.py's."""
+The optimizer steps themselves are row_optimizer.py's; a checkpoint's files are checkpoint_io.py's. With
+several data-parallel ranks (ranks.py) every rank holds this state and runs every call; rank 0 alone
+touches the checkpoint folder, and the others follow its decisions (which checkpoint to resume, whether
+the write succeeded)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import logging
 import math
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,7 @@ from .checkpoint_io import (
 from .model_loading import LoadedModel, load_model
 from .options import StepOutcome, TrainOptions
 from .packing import plan_rows, row_length
+from .ranks import Ranks
 from .row_optimizer import Progress, RowOptimizer
 from .sft import SFTBatch, run_sft
 from .tokenize import ChatTokenizer, TokenizedSequence, tokenize_groups
@@ -54,10 +59,13 @@ class _Snapshot:
 class Trainer:
     """Loads the base model once and trains it call after call (one step number per `train()`)."""
 
-    def __init__(self, base_model: str, checkpoint_dir: Path, config: TrainerConfig) -> None:
+    def __init__(
+        self, base_model: str, checkpoint_dir: Path, config: TrainerConfig, ranks: Ranks | None = None
+    ) -> None:
         self.base_model = base_model
         self.checkpoint_dir = Path(checkpoint_dir)
         self.config = config
+        self.ranks = ranks or Ranks()
         self.loaded: LoadedModel = load_model(base_model, config)
         self.model = self.loaded.model
         if config.chat_template is not None:
@@ -94,7 +102,21 @@ class Trainer:
 
         A newest folder that cannot be read (a truncated file, a folder without an adapter) is set aside
         under a `.broken-` name and the one before it is resumed; a checkpoint with the adapter only (as
-        ART writes them) is resumed with a fresh optimizer. Both are noted in `self.notes`."""
+        ART writes them) is resumed with a fresh optimizer. Both are noted in `self.notes`.
+
+        Rank 0 chooses (and writes step 0); the other ranks load the checkpoint it resumed, and take its
+        weights in either case (the LoRA initialisation is seeded, but equal weights on every rank is what
+        the summed gradients rely on)."""
+        if self.ranks.is_main:
+            self._resume_or_init()
+        self.step, self.resumed = self.ranks.from_main((self.step, self.resumed))
+        if self.resumed and not self.ranks.is_main:
+            folder = ckpt.checkpoint_path(self.checkpoint_dir, self.step)
+            self._apply_checkpoint(folder, read_checkpoint(folder, self.device))
+        self.ranks.copy_from_main(self.params)
+        return self.step
+
+    def _resume_or_init(self) -> int:
         ckpt.remove_stale_temp_dirs(self.checkpoint_dir)
         for folder in ckpt.step_folders(self.checkpoint_dir):
             try:
@@ -108,7 +130,9 @@ class Trainer:
             self.resumed = True
             return self.step
         self.step = 0
-        self._save({})
+        _, failure = self._write({})
+        if failure is not None:
+            raise TrainingError(failure)
         return 0
 
     def _note(self, text: str) -> None:
@@ -134,15 +158,22 @@ class Trainer:
         return ckpt.write_checkpoint(self.checkpoint_dir, self.step, write)
 
     def _save(self, metrics: dict[str, float]) -> Path:
-        """save_checkpoint, with a write failure turned into a TrainingError that says what went wrong
-        (torch reports a full disk as 'enforce fail at inline_container.cc')."""
+        """save_checkpoint on rank 0; a write failure is a TrainingError on every rank."""
+        path, failure = self._write(metrics) if self.ranks.is_main else (None, None)
+        failure = self.ranks.from_main(failure)
+        if failure is not None:
+            raise TrainingError(failure)
+        return path or ckpt.checkpoint_path(self.checkpoint_dir, self.step)
+
+    def _write(self, metrics: dict[str, float]) -> tuple[Path | None, str | None]:
+        """save_checkpoint, or what went wrong in words (torch reports a full disk as 'enforce fail at
+        inline_container.cc'), its traceback in the log."""
         try:
-            return self.save_checkpoint(metrics)
+            return self.save_checkpoint(metrics), None
         except Exception as exc:
-            raise TrainingError(
-                f"checkpoint {self.step} could not be written to {self.checkpoint_dir}: "
-                f"{write_failure(exc, self.checkpoint_dir)}"
-            ) from exc
+            traceback.print_exc()
+            reason = write_failure(exc, self.checkpoint_dir)
+            return None, f"checkpoint {self.step} could not be written to {self.checkpoint_dir}: {reason}"
 
     def _apply_checkpoint(self, path: Path, state: CheckpointState) -> None:
         from peft import set_peft_model_state_dict
@@ -192,6 +223,7 @@ class Trainer:
     def train_sft(self, batches: list[SFTBatch], progress: Progress) -> StepOutcome:
         """One SFT call (training/sft.py): an optimizer step per batch, then one new checkpoint."""
         self.enter_mode("sft")
+        self.ranks.align_rng()
         try:
             metrics = run_sft(self, batches, progress)
         except BaseException:
@@ -203,6 +235,7 @@ class Trainer:
     def train(self, groups: list[WireGroup], options: TrainOptions, progress: Progress) -> StepOutcome:
         started = time.perf_counter()
         self.enter_mode("rl")
+        self.ranks.align_rng()
         validate_groups(groups, allow_training_without_logprobs=options.allow_training_without_logprobs)
         reference = self._reference_path(options)
         tokenized, stats = tokenize_groups(self.chat, groups, max_seq_length=self.config.max_seq_length)
@@ -343,7 +376,9 @@ class Trainer:
         if not keep_weights:
             self._move(torch.device("cpu"))
         torch.cuda.empty_cache()
-        return {"free_bytes": float(torch.cuda.mem_get_info(self.device)[0])}
+        # Each rank frees its own GPU; the least free of them is what the server can count on.
+        (free,) = self.ranks.reduce([torch.cuda.mem_get_info(self.device)[0]], "min")
+        return {"free_bytes": free}
 
     def reload(self, min_free_bytes: float = 0.0, timeout_s: float = 10.0) -> dict[str, float]:
         """Take the GPU for a step: wait until `min_free_bytes` are free on the device — the server's
@@ -365,7 +400,9 @@ class Trainer:
             )
         if next(self.model.parameters()).device.type != "cuda":
             self._move(self.device)
-        return {"free_bytes": float(free), "waited_s": waited}
+        (least_free,) = self.ranks.reduce([free], "min")
+        (longest_wait,) = self.ranks.reduce([waited], "max")
+        return {"free_bytes": least_free, "waited_s": longest_wait}
 
     def _move(self, device: torch.device) -> None:
         self.model.to(device)

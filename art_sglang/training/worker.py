@@ -8,6 +8,8 @@ outcome), `sft` (batches of trajectories with learning rates → one progress ev
 `offload`, `reload`, `shutdown`. stdout carries protocol lines only: everything else (library prints,
 warnings, C-level output) is redirected to stderr, which the parent writes to logs/trainer.log.
 Heavy imports happen inside `main` so that the parent can import the protocol names cheaply.
+Under torch's launcher (several training devices) every rank runs this module: rank 0 speaks the
+protocol and passes each request on to the others (ranks.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from typing import IO, Any
 
 from .protocol import ERROR, INPUT_ERROR, PROGRESS, RESULT, STEP_ERROR, TRAINER_ERROR
@@ -43,66 +46,119 @@ def _claim_stdout() -> _Channel:
 def main() -> None:
     channel = _claim_stdout()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if "WORLD_SIZE" in os.environ:
+        # torch's launcher starts each rank in a session of its own: without this, a launcher killed
+        # with SIGKILL would leave its ranks running.
+        from ..process_tree import die_with_parent
+
+        die_with_parent()
     # Imported after the redirect: Unsloth and transformers print banners on import.
+    from .ranks import Ranks
+
+    ranks = Ranks.from_environment()
+    try:
+        _serve(channel if ranks.is_main else None, ranks)
+    finally:
+        ranks.close()
+
+
+def _serve(channel: _Channel | None, ranks: Any) -> None:
+    """Answer requests until `shutdown` or the end of stdin. Rank 0 reads them and passes each to the
+    other ranks, which run it alongside and stay silent. In a step, the ranks raise TrainingInputError and
+    TrainingError at the same point (from the same input, or after a collective), so those leave them in
+    step; with several ranks any other error, or any error at init (where rank 0 alone reads and writes
+    checkpoints), ends the worker (the backend restarts it at the next step)."""
     from ..config import TrainerConfig
     from ..errors import TrainingError, TrainingInputError
     from .options import TrainOptions
     from .sft import SFTBatch
     from .trainer import Trainer
 
+    def send(request_id: Any, event: str, **fields: Any) -> None:
+        if channel is not None:
+            channel.send(request_id, event, **fields)
+
     trainer: Trainer | None = None
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        request: dict[str, Any] = {}
+    while True:
+        request = ranks.from_main(_read_request(send) if ranks.is_main else None)
+        if request is None:
+            return
+        rid, cmd = request.get("id"), request.get("cmd")
         try:
-            request = json.loads(line)
-            rid, cmd = request.get("id"), request.get("cmd")
             if cmd == "shutdown":
-                channel.send(rid, RESULT, data={})
+                send(rid, RESULT, data={})
                 return
             if cmd == "init":
                 config = TrainerConfig.model_validate(request["config"])
-                trainer = Trainer(request["base_model"], request["checkpoint_dir"], config)
+                trainer = Trainer(request["base_model"], request["checkpoint_dir"], config, ranks)
                 step = trainer.resume_or_init()
                 data = {
                     "step": step,
                     "resumed": trainer.resumed,
                     "backend": trainer.loaded.backend,
                     "notes": trainer.notes,
+                    "device": str(trainer.device),
+                    "ranks": ranks.world,
+                    "pids": ranks.gather(os.getpid()),
                 }
-                channel.send(rid, RESULT, data={**data, "device": str(trainer.device)})
+                send(rid, RESULT, data=data)
                 continue
             if trainer is None:
                 raise RuntimeError(f"{cmd!r} before init")
             if cmd == "train":
                 options = TrainOptions.model_validate(request["options"])
                 outcome = trainer.train(
-                    request["groups"], options, lambda data, rid=rid: channel.send(rid, PROGRESS, data=data)
+                    request["groups"], options, lambda data, rid=rid: send(rid, PROGRESS, data=data)
                 )
-                channel.send(rid, RESULT, data=outcome.__dict__)
+                send(rid, RESULT, data=outcome.__dict__)
             elif cmd == "sft":
                 batches = [SFTBatch(b["trajectories"], float(b["learning_rate"])) for b in request["batches"]]
-                outcome = trainer.train_sft(
-                    batches, lambda data, rid=rid: channel.send(rid, PROGRESS, data=data)
-                )
-                channel.send(rid, RESULT, data=outcome.__dict__)
+                outcome = trainer.train_sft(batches, lambda data, rid=rid: send(rid, PROGRESS, data=data))
+                send(rid, RESULT, data=outcome.__dict__)
             elif cmd == "offload":
-                channel.send(rid, RESULT, data=trainer.offload(bool(request.get("keep_weights"))))
+                send(rid, RESULT, data=trainer.offload(bool(request.get("keep_weights"))))
             elif cmd == "reload":
                 free = float(request.get("min_free_bytes") or 0.0)
-                channel.send(rid, RESULT, data=trainer.reload(free, float(request.get("timeout_s", 10.0))))
+                send(rid, RESULT, data=trainer.reload(free, float(request.get("timeout_s", 10.0))))
             else:
                 raise RuntimeError(f"unknown command {cmd!r}")
         except TrainingInputError as exc:
-            channel.send(request.get("id"), ERROR, error_type=INPUT_ERROR, message=str(exc))
+            send(rid, ERROR, error_type=INPUT_ERROR, message=str(exc))
+            if cmd == "init" and ranks.world > 1:
+                raise
         except TrainingError as exc:  # a refused step: the trainer is back at its last checkpoint
             traceback.print_exc()
-            channel.send(request.get("id"), ERROR, error_type=STEP_ERROR, message=str(exc))
+            send(rid, ERROR, error_type=STEP_ERROR, message=str(exc))
+            if cmd == "init" and ranks.world > 1:
+                raise
         except Exception as exc:
             traceback.print_exc()
             message = f"{type(exc).__name__}: {exc}"
-            channel.send(request.get("id"), ERROR, error_type=TRAINER_ERROR, message=message)
+            if ranks.world > 1:
+                message += (
+                    f" (on rank 0 of {ranks.world}; the trainer stops and the next step restarts it; its log "
+                    "names the rank that failed first)"
+                )
+            send(rid, ERROR, error_type=TRAINER_ERROR, message=message)
+            if ranks.world > 1:
+                raise  # the other ranks may wait in a collective this rank will never join
+
+
+def _read_request(send: Callable[..., None]) -> dict[str, Any] | None:
+    """The next request from stdin; None at its end. A line that is not a JSON request is answered with
+    an error and skipped."""
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            request = json.loads(line)
+            if not isinstance(request, dict):
+                raise ValueError(f"a request is a JSON object, got {line.strip()[:80]!r}")
+        except ValueError as exc:
+            send(None, ERROR, error_type=TRAINER_ERROR, message=f"{type(exc).__name__}: {exc}")
+            continue
+        return request
+    return None
 
 
 if __name__ == "__main__":

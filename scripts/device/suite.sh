@@ -5,8 +5,12 @@
 # it), and every call copies it all to $OUT.
 # A failing suite does not stop the next; the exit status is the number of failed suites.
 #   bash scripts/device/suite.sh contract shared-sleep
-# Suites: contract shared-sleep shared-restart sync split bench-trainer, and the benchmarks (minutes on
-# an H100 with the 1.5B shape; each call of `run` has 10):
+# Suites: contract shared-sleep shared-restart sync split replicas-1gpu bench-trainer, faults-split (2 GPUs)
+# and faults-shared (server SIGKILL/SIGSTOP during and between steps, user script SIGKILL; ~4 min each),
+# ddp (2 GPUs: data-parallel trainer ranks, ~4 min), and the benchmarks (minutes on an H100 with the 1.5B
+# shape; each call of `run` has 10):
+#   bench-trainer-ddp (2 GPUs, ~3 min): Unsloth trainer tokens/s on 1 vs 2 ranks, the same batch, ART's
+#     row packing and 16k-token rows, into bench_trainer_ddp.json/.md
 #   bench-cycle-kv bench-cycle-all (~3.5 min each), bench-cycle-restart (~6 min): shared-mode steps
 #     through the backend, one strategy each, merged into bench_cycle-<model>.json
 #   bench-inference (~6 min): SGLang, radix cache on and off; bench-vllm (~4 min, after stage.sh vllm):
@@ -17,6 +21,9 @@
 #   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
 #     workload and seed, server and trainer co-resident on GPU 0; bench-pipeline-split: server on GPU 0,
 #     trainer on GPU 1 (2 GPUs)
+#   bench-replicas (~3 min, 2 GPUs, stage.sh router first): rollout tokens/s of 1 replica vs 2 behind
+#     SGLang's router, and the prefix-cache hit rate of cache-aware vs round-robin routing
+# replicas-1gpu (~4 min, 1 GPU, stage.sh router first): two replicas on the first visible GPU behind the router
 set -uo pipefail
 # shellcheck source=scripts/device/env.sh
 source scripts/device/env.sh
@@ -41,6 +48,10 @@ for name in "$@"; do
     shared-restart) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k restart) ;;
     sync) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py) ;;
     split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_split_mode.py) ;;
+    faults-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k split) ;;
+    faults-shared) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k shared) ;;
+    replicas-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_replicas.py) ;;
+    ddp) cmd=("${pytest[@]}" -m gpu tests/gpu/test_data_parallel.py) ;;
     bench-cycle-kv) cmd=("${cycle[@]}" --strategies sleep/kv_cache --steps 3) ;;
     bench-cycle-all) cmd=("${cycle[@]}" --strategies sleep/all --steps 3) ;;
     bench-cycle-restart) cmd=("${cycle[@]}" --strategies restart --restart-steps 2) ;;
@@ -54,6 +65,12 @@ for name in "$@"; do
                         --json "$results/bench_engines.json" --markdown "$results/bench_engines.md") ;;
     models-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-shape) ;;
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
+    bench-replicas) cmd=(python3 scripts/bench_replicas.py --model "$big" "${kernels[@]}" --no-cuda-graph
+                         --workdir /tmp/bench-replicas
+                         --json "$results/bench_replicas.json" --markdown "$results/bench_replicas.md") ;;
+    bench-trainer-ddp) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2
+                            --batch 32 --seq 1024 --packings default,16384 --micro-batch-tokens 8192 --steps 3
+                            --name bench_trainer_ddp --work /tmp/bench-trainer-ddp --out "$results") ;;
     bench-multiturn) cmd=(python3 scripts/bench_multiturn.py --model "$big" "${kernels[@]}"
                           --json "$results/bench_multiturn.json" --markdown "$results/bench_multiturn.md") ;;
     bench-pipeline-1gpu) cmd=("${pipeline[@]}" --layout co_resident --json "$results/bench_pipeline-1gpu.json"

@@ -59,3 +59,19 @@ async def chat(base_url: str, model: str, *, max_tokens: int = 4, stream: bool =
 def tree_snapshot(root: Path) -> dict[str, int]:
     """Every file under `root` with its size: compared before and after to prove nothing changed."""
     return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+async def served_by_each(service: Any, name: str) -> list[str]:
+    """For each replica: 'yes' when its GET /v1/models lists `name` and a request selecting the adapter
+    (SGLang's `lora_path`) answers 200, else 'no (<status>)'."""
+    answers = []
+    async with httpx.AsyncClient(timeout=120, trust_env=False) as http:
+        for process in service.processes:
+            body = {"model": service.base_model, "lora_path": name, "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+            reply = await http.post(f"{process.base_url}/v1/chat/completions", json=body)
+            listed = {card["id"] for card in (await http.get(f"{process.base_url}/v1/models")).json()["data"]}
+            answers.append(
+                "yes" if name in listed and reply.status_code == 200 else f"no ({reply.status_code})"
+            )
+    return answers

@@ -154,3 +154,31 @@ def test_gpu_uuids_reach_the_children_unchanged(tmp_path):
     )
     assert server.environment()["CUDA_VISIBLE_DEVICES"] == "GPU-aa11"
     assert trainer.environment()["CUDA_VISIBLE_DEVICES"] == "GPU-bb22"
+
+
+def test_replicas_sharing_a_gpu_split_its_memory_and_each_gets_its_gpus(tmp_path):
+    from art_sglang.inference import InferenceService
+
+    two_on_one = DeviceLayout(
+        "split", "sglang", (0,), (1,), "test", cuda_ids=("GPU-aa11", "GPU-bb22"), replica_gpus=((0,), (0,))
+    )
+    backend = SGLangBackend(layout=two_on_one)
+    assert backend.sglang_config.mem_fraction_static == 0.45  # an equal share, when not set
+    with pytest.raises(ConfigError, match=r"2 server replicas share a GPU.*mem_fraction_static <= 0.47"):
+        SGLangBackend(layout=two_on_one, sglang_config=SGLangConfig(mem_fraction_static=0.6))
+    with pytest.raises(ConfigError, match=r"api_key=\.\.\.\) with several server replicas"):
+        SGLangBackend(layout=two_on_one, sglang_config=SGLangConfig(api_key="secret"))
+    with pytest.raises(ConfigError, match=r"port=30000\) with several server replicas"):
+        SGLangBackend(layout=two_on_one, sglang_config=SGLangConfig(port=30000))
+    service = InferenceService(
+        backend.sglang_config,
+        "m",
+        engine="sglang",
+        log_path=tmp_path / "server.log",
+        gpu_ids=None,
+        replica_gpu_ids=backend._settings.replica_gpu_ids(),
+    )
+    assert [p.environment()["CUDA_VISIBLE_DEVICES"] for p in service.processes] == ["GPU-aa11", "GPU-aa11"]
+    assert [p.log_path.name for p in service.processes] == ["server.log", "server-replica1.log"]
+    assert service.router is not None and service.router.log_path.name == "server-router.log"
+    assert _children() == 0  # nothing started

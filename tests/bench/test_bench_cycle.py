@@ -19,8 +19,8 @@ import bench_cycle  # noqa: E402
 @pytest.mark.parametrize("strategy", bench_cycle.STRATEGIES)
 def test_each_strategy_builds_its_backend(strategy: str, tmp_path: Path) -> None:
     args = argparse.Namespace(
-        engine="reference", model="/m", mem_fraction_static=0.5, cuda_graph=False, attention_backend=None,
-        sampling_backend=None, lora_rank=16,
+        engine="reference", model="/m", mem_fraction_static=0.5, cuda_graph=False, prefill_cuda_graph=False,
+        attention_backend=None, sampling_backend=None, lora_rank=16,
     )  # fmt: skip
     backend = bench_cycle.make_backend(args, strategy, tmp_path / ".art")
     handoff, _, release = strategy.partition("/")
@@ -28,6 +28,27 @@ def test_each_strategy_builds_its_backend(strategy: str, tmp_path: Path) -> None
     assert backend.trainer_config.lora_rank == 16 and backend.sglang_config.max_lora_rank == 16
     if release:
         assert backend.sglang_config.sleep_release == release
+    assert backend.sglang_config.disable_prefill_cuda_graph
+
+
+def test_a_server_start_is_split_into_sglangs_own_phases() -> None:
+    # Lines as SGLang 0.5.17 writes them; the second start (a restart, no prefill graphs) is the one reported.
+    log = """[2026-11-23 20:00:01] server_args=ServerArgs(model_path='/m')
+[2026-11-23 20:00:09 TP0] Load weight end. elapsed=3.52 s, type=Qwen2ForCausalLM, avail mem=130.1 GB.
+[2026-11-23 20:00:30 TP0] Capture target decode cuda graph end. elapsed=20.10 s, mem usage=1.2 GB.
+[2026-11-23 20:01:30 TP0] Capture target prefill CUDA graph end. elapsed=60.00 s, mem usage=0.4 GB.
+[2026-11-23 20:01:40] The server is fired up and ready to roll!
+[2026-11-23 20:05:00] server_args=ServerArgs(model_path='/m')
+[2026-11-23 20:05:04.250 TP0] Load weight end. elapsed=2.00 s, type=Qwen2ForCausalLM, avail mem=130.1 GB.
+[2026-11-23 20:05:20 TP0] Capture target decode cuda graph end. elapsed=15.50 s, mem usage=1.2 GB.
+[2026-11-23 20:05:31] The server is fired up and ready to roll!
+"""
+    assert bench_cycle.startup_phases(log) == {
+        "load_weights_s": 2.0,
+        "decode_cuda_graphs_s": 15.5,
+        "logged_s": 31.0,
+    }
+    assert bench_cycle.startup_phases("no server started") == {}
 
 
 def test_one_step_per_strategy_through_the_backend(tmp_path: Path, tiny_model_path: Path) -> None:
@@ -52,6 +73,7 @@ def test_one_step_per_strategy_through_the_backend(tmp_path: Path, tiny_model_pa
         assert 0 < overhead < step and 0 < train < step and overhead + train == pytest.approx(step)
         assert s["gpu_release_s"][0] >= 0 and s["gpu_resume_s"][0] >= 0 and s["sync_s"][0] >= 0
         assert s["register_s"] > 0 and s["close_s"] > 0
+        assert s["register_profile"] == {}  # the reference engine logs none of SGLang's start phases
         assert s["greedy_same_after_step"] == [True]
         assert s["gpu_mib_server_while_training"] == [None]  # no nvidia-smi here
     assert result["strategies"]["sleep/kv_cache"]["sglang_config"]["sleep_release"] == "kv_cache"

@@ -4,6 +4,7 @@ the server), oversized bodies are 413 and malformed or absurdly nested JSON is 4
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import httpx
@@ -90,3 +91,49 @@ async def test_malformed_and_deep_json_is_400(gateway) -> None:
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_json"
     async with httpx.AsyncClient(base_url=gw.base_url, timeout=30, trust_env=False) as http:
         assert (await http.get("/health")).status_code == 200  # the gateway is still fine
+
+
+async def test_a_connection_the_server_drops_before_answering_is_sent_once_more() -> None:
+    """A server that dies leaves kept-alive connections that break only when reused; the gateway sends
+    such a request once more (it then waits for the restart), but never twice."""
+    hangups: list[int] = []  # connections closed without an answer, per upstream behaviour below
+    requests = 0
+
+    async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal requests
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(
+            next(
+                line.split(b":")[1]
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+        )
+        await reader.readexactly(length)
+        requests += 1
+        if hangups and hangups[0] > 0:
+            hangups[0] -= 1
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(upstream, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    gw = AdapterGateway(f"http://127.0.0.1:{port}", unreachable_wait=30)
+    gw.start()
+    chat = b'{"model": "agent@1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    try:
+        gw.set_served(["agent@1"])
+        hangups[:] = [1]
+        resent = await _send(gw.base_url, "POST", "/v1/chat/completions", chat)
+        assert resent.status_code == 200 and requests == 2
+        hangups[:] = [100]
+        requests = 0
+        dropped = await _send(gw.base_url, "POST", "/v1/chat/completions", chat)
+        assert dropped.status_code == 502 and requests == 2, dropped.text
+        assert "ServerDisconnectedError" in dropped.json()["error"]["message"]
+    finally:
+        gw.close()
+        server.close()
+        await server.wait_closed()

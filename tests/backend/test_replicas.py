@@ -1,0 +1,162 @@
+"""Two reference-engine replicas behind SGLang's real router (sglang-router), through the backend: every
+step's adapter is served by both replicas (asked of each directly), a replica killed between steps is
+taken out of routing, restarted with every adapter and put back while the other serves, a multi-turn
+conversation stays on one replica, and no request ever reached a replica that lacked its adapter (read
+from each replica's own request log). One backend for the module; the tests run in order."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import pytest_asyncio
+from backend_helpers import sample_groups, served_by_each
+
+import art_sglang as art
+from art_sglang import SGLangBackend
+from art_sglang.devices import DeviceLayout
+from art_sglang.inference import InferenceService
+
+pytest.importorskip("sglang_router", reason="sglang-router is in the dev extra (pip install -e '.[dev]')")
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+TWO_CPU_REPLICAS = DeviceLayout(
+    "cpu", "reference", (), (), "two CPU replicas for tests", replica_gpus=((), ())
+)
+REQUEST = re.compile(r"(POST|GET) (/\S+) (\d{3}) \S+ ?(.*)")
+
+
+@dataclass
+class Replicated:
+    backend: SGLangBackend
+    model: art.TrainableModel
+
+    @property
+    def service(self) -> InferenceService:
+        assert self.backend.inference is not None
+        return self.backend.inference
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def replicated(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path):
+    path = tmp_path_factory.mktemp("replicas") / ".art"
+    backend = SGLangBackend(path=str(path), layout=TWO_CPU_REPLICAS)
+    model = art.TrainableModel(name="agent", project="replicas", base_model=str(tiny_model_path))
+    try:
+        await model.register(backend)
+        yield Replicated(backend, model)
+    finally:
+        await backend.close()
+
+
+def chat_lines(log: Path) -> list[str]:
+    return [line for line in log.read_text().splitlines() if "POST /v1/chat/completions" in line]
+
+
+async def train_step(replicated: Replicated, seed: int) -> int:
+    groups = await sample_groups(replicated.model, seed=seed)
+    result = await replicated.backend.train(replicated.model, groups, learning_rate=1e-3)
+    return result.step
+
+
+async def test_both_replicas_serve_step_zero_behind_the_router(replicated: Replicated) -> None:
+    service = replicated.service
+    assert "2 inference replicas and training on CPU" in replicated.backend.layout.describe()
+    assert service.router is not None and len(service.processes) == 2
+    urls = {process.base_url for process in service.processes}
+    assert await service.router.workers() == dict.fromkeys(urls, True)
+    assert await served_by_each(service, "agent@0") == ["yes", "yes"]
+    # Clients use the gateway, which forwards to the router.
+    assert replicated.model.inference_base_url == service.openai_base_url
+    assert "agent@0" in {m.id for m in (await replicated.model.openai_client().models.list()).data}
+
+
+async def test_each_step_is_served_by_both_replicas_across_a_replica_crash(replicated: Replicated) -> None:
+    service = replicated.service
+    assert await train_step(replicated, seed=1) == 1
+    assert await served_by_each(service, "agent@1") == ["yes", "yes"]
+
+    victim = service.processes[1]
+    killed = victim.pid
+    assert killed is not None
+    for proc in [psutil.Process(killed), *psutil.Process(killed).children(recursive=True)]:
+        proc.kill()
+    # While it is down, rollouts go on through the other replica, and the next step trains and is served.
+    assert await train_step(replicated, seed=2) == 2
+    deadline = time.monotonic() + 120
+    while not (victim.is_alive() and victim.pid != killed and len(await service.router.workers()) == 2):
+        assert time.monotonic() < deadline, "the watchdog did not bring the replica back into the router"
+        await asyncio.sleep(0.2)
+    assert await served_by_each(service, "agent@2") == ["yes", "yes"]
+    assert await train_step(replicated, seed=3) == 3
+    assert await served_by_each(service, "agent@3") == ["yes", "yes"]
+    # Rollouts reached both replicas through the router.
+    assert all(chat_lines(p.log_path) for p in service.processes)
+
+
+async def test_a_dead_router_is_restarted_with_both_replicas(replicated: Replicated) -> None:
+    service = replicated.service
+    router = service.router
+    assert router is not None and router.pid is not None
+    dead = router.pid
+    for proc in [psutil.Process(dead), *psutil.Process(dead).children(recursive=True)]:
+        proc.kill()
+    # A request sent meanwhile waits in the gateway for the new router.
+    reply = await replicated.model.openai_client().chat.completions.create(
+        model=replicated.model.get_inference_name(),
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+    )
+    assert reply.choices[0].message.content is not None
+    assert router.pid not in (None, dead)
+    assert await router.workers() == {p.base_url: True for p in service.processes}
+
+
+async def test_a_multi_turn_conversation_stays_on_its_replica(replicated: Replicated) -> None:
+    service = replicated.service
+    before = [len(chat_lines(p.log_path)) for p in service.processes]
+    client = replicated.model.openai_client()
+    messages = [{"role": "user", "content": "Let us play a long game of words, you and I, turn by turn."}]
+    for turn in range(3):
+        reply = await client.chat.completions.create(
+            model=replicated.model.get_inference_name(),
+            messages=messages,
+            max_tokens=4,  # type: ignore[arg-type]
+        )
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content or ""},
+            {"role": "user", "content": f"Turn {turn + 2}: go on."},
+        ]
+    added = sorted(len(chat_lines(p.log_path)) - n for p, n in zip(service.processes, before, strict=True))
+    assert added == [0, 3]
+
+
+async def test_no_request_reached_a_replica_without_its_adapter(replicated: Replicated) -> None:
+    """Each replica's log, in order: a request on an adapter comes after that replica (in its current
+    process) loaded it and before it unloaded it, and every request was answered 200."""
+    for process in replicated.service.processes:
+        loaded: set[str] = set()
+        served = 0
+        for line in process.log_path.read_text().splitlines():
+            if line.startswith("starting "):
+                loaded = set()  # a new process holds nothing
+            match = REQUEST.search(line)
+            if match is None:
+                continue
+            _, route, status, fields = match.groups()
+            values = dict(f.split("=", 1) for f in fields.split() if "=" in f)
+            if route == "/load_lora_adapter" and status == "200":
+                loaded.add(values["lora"])
+            elif route == "/unload_lora_adapter" and status == "200":
+                loaded.discard(values["lora"])
+            elif route == "/v1/chat/completions":
+                served += 1
+                assert status == "200", line
+                adapter = values.get("adapter", "base")
+                assert adapter == "base" or adapter in loaded, f"{process.label}: {line}"
+        assert served > 0

@@ -1,0 +1,132 @@
+"""Data parallelism over training ranks, with the real launcher (torch.distributed.run) and gloo on CPU: a
+2-rank step gives the 1-rank step's adapter, and a dead rank ends the trainer with an error and leaves no
+process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+from training_helpers import make_choice, trajectory
+
+from art_sglang.config import TrainerConfig
+from art_sglang.errors import TrainerError
+from art_sglang.training.options import TrainOptions
+from art_sglang.training.process import TrainerProcess
+from art_sglang.training.sft import sft_batches
+from art_sglang.trajectories import TrajectoryGroup
+
+OPTIONS = TrainOptions(learning_rate=5e-2, kl_penalty_coef=0.1, precalculate_logprobs=True)
+
+
+def batch(tokenizer: Any) -> list[TrajectoryGroup]:
+    """Two groups of answers of different lengths: 6 sequences with a learning signal, for 2 ranks."""
+    answers = [("1 2 3 4 5 6", 1.0), ("a b", 0.0), ("x y z", 0.25), ("q", 0.75)]
+    return [
+        TrajectoryGroup([trajectory(f"task {g}", make_choice(tokenizer, a), r) for a, r in answers])
+        for g in range(2)
+    ]
+
+
+def trainer(model: Path, folder: Path, cpu_ranks: int) -> TrainerProcess:
+    return TrainerProcess(
+        str(model),
+        folder / "checkpoints",
+        TrainerConfig(),
+        gpu_ids=None,
+        log_path=folder / "trainer.log",
+        cpu_ranks=cpu_ranks,
+    )
+
+
+def adapter(path: Path | None) -> dict[str, torch.Tensor]:
+    assert path is not None
+    return load_file(path / "adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainerProcess]:
+    """One 2-rank trainer for the module's tests, in file order (the last one kills a rank)."""
+    proc = trainer(tiny_model_path, tmp_path_factory.mktemp("two"), 2)
+    try:
+        asyncio.run(proc.start())
+        yield proc
+    finally:
+        asyncio.run(proc.stop())
+
+
+async def test_two_ranks_train_the_one_rank_adapter(
+    two_ranks: TrainerProcess, tiny_model_path: Path, tmp_path: Path, tokenizer: Any
+) -> None:
+    one, two = trainer(tiny_model_path, tmp_path / "one", 1), two_ranks
+    sft = sft_batches(
+        [t.model_dump(mode="json") for g in batch(tokenizer) for t in g.trajectories], 1e-2, batch_size=4
+    )
+    try:
+        await one.start()
+        assert (one.info["ranks"], two.info["ranks"]) == (1, 2)
+        assert len(set(two.info["pids"])) == 2
+        expected = await one.train(batch(tokenizer), OPTIONS)
+        got = await two.train(batch(tokenizer), OPTIONS)
+        assert got.step == expected.step == 1
+        # Each rank forwarded its share; the metrics count the whole batch.
+        for key in ("num_tokens", "num_sequences", "gradient_steps"):
+            assert got.metrics[key] == expected.metrics[key], key
+        for key in ("loss", "kl", "grad_norm", "ratio_mean"):
+            assert got.metrics[key] == pytest.approx(expected.metrics[key], rel=1e-4, abs=1e-7), key
+        a, b = adapter(expected.checkpoint_path), adapter(got.checkpoint_path)
+        assert a.keys() == b.keys()
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+        initial = adapter(tmp_path / "one/checkpoints/0000")
+        # The step changed the adapter: equal results are not equal non-results.
+        assert max(float((a[name] - initial[name]).abs().max()) for name in a) > 1e-3
+        # SFT shares its batches too.
+        sft_expected, sft_got = await one.sft(sft), await two.sft(sft)
+        assert sft_got.metrics["loss/train"] == pytest.approx(sft_expected.metrics["loss/train"], rel=1e-4)
+        a, b = adapter(sft_expected.checkpoint_path), adapter(sft_got.checkpoint_path)
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+        # Only rank 0 writes: one checkpoint per step, as with one rank.
+        assert sorted(p.name for p in two.checkpoint_dir.iterdir()) == ["0000", "0001", "0002"]
+    finally:
+        await one.stop()
+
+
+async def test_a_dead_rank_ends_the_trainer_and_leaves_no_process(
+    two_ranks: TrainerProcess, tokenizer: Any
+) -> None:
+    proc = two_ranks
+    assert proc.pid is not None
+    tree = [psutil.Process(proc.pid), *(psutil.Process(pid) for pid in proc.info["pids"])]
+    os.kill(proc.info["pids"][1], signal.SIGKILL)
+    with pytest.raises(
+        TrainerError, match=r"(?s)trainer worker of 2 ranks .*trainer\.log.*rank *: 1 .*SIGKILL"
+    ):
+        await proc.train(batch(tokenizer), OPTIONS)
+    # The launcher ended rank 0 and itself; nothing is left to stop.
+    _, alive = psutil.wait_procs(tree, timeout=60)
+    assert alive == []
+
+
+def test_a_backend_under_torchrun_gives_the_trainer_no_rank_of_its_own(
+    tiny_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "LOCAL_RANK": "3"}.items():
+        monkeypatch.setenv(name, value)
+    env = trainer(tiny_model_path, tmp_path, 1).environment()
+    assert not {"RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"} & env.keys()
+    assert trainer(tiny_model_path, tmp_path, 2).command()[1:5] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+    ]
