@@ -76,7 +76,9 @@ for name in "$@"; do
                         --json "$results/bench_engines.json" --markdown "$results/bench_engines.md") ;;
     models-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-shape) ;;
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
-    bench-replicas) cmd=(python3 scripts/bench_replicas.py --model "$big" "${kernels[@]}" --no-cuda-graph
+    # 512 conversations with CUDA graphs on: at 128 without graphs (the first H200x2 run) one replica was
+    # not saturated, so a second could not double the throughput.
+    bench-replicas) cmd=(python3 scripts/bench_replicas.py --model "$big" "${kernels[@]}" --conversations 512
                          --workdir /tmp/bench-replicas
                          --json "$results/bench_replicas.json" --markdown "$results/bench_replicas.md") ;;
     bench-trainer-ddp) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2
