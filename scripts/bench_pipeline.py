@@ -2,8 +2,10 @@
 character-share task: G groups x N rollouts of <= T tokens with logprobs, LoRA r=16) and seed, first as
 `gather -> train -> gather` (`environments.common.train_loop`), then with ART's PipelineTrainer
 (`environments.pipelined.pipelined_loop`, at most K steps off policy), each on its own model of one
-backend (one server start for both). Per loop: steps per minute (from the start of the loop to the end of
-its last `train()`), the mean reward of every step's batch, the seconds each step took, and for the
+backend (one server start for both). Per loop: steps per minute, over the whole loop (from its start to
+the end of its last `train()`) and in steady state (from the end of its first step on: a loop's first step
+carries one-off costs, the trainer compiling its kernels, that a run of hundreds of steps pays once and
+that would hide the rate in a few-step run; the headline ratio is the steady one), the mean reward of every step's batch, the seconds each step took, and for the
 pipelined loop how far its batches were off policy (PipelineTrainer's `train/steps_off_policy`).
 
 Layouts: `co_resident` (server and trainer on GPU 0, no handoff), `split` (server on GPU 0, trainer on
@@ -94,6 +96,7 @@ async def run_loop(backend: SGLangBackend, model: Any, loop: str, args: argparse
         "steps": len(reports),
         "wall_s": wall,
         "steps_per_minute": 60.0 * len(reports) / wall,
+        "steady_steps_per_minute": 60.0 * (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 else None,
         "step_s": [b - a for a, b in itertools.pairwise(marks)],
         "mean_reward": [r.mean_reward for r in reports],
         "train_s": [r.train_metrics.get("time/train_s") for r in reports],
@@ -144,7 +147,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "register_s": register_s,
         "loops": loops,
-        "speedup": loops["pipelined"]["steps_per_minute"] / loops["sync"]["steps_per_minute"],
+        "speedup": ratio(loops, "steady_steps_per_minute"),
+        "speedup_whole_loop": ratio(loops, "steps_per_minute"),
         "sglang_config": config,
     }
     if result["engine"] == "sglang":
@@ -152,14 +156,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def ratio(loops: dict[str, Any], key: str) -> float | None:
+    """Pipelined over synchronous `key` (None where a loop has no such rate: a one-step run)."""
+    pipelined, sync = loops["pipelined"][key], loops["sync"][key]
+    return pipelined / sync if pipelined and sync else None
+
+
 def table(result: dict[str, Any]) -> str:
-    headers = ["loop", "steps", "wall s", "steps/min", "s/step (median)", "mean reward per step",
-               "steps off policy (mean)"]  # fmt: skip
+    headers = ["loop", "steps", "wall s", "steps/min", "steps/min after step 1", "s/step (median)",
+               "mean reward per step", "steps off policy (mean)"]  # fmt: skip
     rows = []
     for name, loop in result["loops"].items():
         stale = loop.get("steps_off_policy")
         rows.append([
-            name, loop["steps"], loop["wall_s"], loop["steps_per_minute"], statistics.median(loop["step_s"]),
+            name, loop["steps"], loop["wall_s"], loop["steps_per_minute"],
+            loop["steady_steps_per_minute"] or "-", statistics.median(loop["step_s"]),
             " ".join(f"{r:.3f}" for r in loop["mean_reward"]),
             statistics.fmean(stale) if stale else "-",
         ])  # fmt: skip
@@ -168,9 +179,14 @@ def table(result: dict[str, Any]) -> str:
         f"{result['engine']} on {result['device']} ({result['layout']}), {result['date']}; model "
         f"{result['model']}; {workload_phrase(w)}, max_steps_off_policy={w['max_steps_off_policy']}, "
         f"seed {w['seed']}; "
-        f"pipelined / synchronous steps per minute: {result['speedup']:.2f}x"
+        f"pipelined / synchronous steps per minute: {times(result['speedup'])} after the first step, "
+        f"{times(result['speedup_whole_loop'])} over the whole loop"
     )
     return head + "\n\n" + markdown_table(headers, rows)
+
+
+def times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def main() -> None:
