@@ -25,9 +25,10 @@ def add_server_args(
     parser.add_argument("--model", "--model-path", dest="model", required=True, help="model folder")
     parser.add_argument(
         "--mem-fraction-static",
-        type=float,
+        type=fraction_or_auto,
         default=0.5,
-        help="SGLang --mem-fraction-static (vLLM: --gpu-memory-utilization)",
+        help="SGLang --mem-fraction-static (vLLM: --gpu-memory-utilization); 'auto' leaves it unset: the "
+        "backend's shared-mode plan then sizes it, and an engine started directly takes its own default",
     )
     parser.add_argument(
         "--cuda-graph",
@@ -82,13 +83,24 @@ def workload_phrase(workload: dict[str, Any]) -> str:
     return f"{w['groups']} groups x {w['group_size']} rollouts of <= {w['max_tokens']} tokens, LoRA r={w['lora_rank']}"
 
 
+def fraction_or_auto(text: str) -> float | None:
+    """A memory fraction in (0, 1], or None for 'auto'."""
+    if text == "auto":
+        return None
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a fraction in (0, 1] or 'auto', not {text}")
+    return value
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """What a benchmarked server is started with, in terms every engine maps to its own flags."""
 
     model: str
     prefix_cache: bool = True
-    mem_fraction: float = 0.5  # SGLang --mem-fraction-static, vLLM --gpu-memory-utilization
+    # SGLang --mem-fraction-static, vLLM --gpu-memory-utilization; None: unset (the engine or plan decides)
+    mem_fraction: float | None = 0.5
     cuda_graph: bool = True
     prefill_cuda_graph: bool = True  # SGLang only
     max_lora_rank: int = 8
@@ -114,7 +126,6 @@ def server_settings(args: argparse.Namespace, **changes: Any) -> ServerSettings:
 def sglang_config(settings: ServerSettings, **overrides: Any) -> SGLangConfig:
     """The SGLang (or reference engine) launch config for `settings`, cached tokens reported in usage."""
     fields: dict[str, Any] = {
-        "mem_fraction_static": settings.mem_fraction,
         "disable_radix_cache": not settings.prefix_cache,
         "disable_cuda_graph": not settings.cuda_graph,
         "disable_prefill_cuda_graph": not settings.prefill_cuda_graph,
@@ -124,6 +135,8 @@ def sglang_config(settings: ServerSettings, **overrides: Any) -> SGLangConfig:
         "max_lora_rank": settings.max_lora_rank,
         "max_loras_per_batch": settings.max_loras_per_batch,
     }
+    if settings.mem_fraction is not None:  # unset, a shared-mode backend sizes it from the GPU's memory
+        fields["mem_fraction_static"] = settings.mem_fraction
     return SGLangConfig(**{**fields, **overrides})
 
 

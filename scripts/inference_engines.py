@@ -49,7 +49,6 @@ def vllm_args(settings: ServerSettings, *, host: str, port: int) -> list[str]:
         "--model", settings.model,
         "--host", host,
         "--port", str(port),
-        "--gpu-memory-utilization", str(settings.mem_fraction),
         "--enable-lora",
         "--max-lora-rank", str(settings.max_lora_rank),
         "--max-loras", str(settings.max_loras_per_batch),
@@ -57,6 +56,8 @@ def vllm_args(settings: ServerSettings, *, host: str, port: int) -> list[str]:
         "--enable-prompt-tokens-details",
         "--enable-prefix-caching" if settings.prefix_cache else "--no-enable-prefix-caching",
     ]  # fmt: skip
+    if settings.mem_fraction is not None:
+        args += ["--gpu-memory-utilization", str(settings.mem_fraction)]
     if settings.attention_backend is not None:
         args += ["--attention-backend", settings.attention_backend]
     if not settings.cuda_graph:

@@ -12,7 +12,8 @@
 #   bench-trainer-ddp (2 GPUs, ~3 min): Unsloth trainer tokens/s on 1 vs 2 ranks, the same batch, ART's
 #     row packing and 16k-token rows, into bench_trainer_ddp.json/.md
 #   bench-cycle-kv bench-cycle-all (~3.5 min each), bench-cycle-restart (~6 min): shared-mode steps
-#     through the backend, one strategy each, merged into bench_cycle-<model>.json
+#     through the backend, one strategy each, merged into bench_cycle-<model>.json; bench-cycle-auto
+#     (~3 min): sleep/kv_cache with mem_fraction_static unset (the plan shrinks it), its own JSON
 #   bench-inference (~6 min): SGLang, radix cache on and off; bench-vllm (~4 min, after stage.sh vllm):
 #     vLLM on the same workloads; bench-engines (seconds when both ran before, else runs what is missing)
 #   models-7b (~2 min): builds qwen2.5-7b-shape; BENCH_MODEL=/root/models/qwen2.5-7b-shape then points
@@ -62,6 +63,11 @@ for name in "$@"; do
     bench-cycle-kv) cmd=("${cycle[@]}" --strategies sleep/kv_cache --steps 3) ;;
     bench-cycle-all) cmd=("${cycle[@]}" --strategies sleep/all --steps 3) ;;
     bench-cycle-restart) cmd=("${cycle[@]}" --strategies restart --restart-steps 2) ;;
+    # mem_fraction_static left unset, as a user leaves it: the shared-mode plan sizes the server's pool.
+    bench-cycle-auto) cmd=(python3 scripts/bench_cycle.py --model "$big" "${kernels[@]}" --mem-fraction-static auto
+                           --strategies sleep/kv_cache --steps 3 --workdir /tmp/work-bench-cycle-auto
+                           --json "$results/bench_cycle_auto-${big##*/}.json"
+                           --markdown "$results/bench_cycle_auto-${big##*/}.md") ;;
     bench-register | bench-register-no-prefill-graphs)
       cmd=(python3 scripts/bench_cycle.py --model "$big" "${kernels[@]}" --strategies sleep/kv_cache --steps 1
            --workdir "/tmp/work-$name" --json "$results/$name.json" --markdown "$results/$name.md")
