@@ -9,7 +9,8 @@ that would hide the rate in a few-step run; the headline ratio is the steady one
 pipelined loop how far its batches were off policy (PipelineTrainer's `train/steps_off_policy`).
 
 Layouts: `co_resident` (server and trainer on GPU 0, no handoff), `split` (server on GPU 0, trainer on
-GPU 1), `cpu` (the reference engine, for a smoke run).
+GPU 1), `replicas` (two servers on GPUs 0-1 behind SGLang's router, a two-rank trainer on GPUs 2-3),
+`cpu` (the reference engine, for a smoke run).
 
     python scripts/bench_pipeline.py --model /root/models/qwen2.5-1.5b-shape --layout co_resident \\
         --attention-backend triton --sampling-backend pytorch --json out.json --markdown out.md
@@ -48,7 +49,7 @@ from environments.char_share import CharShareTask
 from environments.common import StepReport, train_loop
 from environments.pipelined import openpipe_art, pipelined_loop
 
-LAYOUTS = ("co_resident", "split", "cpu")
+LAYOUTS = ("co_resident", "split", "replicas", "cpu")
 
 
 def make_backend(args: argparse.Namespace, path: Path) -> SGLangBackend:
@@ -65,6 +66,8 @@ def make_backend(args: argparse.Namespace, path: Path) -> SGLangBackend:
         return SGLangBackend(engine="reference", **common)
     if args.layout == "split":
         return SGLangBackend(engine="sglang", inference_device=0, training_devices=[1], **common)
+    if args.layout == "replicas":
+        return SGLangBackend(engine="sglang", inference_devices=[0, 1], training_devices=[2, 3], **common)
     return SGLangBackend(
         engine="sglang", inference_device=0, training_devices=[0], shared_strategy="co_resident", **common
     )

@@ -26,6 +26,10 @@
 #     SGLang's router, and the prefix-cache hit rate of cache-aware vs round-robin routing
 #   bench-register, bench-register-no-prefill-graphs (~3 min each): register() of one shared-mode backend,
 #     where SGLang's start went (weights, decode and prefill CUDA graphs), one step, close()
+# Four GPUs (H200x4, stage.sh router first): four-gpu (~4 min) runs SGLangBackend(inference_device=0,
+#   training_devices=[1, 2, 3]) through 3 steps on the 1.5B shape, four-gpu-7b the same on the 7B shape (after
+#   models-7b); bench-trainer-ddp3 (~5 min): trainer tokens/s on 1, 2 and 3 ranks; bench-pipeline-replicas
+#   (~4 min, after stage.sh art): pipelined vs synchronous with 2 replicas (GPUs 0-1) and 2 ranks (GPUs 2-3)
 # replicas-1gpu (~4 min, 1 GPU, stage.sh router first): two replicas on the first visible GPU behind the router
 # art-program (~4 min, after stage.sh art): an ART program with tools and _internal_config, 2 RL steps
 # Two 1-GPU suites at once, one per GPU: scripts/device/pair.sh.
@@ -96,11 +100,19 @@ for name in "$@"; do
                                --markdown "$results/bench_pipeline-1gpu.md") ;;
     bench-pipeline-split) cmd=("${pipeline[@]}" --layout split --json "$results/bench_pipeline-split.json"
                                 --markdown "$results/bench_pipeline-split.md") ;;
+    bench-pipeline-replicas) cmd=("${pipeline[@]}" --layout replicas --json "$results/bench_pipeline-replicas.json"
+                                   --markdown "$results/bench_pipeline-replicas.md") ;;
+    four-gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_four_gpus.py) ;;
+    four-gpu-7b) cmd=(env ART_SGLANG_GPU_FOUR_MODEL=/root/models/qwen2.5-7b-shape "${pytest[@]}" -m gpu
+                      tests/gpu/test_four_gpus.py) ;;
+    bench-trainer-ddp3) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2,3
+                             --batch 48 --seq 1024 --packings default,16384 --micro-batch-tokens 8192 --steps 3
+                             --name bench_trainer_ddp3 --work /tmp/bench-trainer-ddp3 --out "$results") ;;
     *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
   esac
   # Each pytest suite keeps its own temporary folder, so two suites can run at once (device/pair.sh) and
   # the servers' logs can be collected by suite.
-  if [ "${cmd[2]:-}" = pytest ]; then rm -rf "/tmp/pt-$name"; cmd+=(--basetemp "/tmp/pt-$name"); fi
+  if [[ " ${cmd[*]} " == *" pytest "* ]]; then rm -rf "/tmp/pt-$name"; cmd+=(--basetemp "/tmp/pt-$name"); fi
   echo "=== $name: ${cmd[*]}" | tee "$OUT/$name.log"
   "${cmd[@]}" 2>&1 | tee -a "$OUT/$name.log" | grep -E --line-buffered '^(===|PASSED|FAILED|ERROR|SKIPPED)|passed|failed|error|\| '
   rc=${PIPESTATUS[0]}
