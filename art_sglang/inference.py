@@ -146,6 +146,8 @@ class InferenceService:
         self._released_tags: tuple[str, ...] = ()  # GPU memory kinds released for the trainer
         self._holds = 0  # nested holds of the gateway; requests wait while > 0
         self._lock = asyncio.Lock()  # one command at a time changes the server
+        # Replicas being restarted while the others serve (see `_restart_beside`).
+        self._restarts: dict[_Replica, asyncio.Task[None]] = {}
         # Held by the watchdog while its health probes are in flight: SGLang 0.5.17 answers GET /health
         # by generating a token, and a memory release that meets a running request kills its scheduler.
         self._probing = asyncio.Lock()
@@ -263,9 +265,10 @@ class InferenceService:
     async def recover(self, *, probe: bool = True) -> bool:
         """Restart every server (and the router) that should serve but died, or has not answered
         `GET /health` for `unresponsive_timeout` seconds (hung or stopped), with every adapter loaded again
-        before a request reaches it. With replicas, a failed one is taken out of the router first and the
-        others serve meanwhile. Returns whether it restarted anything. Does nothing while another command
-        runs. `probe=False` only looks for dead processes: the step path uses it, since SGLang 0.5.17's
+        before a request reaches it. With replicas, a failed one is taken out of the router and restarted
+        in the background while the others serve: this returns once it is out, so neither the watchdog nor
+        a training step waits minutes for an SGLang start. Returns whether it restarted (or began
+        restarting) anything. Does nothing while another command runs. `probe=False` only looks for dead processes: the step path uses it, since SGLang 0.5.17's
         /health takes a second (a one-token generation polled once a second); the watchdog probes."""
         if not self._serving or self._lock.locked():
             return False
@@ -274,6 +277,8 @@ class InferenceService:
             if not self._serving:
                 return False
             for replica in self._replicas:
+                if replica in self._restarts:
+                    continue
                 problem = await self._problem(replica, probe=probe)
                 if problem is not None:
                     problems[replica] = problem
@@ -296,11 +301,57 @@ class InferenceService:
             survivors = [r for r in self._replicas if r not in problems and r.routed_url is not None]
             # Requests in flight on a failed server are lost with it; none is waited for. Requests wait in
             # the gateway only when no server is left to answer them.
+            if survivors and not router_died:
+                await self._stop_replicas(list(problems), timeout=_HUNG_GRACE_S)
+                for replica in problems:
+                    self._restarts[replica] = asyncio.get_running_loop().create_task(
+                        self._restart_beside(replica), name=f"restart {replica.process.label}"
+                    )
+                return True
             hold = self.holding(drain=False) if router_died or not survivors else contextlib.nullcontext()
             async with hold:
                 await self._stop_replicas(list(problems), timeout=_HUNG_GRACE_S)
                 await self._bring_up()
             return True
+
+    async def _restart_beside(self, replica: _Replica) -> None:
+        """Start a failed replica while the others serve (without the lock: adapter commands and training
+        steps go on, skipping it since it is not up), then, under the lock, load everything it must hold and
+        route to it. A failed start is logged and the process stopped: the watchdog's next look finds it
+        dead and tries again."""
+        began = time.monotonic()
+        try:
+            if replica.client is not None:
+                await replica.client.aclose()
+                replica.client = None
+            await self._start_processes([replica])
+            async with self._lock:
+                if not self._serving or not replica.process.is_alive():
+                    return
+                await self._load_everything(replica)
+                await self._put_in(replica)
+                self._publish()
+            logger.info(
+                "%s back at %s (%.1f s); adapters: %s",
+                replica.process.label,
+                replica.process.base_url,
+                time.monotonic() - began,
+                ", ".join(self._adapters) or "none",
+            )
+        except Exception:
+            logger.exception("restarting the %s failed; the watchdog tries again", replica.process.label)
+            await replica.process.stop(timeout=_HUNG_GRACE_S)
+        finally:
+            self._restarts.pop(replica, None)
+
+    async def _cancel_restarts(self, replicas: Sequence[_Replica]) -> None:
+        """Stop the background restarts of `replicas` (their processes are stopped by the caller)."""
+        tasks = [self._restarts[r] for r in replicas if r in self._restarts]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def _problem(self, replica: _Replica, *, probe: bool) -> str | None:
         """What is wrong with a server: it died, or (with `probe`) it has not answered health checks long
@@ -327,6 +378,7 @@ class InferenceService:
         grace period: at close nothing on them is worth waiting for, and SGLang's scheduler sleeps 5 s on
         SIGTERM."""
         self._serving = False
+        await self._cancel_restarts(self._replicas)
         stops = [replica.process.stop(timeout=EXIT_GRACE_SECONDS) for replica in self._replicas]
         if self._router is not None:
             stops.append(self._router.stop())
@@ -340,7 +392,8 @@ class InferenceService:
                 replica.client = None
 
     async def _stop_replicas(self, replicas: Sequence[_Replica], timeout: float = 20.0) -> None:
-        """Take servers out of the router, then stop them."""
+        """Take servers out of the router, then stop them (a background restart of one is called off)."""
+        await self._cancel_restarts(replicas)
         for replica in replicas:
             await self._take_out(replica)
         await gather_all(*(replica.process.stop(timeout=timeout) for replica in replicas))
@@ -350,7 +403,7 @@ class InferenceService:
         to (the one place that enforces the invariant after a start). New requests wait in the gateway
         meanwhile unless another server serves them. Call with the lock held. Returns whether a server
         process was started."""
-        down = [replica for replica in self._replicas if not replica.up]
+        down = [replica for replica in self._replicas if not replica.up and replica not in self._restarts]
         router_down = self._router is not None and not self._router.is_alive()
         if not down and not router_down:
             return False

@@ -70,12 +70,12 @@ def tree_snapshot(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-async def served_by_each(service: Any, name: str) -> list[str]:
-    """For each replica: 'yes' when its GET /v1/models lists `name` and a request selecting the adapter
-    (SGLang's `lora_path`) answers 200, else 'no (<status>)'."""
+async def served_by_each(service: Any, name: str, processes: Any = None) -> list[str]:
+    """For each replica (or each of `processes`): 'yes' when its GET /v1/models lists `name` and a request
+    selecting the adapter (SGLang's `lora_path`) answers 200, else 'no (<status>)'."""
     answers = []
     async with httpx.AsyncClient(timeout=120, trust_env=False) as http:
-        for process in service.processes:
+        for process in service.processes if processes is None else processes:
             body = {"model": service.base_model, "lora_path": name, "max_tokens": 2,
                     "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
             reply = await http.post(f"{process.base_url}/v1/chat/completions", json=body)

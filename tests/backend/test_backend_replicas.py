@@ -76,22 +76,43 @@ async def test_both_replicas_serve_step_zero_behind_the_router(replicated: Repli
     assert "agent@0" in {m.id for m in (await replicated.model.openai_client().models.list()).data}
 
 
-async def test_each_step_is_served_by_both_replicas_across_a_replica_crash(replicated: Replicated) -> None:
+async def test_each_step_is_served_by_both_replicas_across_a_replica_crash(
+    replicated: Replicated, monkeypatch: pytest.MonkeyPatch
+) -> None:
     service = replicated.service
+    assert service.router is not None
     assert await train_step(replicated, seed=1) == 1
     assert await served_by_each(service, "agent@1") == ["yes", "yes"]
 
     victim = service.processes[1]
+    # The replica's new start waits for `started` (an SGLang start takes minutes): the step below must not.
+    started = asyncio.Event()
+    real_start = victim.start
+
+    async def start_when_let() -> None:
+        await started.wait()
+        await real_start()
+
+    monkeypatch.setattr(victim, "start", start_when_let)
     killed = victim.pid
     assert killed is not None
     for proc in [psutil.Process(killed), *psutil.Process(killed).children(recursive=True)]:
         proc.kill()
-    # While it is down, rollouts go on through the other replica, and the next step trains and is served.
+    deadline = time.monotonic() + 10
+    while victim.is_alive():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    # While it is down, rollouts go on through the other replica, and the next step trains and is served
+    # there; the dead one is out of the router.
     assert await train_step(replicated, seed=2) == 2
+    assert await served_by_each(service, "agent@2", service.processes[:1]) == ["yes"]
+    assert list(await service.router.workers()) == [service.processes[0].base_url]
+    started.set()
     deadline = time.monotonic() + 120
     while not (victim.is_alive() and victim.pid != killed and len(await service.router.workers()) == 2):
         assert time.monotonic() < deadline, "the watchdog did not bring the replica back into the router"
         await asyncio.sleep(0.2)
+    # Back with the step trained while it was down.
     assert await served_by_each(service, "agent@2") == ["yes", "yes"]
     assert await train_step(replicated, seed=3) == 3
     assert await served_by_each(service, "agent@3") == ["yes", "yes"]

@@ -99,31 +99,40 @@ def _gpu_memory_of(pid: int | None) -> dict[int, int]:
 
 async def test_every_step_on_both_replicas_with_one_killed_and_recovered(replicated: Replicated) -> None:
     service, model, backend = replicated.service, replicated.model, replicated.backend
+    assert service.router is not None
     client = model.openai_client()
     steps = []
-    for step in (1, 2, 3):
+
+    async def train_step(step: int) -> None:
         groups = await make_groups(client, model.get_inference_name())
         result = await backend.train(model, groups, learning_rate=1e-4)
         assert result.step == step
-        assert await served_by_each(service, f"agent@{step}") == ["yes", "yes"]
         steps.append(result.metrics.get("time/step_s"))
-        if step == 1:
-            victim = service.processes[1]
-            killed = victim.pid
-            assert killed is not None
-            for proc in [psutil.Process(killed), *psutil.Process(killed).children(recursive=True)]:
-                proc.kill()
-            killed_at = time.monotonic()
-    # The step after the kill was trained while the replica was down (rollouts went to the other one);
-    # it is back in the router with every adapter.
+
+    await train_step(1)
+    assert await served_by_each(service, "agent@1") == ["yes", "yes"]
+    victim = service.processes[1]
+    killed = victim.pid
+    assert killed is not None
+    for proc in [psutil.Process(killed), *psutil.Process(killed).children(recursive=True)]:
+        proc.kill()
+    killed_at = time.monotonic()
+    # While it is down (an SGLang start takes a minute or more), rollouts go through the other replica and
+    # the next step trains and is served there.
+    await train_step(2)
+    assert await served_by_each(service, "agent@2", service.processes[:1]) == ["yes"]
     deadline = time.monotonic() + 300
     while not (victim.is_alive() and victim.pid != killed and len(await service.router.workers()) == 2):
         assert time.monotonic() < deadline, "the replica did not come back into the router"
         await asyncio.sleep(0.5)
+    back_after = round(time.monotonic() - killed_at, 1)
+    # Back in the router with the step trained while it was down.
+    assert await served_by_each(service, "agent@2") == ["yes", "yes"]
+    await train_step(3)
     assert await served_by_each(service, "agent@3") == ["yes", "yes"]
     # Restarted next to the running one, it took the same share of the GPU again.
     held = [_gpu_memory_of(p.pid) for p in service.processes]
-    record("replicas/steps", step_s=steps, replica_back_after_s=round(time.monotonic() - killed_at, 1),
+    record("replicas/steps", step_s=steps, replica_back_after_s=back_after,
            gpu_mib_per_replica_after_restart=held)  # fmt: skip
     first, second = (sum(mib.values()) for mib in held)
     assert 0.75 < first / second < 1.33, held
