@@ -152,8 +152,13 @@ def make_random_adapter(model_path: str, out: Path, *, rank: int = 8, seed: int 
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if (out / "adapter_model.safetensors").exists():
-        return out
+    # Reused only when it was made for this model and rank: a workdir shared by runs on two models once
+    # served a 1.5B-shaped adapter to a 7B server (SGLang's scheduler died on the shape; vLLM took it).
+    config = out / "adapter_config.json"
+    if (out / "adapter_model.safetensors").exists() and config.exists():
+        made = json.loads(config.read_text())
+        if made.get("base_model_name_or_path") == model_path and made.get("r") == rank:
+            return out
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(DEFAULT_LORA_TARGETS))

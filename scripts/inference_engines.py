@@ -72,7 +72,8 @@ class VLLMProcess(ServerProcess):
         self, settings: ServerSettings, *, python: str, log_path: Path, port: int | None = None
     ) -> None:
         super().__init__(SGLangConfig(port=port), settings.model, engine="sglang", log_path=log_path)
-        self.engine = "vllm"  # type: ignore[assignment]  # only names the server in messages
+        self.engine = "vllm"  # type: ignore[assignment]  # only names the server in messages and its log
+        self.label = "vllm server"
         self.settings = settings
         self.python = python
 

@@ -200,3 +200,28 @@ def test_vllm_prefix_cache_counters_from_prometheus_text() -> None:
     ])  # fmt: skip
     assert parse_prefix_cache_counters(metrics) == {"queries": 2000.0, "hits": 900.0}
     assert parse_prefix_cache_counters("") == {"queries": 0.0, "hits": 0.0}
+
+
+def test_an_adapter_folder_made_for_another_model_is_rebuilt(tmp_path: Path, tiny_model_path: Path) -> None:
+    """A workdir shared by runs on two model shapes must not hand the first model's adapter to the second."""
+    from bench_common import make_random_adapter
+    from safetensors import safe_open
+
+    from art_sglang.tiny_model import build_tiny_model
+
+    wider = build_tiny_model(tmp_path / "wider", hidden=96)
+
+    def widths(adapter: Path) -> set[int]:
+        with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as tensors:
+            names = list(tensors.keys())  # a safetensors file handle is not iterable
+            return {tensors.get_slice(k).get_shape()[1] for k in names if "q_proj.lora_A" in k}
+
+    folder = tmp_path / "adapter-0"
+    assert widths(make_random_adapter(str(tiny_model_path), folder)) == {64}
+    assert widths(make_random_adapter(str(wider), folder)) == {96}
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(wider) and config["r"] == 8
+    # The same model and rank again: the folder is reused as it is.
+    before = (folder / "adapter_model.safetensors").stat().st_mtime_ns
+    make_random_adapter(str(wider), folder)
+    assert (folder / "adapter_model.safetensors").stat().st_mtime_ns == before
