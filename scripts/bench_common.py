@@ -48,6 +48,12 @@ def add_server_args(
         help="the engine's own name: e.g. triton for SGLang (the device kit has no FA3), FLASH_ATTN for vLLM",
     )
     parser.add_argument("--sampling-backend", default=None, help="SGLang only, e.g. pytorch")
+    parser.add_argument(
+        "--schedule-policy",
+        default=None,
+        help="SGLang only: its --schedule-policy (fcfs by default; lpm orders the queue by cached prefix and "
+        "holds back a request whose prefix another in the same batch is about to compute)",
+    )
     parser.add_argument("--lora-rank", type=int, default=8, help="rank of the random adapter served")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
@@ -107,6 +113,7 @@ class ServerSettings:
     max_loras_per_batch: int = 4
     attention_backend: str | None = None  # the engine's own name
     sampling_backend: str | None = None  # SGLang only
+    schedule_policy: str | None = None  # SGLang only; None: its default (fcfs)
 
 
 def server_settings(args: argparse.Namespace, **changes: Any) -> ServerSettings:
@@ -119,6 +126,7 @@ def server_settings(args: argparse.Namespace, **changes: Any) -> ServerSettings:
         max_lora_rank=max(args.lora_rank, 8),
         attention_backend=args.attention_backend,
         sampling_backend=args.sampling_backend,
+        schedule_policy=args.schedule_policy,
         **changes,
     )
 
@@ -135,6 +143,8 @@ def sglang_config(settings: ServerSettings, **overrides: Any) -> SGLangConfig:
         "max_lora_rank": settings.max_lora_rank,
         "max_loras_per_batch": settings.max_loras_per_batch,
     }
+    if settings.schedule_policy is not None:
+        fields["extra_args"] = ["--schedule-policy", settings.schedule_policy]
     if settings.mem_fraction is not None:  # unset, a shared-mode backend sizes it from the GPU's memory
         fields["mem_fraction_static"] = settings.mem_fraction
     return SGLangConfig(**{**fields, **overrides})

@@ -3,7 +3,7 @@
 # once its last part is there. Each part travels in its own `run` call (64 MiB per call):
 #   bash scripts/device/stage.sh sglang 0..3   carry .device/pN (+ .device/install.sh with the last)
 #   bash scripts/device/stage.sh train 0..1    carry .device-train/pN (+ .device-train/install.sh with the last)
-#   bash scripts/device/stage.sh vllm 0..4     carry .device-vllm/pN (+ .device-vllm/install.sh with the last;
+#   bash scripts/device/stage.sh vllm 0..5     carry .device-vllm/pN (+ .device-vllm/install.sh with the last;
 #                                              built by scripts/device/kit_parts.sh vllm, its last part holds LAST)
 #   bash scripts/device/stage.sh art 0..1      carry .device-art/pN (+ .device-art/install.sh with the last;
 #                                              kit_parts.sh art): openpipe-art for the test process, after

@@ -14,8 +14,10 @@
 #   bench-cycle-kv bench-cycle-all (~3.5 min each), bench-cycle-restart (~6 min): shared-mode steps
 #     through the backend, one strategy each, merged into bench_cycle-<model>.json; bench-cycle-auto
 #     (~3 min): sleep/kv_cache with mem_fraction_static unset (the plan shrinks it), its own JSON
-#   bench-inference (~6 min): SGLang, radix cache on and off; bench-vllm (~4 min, after stage.sh vllm):
-#     vLLM on the same workloads; bench-engines (seconds when both ran before, else runs what is missing)
+#   bench-inference (~6 min): SGLang, radix cache on and off; bench-vllm (~4 min, after stage.sh vllm 0..5):
+#     vLLM on the same workloads; bench-engines (seconds when both ran before, else runs what is missing);
+#     bench-inference-lpm (~4 min): SGLang with --schedule-policy lpm; bench-vllm-triton (~4 min): vLLM with
+#     Triton attention, as SGLang runs here
 #   models-7b (~2 min): builds qwen2.5-7b-shape; BENCH_MODEL=/root/models/qwen2.5-7b-shape then points
 #     the benchmarks at it
 #   bench-multiturn (~5 min): tic-tac-toe through the backend, prefix-cache hit rate per turn
@@ -81,6 +83,14 @@ for name in "$@"; do
                           --json "$results/bench_inference.json" --markdown "$results/bench_inference.md") ;;
     bench-vllm) cmd=("${inference[@]}" --engine vllm "${vllm_kernels[@]}"
                      --json "$results/bench_vllm.json" --markdown "$results/bench_vllm.md") ;;
+    # The two questions the first side-by-side left (H200, 2026-11-24): SGLang's grpo groups found 43-56 % of
+    # their prompts cached against vLLM's 87 % (SGLang's default fcfs queue prefills a group's identical
+    # prompts together; lpm holds all but one back), and SGLang ran Triton attention against vLLM's FA3.
+    bench-inference-lpm) cmd=("${inference[@]}" --engine sglang "${kernels[@]}" --schedule-policy lpm
+                              --json "$results/bench_inference_lpm.json"
+                              --markdown "$results/bench_inference_lpm.md") ;;
+    bench-vllm-triton) cmd=("${inference[@]}" --engine vllm --attention-backend TRITON_ATTN
+                            --json "$results/bench_vllm_triton.json" --markdown "$results/bench_vllm_triton.md") ;;
     bench-engines) cmd=(python3 scripts/bench_engines.py --model "$big" --sglang-flags "${kernels[*]}"
                         --vllm-flags "${vllm_kernels[*]}" --reuse "sglang=$results/bench_inference.json"
                         --reuse "vllm=$results/bench_vllm.json" --workdir /tmp/bench-engines

@@ -141,6 +141,19 @@ def test_vllm_command_line() -> None:
         vllm_args(ServerSettings(model="/m", sampling_backend="pytorch"), host="h", port=1)
     with pytest.raises(ValueError, match="max-lora-rank"):
         vllm_args(ServerSettings(model="/m", max_lora_rank=12), host="h", port=1)
+    with pytest.raises(ValueError, match="schedule-policy"):
+        vllm_args(ServerSettings(model="/m", schedule_policy="lpm"), host="h", port=1)
+
+
+def test_sglang_command_line_carries_the_schedule_policy() -> None:
+    from bench_common import sglang_config
+
+    def launch(settings: ServerSettings) -> list[str]:
+        return sglang_config(settings).server_args(settings.model, 1)
+
+    lpm = launch(ServerSettings(model="/m", schedule_policy="lpm"))
+    assert lpm[lpm.index("--schedule-policy") + 1] == "lpm"
+    assert "--schedule-policy" not in launch(ServerSettings(model="/m"))
 
 
 def test_vllm_process_runs_vllm_with_runtime_lora_updates(
