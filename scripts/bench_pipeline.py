@@ -5,8 +5,10 @@ character-share task: G groups x N rollouts of <= T tokens with logprobs, LoRA r
 backend (one server start for both). Per loop: steps per minute, over the whole loop (from its start to
 the end of its last `train()`) and in steady state (from the end of its first step on: a loop's first step
 carries one-off costs, the trainer compiling its kernels, that a run of hundreds of steps pays once and
-that would hide the rate in a few-step run; the headline ratio is the steady one), the mean reward of every step's batch, the seconds each step took, and for the
-pipelined loop how far its batches were off policy (PipelineTrainer's `train/steps_off_policy`).
+that would hide the rate in a few-step run), trajectories trained per minute in steady state (the
+headline ratio: PipelineTrainer's last step trains only what is left), the mean reward of every step's
+batch, the seconds each step took, and for the pipelined loop how far its batches were off policy
+(PipelineTrainer's `train/steps_off_policy`).
 
 Layouts: `co_resident` (server and trainer on GPU 0, no handoff), `split` (server on GPU 0, trainer on
 GPU 1), `replicas` (two servers on GPUs 0-1 behind SGLang's router, a two-rank trainer on GPUs 2-3),
@@ -93,17 +95,28 @@ async def run_loop(backend: SGLangBackend, model: Any, loop: str, args: argparse
         reports = await pipelined_loop(
             backend, model, task, max_steps_off_policy=args.max_steps_off_policy, **options
         )
-    wall = ends[-1] - started
-    marks = [started, *ends]
     return {
-        "steps": len(reports),
-        "wall_s": wall,
-        "steps_per_minute": 60.0 * len(reports) / wall,
-        "steady_steps_per_minute": 60.0 * (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 else None,
-        "step_s": [b - a for a, b in itertools.pairwise(marks)],
+        **loop_rates(started, ends, [len(r.rewards) for r in reports]),
         "mean_reward": [r.mean_reward for r in reports],
         "train_s": [r.train_metrics.get("time/train_s") for r in reports],
-        "trajectories": [len(r.rewards) for r in reports],
+    }
+
+
+def loop_rates(started: float, ends: list[float], trajectories: list[int]) -> dict[str, Any]:
+    """A loop's rates from its start, the end of each step and the trajectories each step trained.
+    Steady: from the end of the first step on. Trajectories per minute is the fair one: PipelineTrainer's
+    last step trains only the groups left when the run stops (16 of 64 in one run), which makes its
+    steps per minute look better than the work done."""
+    wall = ends[-1] - started
+    steady = ends[-1] - ends[0]
+    return {
+        "steps": len(ends),
+        "wall_s": wall,
+        "steps_per_minute": 60.0 * len(ends) / wall,
+        "steady_steps_per_minute": 60.0 * (len(ends) - 1) / steady if len(ends) > 1 else None,
+        "steady_trajectories_per_minute": 60.0 * sum(trajectories[1:]) / steady if len(ends) > 1 else None,
+        "step_s": [b - a for a, b in itertools.pairwise([started, *ends])],
+        "trajectories": trajectories,
     }
 
 
@@ -150,7 +163,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "register_s": register_s,
         "loops": loops,
-        "speedup": ratio(loops, "steady_steps_per_minute"),
+        "speedup": ratio(loops, "steady_trajectories_per_minute"),
+        "speedup_steady_steps": ratio(loops, "steady_steps_per_minute"),
         "speedup_whole_loop": ratio(loops, "steps_per_minute"),
         "sglang_config": config,
     }
@@ -166,14 +180,16 @@ def ratio(loops: dict[str, Any], key: str) -> float | None:
 
 
 def table(result: dict[str, Any]) -> str:
-    headers = ["loop", "steps", "wall s", "steps/min", "steps/min after step 1", "s/step (median)",
-               "mean reward per step", "steps off policy (mean)"]  # fmt: skip
+    headers = ["loop", "steps", "wall s", "steps/min", "steps/min after step 1",
+               "trajectories/min after step 1", "s/step (median)", "mean reward per step",
+               "steps off policy (mean)"]  # fmt: skip
     rows = []
     for name, loop in result["loops"].items():
         stale = loop.get("steps_off_policy")
         rows.append([
             name, loop["steps"], loop["wall_s"], loop["steps_per_minute"],
-            loop["steady_steps_per_minute"] or "-", statistics.median(loop["step_s"]),
+            loop["steady_steps_per_minute"] or "-", loop["steady_trajectories_per_minute"] or "-",
+            statistics.median(loop["step_s"]),
             " ".join(f"{r:.3f}" for r in loop["mean_reward"]),
             statistics.fmean(stale) if stale else "-",
         ])  # fmt: skip
@@ -182,8 +198,9 @@ def table(result: dict[str, Any]) -> str:
         f"{result['engine']} on {result['device']} ({result['layout']}), {result['date']}; model "
         f"{result['model']}; {workload_phrase(w)}, max_steps_off_policy={w['max_steps_off_policy']}, "
         f"seed {w['seed']}; "
-        f"pipelined / synchronous steps per minute: {times(result['speedup'])} after the first step, "
-        f"{times(result['speedup_whole_loop'])} over the whole loop"
+        f"pipelined / synchronous trajectories trained per minute after the first step: "
+        f"{times(result['speedup'])} (steps per minute: {times(result['speedup_steady_steps'])} after the "
+        f"first step, {times(result['speedup_whole_loop'])} over the whole loop)"
     )
     return head + "\n\n" + markdown_table(headers, rows)
 
