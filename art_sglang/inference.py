@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 120.0
 # A server being replaced because it died or hangs gets this long to exit on SIGTERM before SIGKILL.
 _HUNG_GRACE_S = 5.0
+# A replica whose restart failed is tried again after this pause, doubled per failure in a row up to the
+# maximum (the others serve meanwhile; a start that fails for good, out of memory say, must not spin).
+_REPLICA_RETRY_S = 5.0
+_REPLICA_RETRY_MAX_S = 300.0
 
 
 @dataclass(eq=False)
@@ -53,6 +57,8 @@ class _Replica:
     client: ServerClient | None = None
     routed_url: str | None = None  # the URL requests reach it at; None while it is not routed to
     unanswered_since: float | None = None  # first failed health check in a row
+    failed_restarts: int = 0  # background restarts that failed in a row
+    restart_after: float = 0.0  # monotonic time before which no background restart is tried
 
     @property
     def up(self) -> bool:
@@ -303,11 +309,12 @@ class InferenceService:
             # the gateway only when no server is left to answer them.
             if survivors and not router_died:
                 await self._stop_replicas(list(problems), timeout=_HUNG_GRACE_S)
-                for replica in problems:
+                due = [r for r in problems if time.monotonic() >= r.restart_after]
+                for replica in due:
                     self._restarts[replica] = asyncio.get_running_loop().create_task(
                         self._restart_beside(replica), name=f"restart {replica.process.label}"
                     )
-                return True
+                return bool(due)
             hold = self.holding(drain=False) if router_died or not survivors else contextlib.nullcontext()
             async with hold:
                 await self._stop_replicas(list(problems), timeout=_HUNG_GRACE_S)
@@ -318,7 +325,7 @@ class InferenceService:
         """Start a failed replica while the others serve (without the lock: adapter commands and training
         steps go on, skipping it since it is not up), then, under the lock, load everything it must hold and
         route to it. A failed start is logged and the process stopped: the watchdog's next look finds it
-        dead and tries again."""
+        dead and tries again once its pause is over."""
         began = time.monotonic()
         try:
             if replica.client is not None:
@@ -331,6 +338,7 @@ class InferenceService:
                 await self._load_everything(replica)
                 await self._put_in(replica)
                 self._publish()
+            replica.failed_restarts = 0
             logger.info(
                 "%s back at %s (%.1f s); adapters: %s",
                 replica.process.label,
@@ -339,7 +347,15 @@ class InferenceService:
                 ", ".join(self._adapters) or "none",
             )
         except Exception:
-            logger.exception("restarting the %s failed; the watchdog tries again", replica.process.label)
+            replica.failed_restarts += 1
+            pause = min(_REPLICA_RETRY_S * 2 ** (replica.failed_restarts - 1), _REPLICA_RETRY_MAX_S)
+            replica.restart_after = time.monotonic() + pause
+            logger.exception(
+                "restarting the %s failed (%d in a row); the others serve, next try in %.0f s",
+                replica.process.label,
+                replica.failed_restarts,
+                pause,
+            )
             await replica.process.stop(timeout=_HUNG_GRACE_S)
         finally:
             self._restarts.pop(replica, None)

@@ -20,6 +20,7 @@ from backend_helpers import sample_groups, served_by_each
 import art_sglang as art
 from art_sglang import SGLangBackend
 from art_sglang.devices import DeviceLayout
+from art_sglang.errors import ServerStartError
 from art_sglang.inference import InferenceService
 
 pytest.importorskip("sglang_router", reason="sglang-router is in the dev extra (pip install -e '.[dev]')")
@@ -118,6 +119,43 @@ async def test_each_step_is_served_by_both_replicas_across_a_replica_crash(
     assert await served_by_each(service, "agent@3") == ["yes", "yes"]
     # Rollouts reached both replicas through the router.
     assert all(chat_lines(p.log_path) for p in service.processes)
+
+
+async def test_a_replica_whose_restart_fails_is_tried_again_after_a_pause(
+    replicated: Replicated, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = replicated.service
+    assert service.router is not None
+    victim = service.processes[1]
+    real_start = victim.start
+    attempts: list[float] = []
+
+    async def fail_once() -> None:
+        attempts.append(time.monotonic())
+        if len(attempts) == 1:
+            raise ServerStartError("the replica ran out of memory (a test's failure)")
+        await real_start()
+
+    monkeypatch.setattr(victim, "start", fail_once)
+    killed = victim.pid
+    assert killed is not None
+    for proc in [psutil.Process(killed), *psutil.Process(killed).children(recursive=True)]:
+        proc.kill()
+    deadline = time.monotonic() + 120
+    while not (len(attempts) == 2 and victim.is_alive() and len(await service.router.workers()) == 2):
+        assert time.monotonic() < deadline, f"not back: {len(attempts)} start(s)"
+        if len(attempts) == 1:
+            # Between the failed start and the next, the other replica serves.
+            reply = await replicated.model.openai_client().chat.completions.create(
+                model=replicated.model.get_inference_name(),
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=2,
+            )
+            assert reply.choices[0].message.content is not None
+        await asyncio.sleep(0.2)
+    # The second start came after the pause, not at the watchdog's next look (every second).
+    assert attempts[1] - attempts[0] >= 5.0
+    assert await served_by_each(service, replicated.model.get_inference_name()) == ["yes", "yes"]
 
 
 async def test_a_dead_router_is_restarted_with_both_replicas(replicated: Replicated) -> None:
