@@ -63,6 +63,16 @@ def two_ranks(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -
         asyncio.run(proc.stop())
 
 
+def assert_same_adapter(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Equal within float32 noise. Two ranks add the batch's gradients in another order; Adam divides each
+    update by the root of its squared gradient, so where a gradient is near zero that noise becomes an
+    update difference of a few 1e-6 (5.4e-6 seen with transformers 5.24), while a rank's data missing from
+    the all-reduce changes updates by about the learning rate (1e-2 and more here)."""
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
 async def test_two_ranks_train_the_one_rank_adapter(
     two_ranks: TrainerProcess, tiny_model_path: Path, tmp_path: Path, tokenizer: Any
 ) -> None:
@@ -83,9 +93,7 @@ async def test_two_ranks_train_the_one_rank_adapter(
         for key in ("loss", "kl", "grad_norm", "ratio_mean"):
             assert got.metrics[key] == pytest.approx(expected.metrics[key], rel=1e-4, abs=1e-7), key
         a, b = adapter(expected.checkpoint_path), adapter(got.checkpoint_path)
-        assert a.keys() == b.keys()
-        for name in a:
-            torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+        assert_same_adapter(b, a)
         initial = adapter(tmp_path / "one/checkpoints/0000")
         # The step changed the adapter: equal results are not equal non-results.
         assert max(float((a[name] - initial[name]).abs().max()) for name in a) > 1e-3
@@ -93,8 +101,7 @@ async def test_two_ranks_train_the_one_rank_adapter(
         sft_expected, sft_got = await one.sft(sft), await two.sft(sft)
         assert sft_got.metrics["loss/train"] == pytest.approx(sft_expected.metrics["loss/train"], rel=1e-4)
         a, b = adapter(sft_expected.checkpoint_path), adapter(sft_got.checkpoint_path)
-        for name in a:
-            torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+        assert_same_adapter(b, a)
         # Only rank 0 writes: one checkpoint per step, as with one rank.
         assert sorted(p.name for p in two.checkpoint_dir.iterdir()) == ["0000", "0001", "0002"]
     finally:
