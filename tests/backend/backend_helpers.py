@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
@@ -84,3 +85,11 @@ async def served_by_each(service: Any, name: str, processes: Any = None) -> list
                 "yes" if name in listed and reply.status_code == 200 else f"no ({reply.status_code})"
             )
     return answers
+
+
+def kill_tree(pid: int | None) -> int:
+    """SIGKILL a process and every process under it (a crash, not a stop); returns its pid."""
+    assert pid is not None
+    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        proc.kill()
+    return pid

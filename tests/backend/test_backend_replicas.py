@@ -12,10 +12,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 import pytest_asyncio
-from backend_helpers import sample_groups, served_by_each
+from backend_helpers import kill_tree, sample_groups, served_by_each
 
 import art_sglang as art
 from art_sglang import SGLangBackend
@@ -95,10 +94,7 @@ async def test_each_step_is_served_by_both_replicas_across_a_replica_crash(
         await real_start()
 
     monkeypatch.setattr(victim, "start", start_when_let)
-    killed = victim.pid
-    assert killed is not None
-    for proc in [psutil.Process(killed), *psutil.Process(killed).children(recursive=True)]:
-        proc.kill()
+    killed = kill_tree(victim.pid)
     deadline = time.monotonic() + 10
     while victim.is_alive():
         assert time.monotonic() < deadline
@@ -137,10 +133,7 @@ async def test_a_replica_whose_restart_fails_is_tried_again_after_a_pause(
         await real_start()
 
     monkeypatch.setattr(victim, "start", fail_once)
-    killed = victim.pid
-    assert killed is not None
-    for proc in [psutil.Process(killed), *psutil.Process(killed).children(recursive=True)]:
-        proc.kill()
+    kill_tree(victim.pid)
     deadline = time.monotonic() + 120
     while not (len(attempts) == 2 and victim.is_alive() and len(await service.router.workers()) == 2):
         assert time.monotonic() < deadline, f"not back: {len(attempts)} start(s)"
@@ -161,10 +154,8 @@ async def test_a_replica_whose_restart_fails_is_tried_again_after_a_pause(
 async def test_a_dead_router_is_restarted_with_both_replicas(replicated: Replicated) -> None:
     service = replicated.service
     router = service.router
-    assert router is not None and router.pid is not None
-    dead = router.pid
-    for proc in [psutil.Process(dead), *psutil.Process(dead).children(recursive=True)]:
-        proc.kill()
+    assert router is not None
+    dead = kill_tree(router.pid)
     # A request sent meanwhile waits in the gateway for the new router.
     reply = await replicated.model.openai_client().chat.completions.create(
         model=replicated.model.get_inference_name(),

@@ -21,7 +21,7 @@ import openai
 import psutil
 import pytest
 import pytest_asyncio
-from backend_helpers import REPO, bearer, chat, sample_groups, server_models, tree_snapshot
+from backend_helpers import REPO, bearer, chat, kill_tree, sample_groups, server_models, tree_snapshot
 
 import art_sglang as art
 from art_sglang import ConfigError, SGLangBackend, SGLangConfig, TrainingError, TrainingInputError
@@ -315,10 +315,7 @@ async def test_a_crashed_server_comes_back_with_its_adapters(loop: Loop) -> None
     service = loop.backend.inference
     assert service is not None
     name = loop.model.get_inference_name()
-    crashed = service.process.pid
-    assert crashed is not None
-    for proc in [psutil.Process(crashed), *psutil.Process(crashed).children(recursive=True)]:
-        proc.kill()
+    crashed = kill_tree(service.process.pid)
     deadline = time.monotonic() + 120
     while not (service.process.is_alive() and service.process.pid != crashed):
         assert time.monotonic() < deadline, "the watchdog did not restart the server"

@@ -25,7 +25,7 @@ from art_sglang.devices import DeviceLayout, detect_gpus
 from art_sglang.inference import InferenceService
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
-from backend_helpers import served_by_each  # what each replica serves, asked of it directly
+from backend_helpers import kill_tree, served_by_each  # what each replica serves, asked of it directly
 
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio(loop_scope="module")]
 
@@ -112,10 +112,7 @@ async def test_every_step_on_both_replicas_with_one_killed_and_recovered(replica
     await train_step(1)
     assert await served_by_each(service, "agent@1") == ["yes", "yes"]
     victim = service.processes[1]
-    killed = victim.pid
-    assert killed is not None
-    for proc in [psutil.Process(killed), *psutil.Process(killed).children(recursive=True)]:
-        proc.kill()
+    killed = kill_tree(victim.pid)
     killed_at = time.monotonic()
     # While it is down (an SGLang start takes a minute or more), rollouts go through the other replica and
     # the next step trains and is served there.
