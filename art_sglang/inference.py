@@ -273,8 +273,9 @@ class InferenceService:
         `GET /health` for `unresponsive_timeout` seconds (hung or stopped), with every adapter loaded again
         before a request reaches it. With replicas, a failed one is taken out of the router and restarted
         in the background while the others serve: this returns once it is out, so neither the watchdog nor
-        a training step waits minutes for an SGLang start. Returns whether it restarted (or began
-        restarting) anything. Does nothing while another command runs. `probe=False` only looks for dead processes: the step path uses it, since SGLang 0.5.17's
+        a training step waits minutes for an SGLang start (one whose restart failed waits out its pause).
+        Returns whether it restarted (or began restarting) anything. Does nothing while another command
+        runs. `probe=False` only looks for dead processes: the step path uses it, since SGLang 0.5.17's
         /health takes a second (a one-token generation polled once a second); the watchdog probes."""
         if not self._serving or self._lock.locked():
             return False
@@ -283,7 +284,7 @@ class InferenceService:
             if not self._serving:
                 return False
             for replica in self._replicas:
-                if replica in self._restarts:
+                if replica in self._restarts or time.monotonic() < replica.restart_after:
                     continue
                 problem = await self._problem(replica, probe=probe)
                 if problem is not None:
@@ -309,12 +310,11 @@ class InferenceService:
             # the gateway only when no server is left to answer them.
             if survivors and not router_died:
                 await self._stop_replicas(list(problems), timeout=_HUNG_GRACE_S)
-                due = [r for r in problems if time.monotonic() >= r.restart_after]
-                for replica in due:
+                for replica in problems:
                     self._restarts[replica] = asyncio.get_running_loop().create_task(
                         self._restart_beside(replica), name=f"restart {replica.process.label}"
                     )
-                return bool(due)
+                return True
             hold = self.holding(drain=False) if router_died or not survivors else contextlib.nullcontext()
             async with hold:
                 await self._stop_replicas(list(problems), timeout=_HUNG_GRACE_S)
