@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -87,9 +88,10 @@ async def served_by_each(service: Any, name: str, processes: Any = None) -> list
     return answers
 
 
-def kill_tree(pid: int | None) -> int:
-    """SIGKILL a process and every process under it (a crash, not a stop); returns its pid."""
+def kill_tree(pid: int | None, sig: signal.Signals = signal.SIGKILL) -> int:
+    """Send `sig` to a process and every process under it (SIGKILL: a crash, not a stop; SIGSTOP: a hang);
+    returns its pid."""
     assert pid is not None
     for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-        proc.kill()
+        proc.send_signal(sig)
     return pid

@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 import pytest_asyncio
-from backend_helpers import chat, sample_groups, server_models
+from backend_helpers import chat, kill_tree, sample_groups, server_models
 
 import art_sglang as art
 from art_sglang import SGLangBackend, SGLangConfig, TrainerConfig, TrainerError
@@ -48,11 +48,6 @@ def _gateway(model: art.TrainableModel) -> str:
     return model.inference_base_url.removesuffix("/v1")
 
 
-def _kill_tree(pid: int, sig: signal.Signals) -> None:
-    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-        proc.send_signal(sig)
-
-
 async def test_server_killed_during_train_only_fails_requests_in_flight(faulty) -> None:
     backend, model, _ = faulty
     service = backend.inference
@@ -68,7 +63,7 @@ async def test_server_killed_during_train_only_fails_requests_in_flight(faulty) 
         pid = service.process.pid
         assert pid is not None
         killed["at"] = time.monotonic()
-        _kill_tree(pid, signal.SIGKILL)
+        kill_tree(pid)
         while not (service.process.is_alive() and service.process.pid != pid):
             await asyncio.sleep(0.1)
         killed["back"] = time.monotonic()
@@ -131,7 +126,7 @@ async def test_a_stopped_server_is_restarted_and_requests_wait(faulty) -> None:
     assert service is not None
     stopped = service.process.pid
     assert stopped is not None
-    _kill_tree(stopped, signal.SIGSTOP)
+    kill_tree(stopped, signal.SIGSTOP)
     # Sent to the stopped server: it fails when the hung process is killed, or waits for the new one.
     name = model.get_inference_name()
     reply = await chat(_gateway(model), name)
