@@ -17,11 +17,12 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any, Literal
 
 from .backend_settings import BackendSettings, check_row_length
-from .config import DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from .config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from .cuda_mps import CudaMps
 from .devices import DeviceLayout, EngineChoice
 from .errors import ConfigError, ModelNotRegisteredError
 from .history import append_row
@@ -53,7 +54,9 @@ class SGLangBackend:
     Mode (from the visible GPUs unless set): split with 2+ GPUs (server on the first, trainer on the
     rest), shared with one (server and trainer take turns: `shared_strategy` "sleep" releases the
     server's memory, "restart" stops it; "co_resident" keeps both on the GPU with no handoff, for
-    pipelined training), and the CPU reference engine with none. `engine` forces
+    pipelined training, their kernels side by side under a CUDA MPS daemon of the backend's own where
+    `cuda_mps` allows: "auto" where the driver's MPS program is found, "on" or "off"), and the CPU
+    reference engine with none. `engine` forces
     "sglang" or "reference". `inference_devices=[0, 1]` starts one server replica per listed GPU behind
     SGLang's router (cache-aware routing), every adapter loaded on each replica before its name is
     served. `gateway=False` points clients at the server directly (no refusal of
@@ -75,6 +78,7 @@ class SGLangBackend:
         path: str = ".art",
         gateway: bool = True,
         layout: DeviceLayout | None = None,
+        cuda_mps: CudaMpsMode = "auto",
     ):
         self.trainer_config = trainer_config or TrainerConfig()
         self.shared_strategy = shared_strategy
@@ -88,10 +92,12 @@ class SGLangBackend:
             training_devices=training_devices,
             layout=layout,
             inference_devices=inference_devices,
+            cuda_mps=cuda_mps,
         )
         self._path = path
         self._use_gateway = gateway
         self._service: InferenceService | None = None
+        self._mps: CudaMps | None = None
         self._handoff: GpuHandoff | None = None
         self._models: dict[tuple[str, str], RegisteredModel] = {}
         self._lock = asyncio.Lock()
@@ -115,6 +121,11 @@ class SGLangBackend:
     @property
     def handoff_strategy(self) -> HandoffStrategy:
         return self._settings.handoff_strategy
+
+    @property
+    def uses_cuda_mps(self) -> bool:
+        """Whether the server and trainer run as clients of the backend's CUDA MPS daemon now."""
+        return self._mps is not None and self._mps.is_alive()
 
     # --- ART's backend protocol ------------------------------------------------------------------------
     async def register(self, model: Any) -> None:
@@ -159,9 +170,8 @@ class SGLangBackend:
                 entry = await self._start_model(model, store, settings, lock)
             except BaseException:
                 lock.release()
-                if not self._models and self._service is not None:
-                    await self._service.close()
-                    self._service = self._handoff = self._watchdog = None
+                if not self._models:
+                    await self._stop_service()
                 raise
             self._models[key] = entry
             logger.info("registered %s at step %d (%s)", model.name, entry.step, store.dir)
@@ -181,6 +191,7 @@ class SGLangBackend:
             settings.trainer,
             gpu_ids=self._gpu_ids("training"),
             log_path=store.trainer_log,
+            env=self._mps.client_env if self._mps is not None else None,
         )
         try:
             if self._handoff.trainer_keeps_weights:
@@ -420,14 +431,22 @@ class SGLangBackend:
         self._closed = True
         if self._watchdog is not None:
             await self._watchdog.stop()
-        stops = [entry.trainer.stop() for entry in self._models.values()]
-        if self._service is not None:
-            stops.append(self._service.close())
         try:
-            await gather_all(*stops)
+            await self._stop_service(*(entry.trainer.stop() for entry in self._models.values()))
         finally:
             for entry in self._models.values():
                 entry.lock.release()
+
+    async def _stop_service(self, *stops: Awaitable[Any]) -> None:
+        """Stop the server (and its gateway) together with `stops` (the trainers), then the MPS daemon
+        whose clients they were."""
+        service, mps = self._service, self._mps
+        self._service = self._handoff = self._watchdog = self._mps = None
+        try:
+            await gather_all(*stops, *([service.close()] if service is not None else []))
+        finally:
+            if mps is not None:
+                await mps.stop()
 
     async def __aenter__(self) -> SGLangBackend:
         return self
@@ -501,6 +520,9 @@ class SGLangBackend:
                 release = self._settings.use_shared_plan(plan)
             elif self._settings.co_resident:  # no handoff: the server's pool leaves the trainer room
                 await asyncio.to_thread(self._settings.use_co_resident_plan, base_model)
+                if self._settings.use_cuda_mps() and self._mps is None:
+                    self._mps = CudaMps(store.logs_dir / "cuda-mps.log")
+                    self._settings.add_server_env(await self._mps.start())
             self._service = InferenceService(
                 self.sglang_config,
                 base_model,

@@ -10,7 +10,8 @@ import math
 from collections import Counter
 from typing import Any, Literal
 
-from .config import DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from .config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from .cuda_mps import CONTROL, control_program
 from .devices import DeviceLayout, EngineChoice, choose_layout, detect_gpus
 from .errors import ConfigError
 from .gpu_budget import SharedPlan, model_weights_bytes, plan_co_resident, plan_shared_gpu
@@ -43,9 +44,13 @@ class BackendSettings:
         training_devices: list[int] | None,
         layout: DeviceLayout | None,
         inference_devices: list[int] | None = None,
+        cuda_mps: CudaMpsMode = "auto",
     ) -> None:
         if shared_strategy not in ("sleep", "restart", "co_resident"):
             raise ConfigError(f"shared_strategy={shared_strategy!r}: use 'sleep', 'restart' or 'co_resident'")
+        if cuda_mps not in ("auto", "on", "off"):
+            raise ConfigError(f"cuda_mps={cuda_mps!r}: use 'auto', 'on' or 'off'")
+        self.cuda_mps = cuda_mps
         if engine not in ("auto", "sglang", "reference"):
             raise ConfigError(f"engine={engine!r}: use 'auto', 'sglang' or 'reference'")
         check_compatible(config, trainer_config)
@@ -70,6 +75,7 @@ class BackendSettings:
         )
         self._configure(self._initial_layout, config)
         self._chosen_config = config  # the server's settings before shared mode's memory plan
+        self.use_cuda_mps(log=False)  # cuda_mps='on' where it cannot apply fails here, before anything starts
 
     def settings_for(
         self,
@@ -211,6 +217,34 @@ class BackendSettings:
             "shared mode, co-resident: server and trainer stay on the GPU (mem_fraction_static %.3f)",
             fraction,
         )
+
+    def add_server_env(self, env: dict[str, str]) -> None:
+        """Start the server with `env` in its environment too (the MPS daemon's client variables)."""
+        config = self.sglang_config
+        self.sglang_config = config.model_copy(update={"server_env": {**config.server_env, **env}})
+
+    def use_cuda_mps(self, *, log: bool = True) -> bool:
+        """Whether the co-resident server and trainer share the GPU through CUDA MPS (`cuda_mps`: "on"
+        where it cannot apply is a ConfigError; "auto" uses it where it can, and says so where not)."""
+        if self.cuda_mps == "off":
+            return False
+        if not self.co_resident or self.layout.engine != "sglang":
+            if self.cuda_mps == "on":
+                raise ConfigError(
+                    "cuda_mps='on' applies to shared_strategy='co_resident' on SGLang (server and trainer on "
+                    "one GPU at once): use cuda_mps='auto' or 'off'"
+                )
+            return False
+        if control_program() is not None:
+            return True
+        if self.cuda_mps == "on":
+            raise ConfigError(f"cuda_mps='on' needs {CONTROL} (part of the NVIDIA driver) on PATH")
+        if log:
+            logger.info(
+                "co-resident without CUDA MPS (%s is not on PATH): server and trainer take turns on the GPU",
+                CONTROL,
+            )
+        return False
 
     def _gpu_total_bytes(self) -> int | None:
         """The shared GPU's memory; None on the reference engine or when nvidia-smi does not list it."""

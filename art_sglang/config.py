@@ -12,6 +12,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 WeightSyncMethod = Literal["lora", "disk", "restart"]
 SharedStrategy = Literal["sleep", "restart", "co_resident"]
+CudaMpsMode = Literal["auto", "on", "off"]
 SleepRelease = Literal["auto", "kv_cache", "all"]
 RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "random"]
 

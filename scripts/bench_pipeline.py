@@ -71,8 +71,9 @@ def make_backend(args: argparse.Namespace, path: Path) -> SGLangBackend:
     if args.layout == "replicas":
         return SGLangBackend(engine="sglang", inference_devices=[0, 1], training_devices=[2, 3], **common)
     return SGLangBackend(
-        engine="sglang", inference_device=0, training_devices=[0], shared_strategy="co_resident", **common
-    )
+        engine="sglang", inference_device=0, training_devices=[0], shared_strategy="co_resident",
+        cuda_mps=args.cuda_mps, **common,
+    )  # fmt: skip
 
 
 async def run_loop(backend: SGLangBackend, model: Any, loop: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -147,6 +148,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         history = path / "bench-pipeline" / "models" / "bench-pipelined" / "history.jsonl"
         loops["pipelined"]["steps_off_policy"] = steps_off_policy(history)
         layout, config = backend.layout.describe(), backend.sglang_config.model_dump()
+        cuda_mps = backend.uses_cuda_mps
     result: dict[str, Any] = {
         "device": device_name(env),
         "date": env["date"],
@@ -155,6 +157,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "layout": args.layout,
         "layout_detail": layout,
+        "cuda_mps": cuda_mps,
         "workload": {
             **rollout_workload(args),
             "steps": args.steps,
@@ -195,7 +198,8 @@ def table(result: dict[str, Any]) -> str:
         ])  # fmt: skip
     w = result["workload"]
     head = (
-        f"{result['engine']} on {result['device']} ({result['layout']}), {result['date']}; model "
+        f"{result['engine']} on {result['device']} ({result['layout']}"
+        f"{', CUDA MPS' if result.get('cuda_mps') else ''}), {result['date']}; model "
         f"{result['model']}; {workload_phrase(w)}, max_steps_off_policy={w['max_steps_off_policy']}, "
         f"seed {w['seed']}; "
         f"pipelined / synchronous trajectories trained per minute after the first step: "
@@ -215,6 +219,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="training steps per loop")
     parser.add_argument("--max-steps-off-policy", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cuda-mps", choices=("auto", "on", "off"), default="auto",
+        help="co_resident layout: server and trainer as clients of a CUDA MPS daemon (SGLangBackend's cuda_mps)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.layout == "cpu":
         args.engine = "reference"

@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from subprocess import Popen
 from typing import IO, Any
@@ -61,11 +61,13 @@ class TrainerProcess(ManagedProcess):
         gpu_ids: Sequence[int | str] | None,
         log_path: Path,
         cpu_ranks: int = 1,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.base_model = base_model
         self.checkpoint_dir = Path(checkpoint_dir)
         self.config = config
         self.gpu_ids = gpu_ids
+        self._extra_env = dict(env or {})
         # One rank per training GPU; on CPU (no gpu_ids, or none listed) as many as asked.
         self.ranks = len(gpu_ids) if gpu_ids else cpu_ranks
         label = (
@@ -92,7 +94,7 @@ class TrainerProcess(ManagedProcess):
     def environment(self) -> dict[str, str]:
         # A backend that itself runs under torch's launcher must not hand its own rank and rendezvous to
         # the trainer: the trainer's launcher sets its ranks' own, and a single worker has none.
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES} | self._extra_env
         if self.gpu_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
         # The worker must import this very package, even when it is not installed (a source checkout).

@@ -22,7 +22,8 @@
 #     the benchmarks at it
 #   bench-multiturn (~5 min): tic-tac-toe through the backend, prefix-cache hit rate per turn
 #   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
-#     workload and seed, server and trainer co-resident on GPU 0; bench-pipeline-split: server on GPU 0,
+#     workload and seed, server and trainer co-resident on GPU 0 (CUDA MPS where the driver has it);
+#     bench-pipeline-1gpu-no-mps the same with cuda_mps="off"; bench-pipeline-split: server on GPU 0,
 #     trainer on GPU 1 (2 GPUs)
 #   bench-replicas (~3 min, 2 GPUs, stage.sh router first): rollout tokens/s of 1 replica vs 2 behind
 #     SGLang's router, and the prefix-cache hit rate of cache-aware vs round-robin routing
@@ -33,6 +34,7 @@
 #   models-7b); bench-trainer-ddp3 (~5 min): trainer tokens/s on 1, 2 and 3 ranks; bench-pipeline-replicas
 #   (~4 min, after stage.sh art): pipelined vs synchronous with 2 replicas (GPUs 0-1) and 2 ranks (GPUs 2-3)
 # replicas-1gpu (~4 min, 1 GPU, stage.sh router first): two replicas on the first visible GPU behind the router
+# cuda-mps (~3 min, 1 GPU): co-resident server and trainer as clients of the backend's CUDA MPS daemon
 # art-program (~4 min, after stage.sh art): an ART program with tools and _internal_config, 2 RL steps
 # Two 1-GPU suites at once, one per GPU: scripts/device/pair.sh.
 set -uo pipefail
@@ -66,6 +68,7 @@ for name in "$@"; do
     faults-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k split) ;;
     faults-shared) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k shared) ;;
     replicas-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_replicas.py) ;;
+    cuda-mps) cmd=("${pytest[@]}" -m gpu tests/gpu/test_cuda_mps.py) ;;
     ddp) cmd=("${pytest[@]}" -m gpu tests/gpu/test_training_ranks.py) ;;
     bench-cycle-kv) cmd=("${cycle[@]}" --strategies sleep/kv_cache --steps 3) ;;
     bench-cycle-all) cmd=("${cycle[@]}" --strategies sleep/all --steps 3) ;;
@@ -109,6 +112,9 @@ for name in "$@"; do
                           --json "$results/bench_multiturn.json" --markdown "$results/bench_multiturn.md") ;;
     bench-pipeline-1gpu) cmd=("${pipeline[@]}" --layout co_resident --json "$results/bench_pipeline-1gpu.json"
                                --markdown "$results/bench_pipeline-1gpu.md") ;;
+    bench-pipeline-1gpu-no-mps) cmd=("${pipeline[@]}" --layout co_resident --cuda-mps off
+                                      --json "$results/bench_pipeline-1gpu-no-mps.json"
+                                      --markdown "$results/bench_pipeline-1gpu-no-mps.md") ;;
     bench-pipeline-split) cmd=("${pipeline[@]}" --layout split --json "$results/bench_pipeline-split.json"
                                 --markdown "$results/bench_pipeline-split.md") ;;
     bench-pipeline-replicas) cmd=("${pipeline[@]}" --layout replicas --json "$results/bench_pipeline-replicas.json"

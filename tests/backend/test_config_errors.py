@@ -182,3 +182,19 @@ def test_replicas_sharing_a_gpu_split_its_memory_and_each_gets_its_gpus(tmp_path
     assert [p.log_path.name for p in service.processes] == ["server.log", "server-replica1.log"]
     assert service.router is not None and service.router.log_path.name == "server-router.log"
     assert _children() == 0  # nothing started
+
+
+def test_cuda_mps_on_where_it_cannot_apply_is_refused(monkeypatch, tmp_path):
+    with pytest.raises(ConfigError, match="'auto', 'on' or 'off'"):
+        SGLangBackend(engine="reference", cuda_mps="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="cuda_mps='on' applies to shared_strategy='co_resident' on SGLang"):
+        SGLangBackend(layout=CPU_SHARED, shared_strategy="co_resident", cuda_mps="on")
+    one_gpu = DeviceLayout("shared", "sglang", (0,), (0,), "forced for tests")
+    with pytest.raises(ConfigError, match="cuda_mps='on' applies to shared_strategy='co_resident'"):
+        SGLangBackend(layout=one_gpu, shared_strategy="sleep", cuda_mps="on")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no MPS control program
+    with pytest.raises(ConfigError, match="cuda_mps='on' needs nvidia-cuda-mps-control"):
+        SGLangBackend(layout=one_gpu, shared_strategy="co_resident", cuda_mps="on")
+    # "auto" goes without it, and says so when the server starts.
+    backend = SGLangBackend(layout=one_gpu, shared_strategy="co_resident", cuda_mps="auto")
+    assert not backend.uses_cuda_mps
