@@ -23,8 +23,10 @@ PIPE = "CUDA_MPS_PIPE_DIRECTORY"
 
 
 def pipe_of(proc: psutil.Process) -> str | None:
+    """The process's MPS pipe directory ("" if it has none), None if its environment cannot be read (it
+    exited meanwhile, or is a zombie)."""
     try:
-        return proc.environ().get(PIPE)
+        return proc.environ().get(PIPE, "")
     except psutil.Error:
         return None
 
@@ -54,9 +56,14 @@ async def run(tmp_path_factory: pytest.TempPathFactory, gpu_model: str):
 async def test_server_and_trainer_are_clients_of_the_daemon(run) -> None:
     backend, _ = run
     assert backend.uses_cuda_mps
-    ours = {role_of(p): pipe_of(p) for p in psutil.Process().children(recursive=True) if role_of(p)}
-    pipe = ours.get("server")
-    assert pipe and ours.get("trainer") == pipe, ours
+    pipes: dict[str, set[str]] = {"server": set(), "trainer": set()}
+    for proc in psutil.Process().children(recursive=True):
+        role, pipe = role_of(proc), pipe_of(proc)
+        if role in pipes and pipe is not None:
+            pipes[role].add(pipe)
+    assert backend.inference is not None
+    pipe = pipe_of(psutil.Process(backend.inference.process.pid))
+    assert pipe and pipes == {"server": {pipe}, "trainer": {pipe}}, (pipe, pipes)
     found = {p.info["name"] for p in mps_processes(pipe)}
     # The control daemon starts its MPS server when the first client connects.
     assert {"nvidia-cuda-mps-control", "nvidia-cuda-mps-server"} <= found, found
@@ -80,7 +87,8 @@ async def test_a_step_trains_and_is_served(run) -> None:
 
 async def test_close_leaves_no_mps_process_or_directory(run) -> None:
     backend, _ = run
-    pipe = next(pipe_of(p) for p in psutil.Process().children(recursive=True) if role_of(p) == "server")
+    assert backend.inference is not None
+    pipe = pipe_of(psutil.Process(backend.inference.process.pid))
     assert pipe
     await backend.close()
     assert not backend.uses_cuda_mps
