@@ -260,9 +260,7 @@ class ReferenceEngine:
         input_logprobs: list[TokenLogprob | None] = []
 
         with self.adapters.activate(adapter) as model:
-            logits = model(
-                input_ids=torch.tensor([prompt[cached:]]), past_key_values=kv, use_cache=True
-            ).logits[0]
+            logits = self._forward_one_by_one(model, prompt[cached:], kv)
             if request.input_logprob_start is not None:
                 start = max(request.input_logprob_start, 0)
                 prompt_lp = logprobs_of(logits, options)
@@ -324,6 +322,17 @@ class ReferenceEngine:
             started=started,
             finished=time.time(),
         )
+
+    @staticmethod
+    def _forward_one_by_one(model: torch.nn.Module, tokens: list[int], kv: DynamicCache) -> torch.Tensor:
+        """The logits of `tokens` after `kv`, computed one token at a time, as decoding does. A forward over
+        several tokens rounds differently from one token at a time, and how much of a prompt the cache
+        holds depends on which requests finished first: computed alike at every position, a request's
+        output does not depend on request timing, so runs with the same seeds are identical."""
+        rows = [
+            model(input_ids=torch.tensor([[t]]), past_key_values=kv, use_cache=True).logits[0] for t in tokens
+        ]
+        return torch.cat(rows)
 
     @staticmethod
     def _emit(request: GenerationRequest, delta: str, entry: TokenLogprob | None) -> None:
