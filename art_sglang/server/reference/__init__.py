@@ -20,6 +20,8 @@ shapes). Where SGLang's behaviour is kept on purpose, or where a CPU engine must
 - The prefix cache keeps recent KV caches per adapter (token budget `--max-total-tokens`) and reuses the
   longest common prefix, so `usage.prompt_tokens_details.cached_tokens` is real;
   `--disable-radix-cache` turns it off; /flush_cache clears it (refused while requests run, like SGLang).
+  Prompt tokens are computed one at a time, as decoded ones are, so a seeded request's output is the same
+  whatever prefix of it the cache holds (unlike SGLang, whose batches round differently).
 - /release_memory_occupation with `--enable-memory-saver` clears the cache and drops the base weights;
   with `--enable-weights-cpu-backup` they are kept in RAM (on a CPU that backup is the weights themselves),
   without it they are re-read from disk on resume. While released, generation answers 503 and
