@@ -521,8 +521,7 @@ class SGLangBackend:
             elif self._settings.co_resident:  # no handoff: the server's pool leaves the trainer room
                 await asyncio.to_thread(self._settings.use_co_resident_plan, base_model)
                 if self._settings.use_cuda_mps() and self._mps is None:
-                    self._mps = CudaMps(store.logs_dir / "cuda-mps.log")
-                    self._settings.add_server_env(await self._mps.start())
+                    await self._start_cuda_mps(CudaMps(store.logs_dir / "cuda-mps.log"))
             self._service = InferenceService(
                 self.sglang_config,
                 base_model,
@@ -541,6 +540,20 @@ class SGLangBackend:
             )
             self._watchdog = ServerWatchdog(self._service)
         return self._service
+
+    async def _start_cuda_mps(self, mps: CudaMps) -> None:
+        """Make the server (and the trainers started after this) clients of `mps`. A daemon that does
+        not start fails registration with cuda_mps='on'; with 'auto' it is a warning and both go on
+        without MPS."""
+        try:
+            env = await mps.start()
+        except ConfigError as exc:
+            if self._settings.cuda_mps == "on":
+                raise
+            logger.warning("%s\nGoing on without CUDA MPS: server and trainer take turns on the GPU.", exc)
+            return
+        self._mps = mps
+        self._settings.add_server_env(env)
 
     def _gpu_ids(self, role: Literal["inference", "training"]) -> list[str]:
         return self._settings.gpu_ids(role)

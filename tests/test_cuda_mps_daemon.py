@@ -1,10 +1,11 @@
 """`CudaMps`'s process handling, with a stand-in for NVIDIA's control program (the real one needs a GPU
 and runs in tests/gpu/test_cuda_mps.py): it waits for the control socket, hides CUDA_VISIBLE_DEVICES from
 the daemon, asks it to quit on stop and clears its directory, and a daemon that fails to start is a
-ConfigError with its log."""
+ConfigError with its log (with cuda_mps="auto" the backend warns and goes on without)."""
 
 from __future__ import annotations
 
+import logging
 import stat
 import tempfile
 from pathlib import Path
@@ -12,8 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from art_sglang import ConfigError
+from art_sglang import ConfigError, SGLangBackend
 from art_sglang.cuda_mps import CudaMps
+from art_sglang.devices import DeviceLayout
 
 # -f: make the control socket, note the environment, run until asked to quit; otherwise: a `quit` on
 # stdin is passed to the running daemon.
@@ -65,3 +67,16 @@ async def test_a_daemon_that_does_not_start_is_a_config_error_with_its_log(tmp_p
         await daemon.start()
     assert not daemon.is_alive()
     assert set(Path(tempfile.gettempdir()).glob("art-sglang-mps-*")) == before  # its directory removed
+
+
+async def test_a_failed_daemon_is_a_warning_with_auto_and_an_error_with_on(tmp_path, monkeypatch, caplog):
+    stand_in(tmp_path, BROKEN, monkeypatch)
+    one_gpu = DeviceLayout("shared", "sglang", (0,), (0,), "forced for tests")
+    auto = SGLangBackend(layout=one_gpu, shared_strategy="co_resident", cuda_mps="auto")
+    with caplog.at_level(logging.WARNING, logger="art_sglang.backend"):
+        await auto._start_cuda_mps(CudaMps(tmp_path / "auto.log"))
+    assert not auto.uses_cuda_mps and "CUDA_MPS_PIPE_DIRECTORY" not in auto.sglang_config.server_env
+    assert "Going on without CUDA MPS" in caplog.text and "already running" in caplog.text
+    on = SGLangBackend(layout=one_gpu, shared_strategy="co_resident", cuda_mps="on")
+    with pytest.raises(ConfigError, match="CUDA MPS could not start"):
+        await on._start_cuda_mps(CudaMps(tmp_path / "on.log"))
