@@ -8,6 +8,7 @@ directory behind.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import psutil
@@ -57,13 +58,16 @@ async def test_server_and_trainer_are_clients_of_the_daemon(run) -> None:
     backend, _ = run
     assert backend.uses_cuda_mps
     pipes: dict[str, set[str]] = {"server": set(), "trainer": set()}
+    seen: list[tuple[str, int, str, str]] = []  # the message names a process that is not a client
     for proc in psutil.Process().children(recursive=True):
-        role, pipe = role_of(proc), pipe_of(proc)
-        if role in pipes and pipe is not None:
-            pipes[role].add(pipe)
+        with contextlib.suppress(psutil.Error):  # a process that exits meanwhile is not counted
+            role, pipe, command = role_of(proc), proc.environ().get(PIPE, ""), " ".join(proc.cmdline())
+            if role in pipes:
+                pipes[role].add(pipe)
+                seen.append((role, proc.pid, command[:200], pipe))
     assert backend.inference is not None
     pipe = pipe_of(psutil.Process(backend.inference.process.pid))
-    assert pipe and pipes == {"server": {pipe}, "trainer": {pipe}}, (pipe, pipes)
+    assert pipe and pipes == {"server": {pipe}, "trainer": {pipe}}, (pipe, seen)
     found = {p.info["name"] for p in mps_processes(pipe)}
     # The control daemon starts its MPS server when the first client connects.
     assert {"nvidia-cuda-mps-control", "nvidia-cuda-mps-server"} <= found, found
