@@ -6,7 +6,8 @@ rollout batch leave most of the GPU idle during their slice. Under MPS their ker
 
 The daemon is the backend's own child: its pipe directory is private (other MPS users on the machine are
 not touched), only the processes given `client_env` use it, it runs in the foreground so it dies with
-the backend (parent-death signal), and `stop()` asks it to quit once its clients are gone.
+the backend (parent-death signal), and `stop()` asks it to quit once its clients are gone. The directory
+is named after the backend's pid, so a later start removes what a killed backend left.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 from .errors import ConfigError
 from .process_tree import ManagedProcess
 
 logger = logging.getLogger(__name__)
 
 CONTROL = "nvidia-cuda-mps-control"
+DIR_PREFIX = "art-sglang-mps-"
 START_TIMEOUT_S = 15.0
 QUIT_TIMEOUT_S = 10.0
 
@@ -33,6 +37,18 @@ QUIT_TIMEOUT_S = 10.0
 def control_program() -> str | None:
     """The MPS control program on PATH (shipped with the NVIDIA driver), or None."""
     return shutil.which(CONTROL)
+
+
+def remove_dirs_of_dead_backends() -> None:
+    """Remove this user's daemon directories whose backend process is gone (killed before `stop()`)."""
+    for directory in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*"):
+        owner = directory.name.removeprefix(DIR_PREFIX).split("-")[0]
+        try:
+            mine = directory.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and owner.isdigit() and not psutil.pid_exists(int(owner)):
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 class CudaMps(ManagedProcess):
@@ -63,8 +79,9 @@ class CudaMps(ManagedProcess):
         program = control_program()
         if program is None:
             raise ConfigError(f"cuda_mps='on' needs {CONTROL} (part of the NVIDIA driver) on PATH")
+        remove_dirs_of_dead_backends()
         # Under /tmp: a Unix socket's path may not exceed 107 bytes, and a model directory's can.
-        self._dir = Path(tempfile.mkdtemp(prefix="art-sglang-mps-"))
+        self._dir = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-"))
         for sub in ("pipe", "log"):
             (self._dir / sub).mkdir()
         self._launch([program, "-f"], self._daemon_env(), pipes=False)

@@ -6,7 +6,10 @@ ConfigError with its log (with cuda_mps="auto" the backend warns and goes on wit
 from __future__ import annotations
 
 import logging
+import os
 import stat
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -80,3 +83,43 @@ async def test_a_failed_daemon_is_a_warning_with_auto_and_an_error_with_on(tmp_p
     on = SGLangBackend(layout=one_gpu, shared_strategy="co_resident", cuda_mps="on")
     with pytest.raises(ConfigError, match="CUDA MPS could not start"):
         await on._start_cuda_mps(CudaMps(tmp_path / "on.log"))
+
+
+OWNER = """
+import asyncio, sys
+from pathlib import Path
+from art_sglang.cuda_mps import CudaMps
+
+async def main():
+    daemon = CudaMps(Path(sys.argv[1]))  # held: the handle kills its daemon when collected
+    print((await daemon.start())["CUDA_MPS_PIPE_DIRECTORY"], flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_killed_backends_daemon_dies_with_it_and_the_next_start_removes_its_directory(
+    tmp_path, monkeypatch
+):
+    stand_in(tmp_path, STAND_IN, monkeypatch)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(tmp_path / "owner.log")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert owner.stdout is not None
+        left = Path(owner.stdout.readline().strip()).parent
+        daemon = psutil.Process(owner.pid).children()[0]
+    finally:
+        owner.kill()
+        owner.wait()
+    daemon.wait(timeout=5)  # the parent-death signal
+    assert left.is_dir()
+    live = Path(tempfile.mkdtemp(prefix=f"art-sglang-mps-{os.getpid()}-"))  # another backend's, running
+    try:
+        daemon = CudaMps(tmp_path / "next.log")
+        await daemon.start()
+        await daemon.stop()
+        assert not left.exists() and live.is_dir()
+    finally:
+        live.rmdir()
