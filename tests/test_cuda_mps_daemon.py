@@ -117,9 +117,9 @@ async def test_a_killed_backends_daemon_dies_with_it_and_the_next_start_removes_
     assert left.is_dir()
     live = Path(tempfile.mkdtemp(prefix=f"art-sglang-mps-{os.getpid()}-"))  # another backend's, running
     try:
-        daemon = CudaMps(tmp_path / "next.log")
-        await daemon.start()
-        await daemon.stop()
+        next_daemon = CudaMps(tmp_path / "next.log")
+        await next_daemon.start()
+        await next_daemon.stop()
         assert not left.exists() and live.is_dir()
     finally:
         live.rmdir()
