@@ -144,6 +144,22 @@ class SGLangConfig(BaseModel):
         default_factory=list, description="Further CLI flags passed through verbatim."
     )
 
+    merge_requests: bool = Field(
+        True,
+        description="Requests that share a prompt and arrive together reach the server so that it computes "
+        "the prompt once: identical ones (ART's GRPO groups) as one request with n=k, each caller still "
+        "getting its own answer; others after one prefill-only request. SGLang alone computes such prompts "
+        "several times. False = every request is forwarded as it came.",
+    )
+    merge_window_ms: float = Field(
+        2.0,
+        gt=0,
+        le=100,
+        description="With merge_requests: how long a request waits for others with its prompt, after the "
+        "latest one came (8 windows at most). It is the time to first token a request that shares nothing "
+        "pays.",
+    )
+
     router_policy: RouterPolicy = Field(
         "cache_aware",
         description="How SGLang's router spreads requests over server replicas (inference_devices): "

@@ -13,6 +13,8 @@ server) plus what the backend needs to take the server away safely:
   checkpoint is on disk); the request goes on if it returns True, else it is answered 404.
 - Bodies over `max_body_bytes` are refused with 413 before they are read to the end; malformed JSON is a
   400 from the gateway.
+- With `merge_window` set, requests that share a prompt and arrive together are sent so that the server
+  computes the prompt once (`request_merge`): identical ones as one request with `n=k`.
 
 It runs its own event loop in a daemon thread, so a user's event loop that blocks (e.g. a synchronous
 OpenAI call inside async code) cannot stall it.
@@ -31,6 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import aiohttp
 from aiohttp import web
 
+from .request_merge import Answer, MergeCounters, RequestMerger, bad_gateway, plan
 from .router import Forward, Refuse, Served, error, route
 
 logger = logging.getLogger(__name__)
@@ -66,7 +69,7 @@ class AdapterGateway:
     """Reverse proxy on `host:port` (port 0 picks a free one) in front of `upstream` ("http://host:port").
 
     `api_key`: the key rollout clients must send (None: any). `upstream_key`: the key the gateway sends to
-    the server. `set_served(...)` sets which names may be requested; until it is called nothing is served
+    the server. `merge_window`: seconds a request waits for others with its prompt (None: no merging). `set_served(...)` sets which names may be requested; until it is called nothing is served
     on the inference routes.
     """
 
@@ -81,6 +84,7 @@ class AdapterGateway:
         hold_timeout: float = 1800.0,
         unreachable_wait: float = 0.0,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        merge_window: float | None = None,
     ):
         self.upstream = upstream.rstrip("/")
         self.read_upstream = self.upstream
@@ -102,6 +106,8 @@ class AdapterGateway:
         self._ready = threading.Event()
         self._session: aiohttp.ClientSession | None = None
         self._start_error: BaseException | None = None
+        self._merger = RequestMerger(self._exchange, window=merge_window) if merge_window else None
+        self._merging = self._merger is not None
 
     # --- lifecycle (called from any thread) -------------------------------------------------------------
     @property
@@ -168,6 +174,18 @@ class AdapterGateway:
         # Pooled connections to an earlier server fail once and are replaced by aiohttp.
         self.upstream = upstream.rstrip("/")
         self.read_upstream = (reads or upstream).rstrip("/")
+
+    def set_merging(self, enabled: bool) -> None:
+        """Turn request merging on or off for requests that arrive from now on (it needs a `merge_window`)."""
+        if enabled and self._merger is None:
+            raise GatewayError(
+                "request merging needs a merge window: construct the gateway with merge_window"
+            )
+        self._merging = enabled
+
+    def merge_counters(self) -> dict[str, int]:
+        """What request merging did since the gateway started (all zero without merging)."""
+        return (self._merger.counters if self._merger is not None else MergeCounters()).as_dict()
 
     def in_flight(self, name: str = ANY) -> int:
         """Requests being forwarded for `name` (adapter or base id), or for any name with `ANY`."""
@@ -272,6 +290,17 @@ class AdapterGateway:
             return _json(decision.status, decision.payload)
         if not authorized:
             return _json(401, error("invalid API key", "invalid_api_key"))
+        merging = plan(decision) if self._merging and self._merger is not None else None
+        if merging is not None and self._merger is not None:
+            keys = _keys(decision)
+            # Counted from here: a drain before an unload must wait for a request held in its window.
+            self._count(keys, 1)
+            try:
+                answer = await self._merger.submit(merging, decision, self._upstream_headers(request))
+            finally:
+                self._count(keys, -1)
+            if answer is not None:
+                return _answer(answer)
         return await self._forward(request, decision)
 
     async def _load(self, names: tuple[str, ...]) -> bool:
@@ -289,57 +318,77 @@ class AdapterGateway:
             return False
         return True
 
-    async def _forward(self, request: web.Request, decision: Forward) -> web.StreamResponse:
-        assert self._session is not None
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         if self.upstream_key is not None:
             headers["Authorization"] = f"Bearer {self.upstream_key}"
+        return headers
+
+    async def _forward(self, request: web.Request, decision: Forward) -> web.StreamResponse:
+        upstream = await self._send(request.method, decision, self._upstream_headers(request))
+        if isinstance(upstream, Answer):
+            return _answer(upstream)
+        try:
+            return await self._relay(request, upstream)
+        finally:
+            self._count(_keys(decision), -1)
+
+    async def _exchange(self, decision: Forward, headers: dict[str, str]) -> Answer:
+        """POST `decision` and read the whole answer (for request merging)."""
+        upstream = await self._send("POST", decision, headers)
+        if isinstance(upstream, Answer):
+            return upstream
+        try:
+            async with upstream:
+                return Answer(upstream.status, await upstream.read())
+        except aiohttp.ClientError as exc:
+            return bad_gateway(f"the inference server at {self.upstream} failed: {exc!r}")
+        finally:
+            self._count(_keys(decision), -1)
+
+    async def _send(
+        self, method: str, decision: Forward, headers: dict[str, str]
+    ) -> aiohttp.ClientResponse | Answer:
+        """Send the request, waiting out a server restart; the server's response (its names counted in
+        flight until the caller is done with it) or the gateway's error response."""
+        assert self._session is not None
         deadline = time.monotonic() + self.unreachable_wait
-        keys = (*(decision.names or ("",)), ANY)
+        keys = _keys(decision)
         resent = False
         while True:
-            for key in keys:
-                self._in_flight[key] += 1
+            self._count(keys, 1)
             target = self.read_upstream if decision.read else self.upstream
             try:
-                upstream = await self._session.request(
-                    request.method, target + decision.path, data=decision.body, headers=headers
+                return await self._session.request(
+                    method, target + decision.path, data=decision.body, headers=headers
                 )
-                break
             except aiohttp.ClientConnectorError as exc:
-                self._done(keys)
+                self._count(keys, -1)
                 # Nothing reached the server: waiting for the restart and sending again is safe.
                 if time.monotonic() >= deadline:
-                    message = f"the inference server at {target} is not reachable: {exc}"
-                    return _json(502, error(message, "bad_gateway"))
+                    return bad_gateway(f"the inference server at {target} is not reachable: {exc}")
                 await asyncio.sleep(_UNREACHABLE_POLL_S)
                 assert self._open is not None
                 await self._open.wait()
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                self._done(keys)
+                self._count(keys, -1)
                 # The connection broke before any answer: the server died, and a kept-alive connection
                 # to it is only found broken when reused. Every forwarded route is free of side effects,
                 # so the request is sent once more (it then waits for the restart, as above); only once,
                 # so a request that itself kills the server cannot take it down again and again.
                 if resent or time.monotonic() >= deadline:
-                    message = f"the inference server at {self.upstream} failed: {exc!r}"
-                    return _json(502, error(message, "bad_gateway"))
+                    return bad_gateway(f"the inference server at {self.upstream} failed: {exc!r}")
                 resent = True
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                self._done(keys)
-                message = f"the inference server at {target} failed: {exc!r}"
-                return _json(502, error(message, "bad_gateway"))
+                self._count(keys, -1)
+                return bad_gateway(f"the inference server at {target} failed: {exc!r}")
             except BaseException:
-                self._done(keys)
+                self._count(keys, -1)
                 raise
-        try:
-            return await self._relay(request, upstream)
-        finally:
-            self._done(keys)
 
-    def _done(self, keys: tuple[str, ...]) -> None:
+    def _count(self, keys: tuple[str, ...], delta: int) -> None:
         for key in keys:
-            self._in_flight[key] -= 1
+            self._in_flight[key] += delta
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
         """Stream the server's response to the client."""
@@ -363,6 +412,11 @@ class AdapterGateway:
             return response
 
 
+def _keys(decision: Forward) -> tuple[str, ...]:
+    """The in-flight counters a request counts in: each name it asks for, and every request's."""
+    return (*(decision.names or ("",)), ANY)
+
+
 def _bearer(request: web.Request) -> str | None:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
@@ -370,3 +424,7 @@ def _bearer(request: web.Request) -> str | None:
 
 def _json(status: int, payload: dict) -> web.Response:
     return web.json_response(payload, status=status)
+
+
+def _answer(answer: Answer) -> web.Response:
+    return web.Response(status=answer.status, body=answer.body, content_type="application/json")

@@ -60,6 +60,7 @@ def note_results(request: Request, results: list[GenerationResult]) -> None:
         request,
         adapter=adapter.name if adapter else "base",
         prompt=len(results[0].prompt_ids),
+        n=len(results),
         completion=sum(len(r.output_ids) for r in results),
         cached=results[0].cached_tokens,
     )
