@@ -97,6 +97,7 @@ class SGLangBackend:
         self._path = path
         self._use_gateway = gateway
         self._service: InferenceService | None = None
+        self._merge_counts: dict[str, int] = {}  # the gateway's merge counters at the previous step
         self._mps: CudaMps | None = None
         self._handoff: GpuHandoff | None = None
         self._models: dict[tuple[str, str], RegisteredModel] = {}
@@ -363,7 +364,7 @@ class SGLangBackend:
                     model.name, outcome.step, dropped, entry.trainer.config.max_seq_length,
                 )  # fmt: skip
             timings["time/step_s"] = time.monotonic() - started
-            metrics = {**outcome.metrics, **timings}
+            metrics = {**outcome.metrics, **timings, **self._merge_counts_since_last_step()}
             row = {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
             written = await asyncio.to_thread(append_row, entry.store.history, entry.step, row)
             if isinstance(model, Model):  # ART's own models report to W&B themselves, from model.log
@@ -493,6 +494,16 @@ class SGLangBackend:
         return {"time/sync_s": probed_at - synced_at, "time/probe_s": time.monotonic() - probed_at}
 
     # --- helpers ---------------------------------------------------------------------------------------
+    def _merge_counts_since_last_step(self) -> dict[str, int]:
+        """What the gateway's request merging saved since the previous step (docs/guide.md)."""
+        gateway = self._service.gateway if self._service is not None else None
+        if gateway is None:
+            return {}
+        now = gateway.merge_counters()
+        since = {f"rollout/{key}": value - self._merge_counts.get(key, 0) for key, value in now.items()}
+        self._merge_counts = now
+        return since
+
     @property
     def inference(self) -> InferenceService | None:
         """The inference service (server, gateway, loaded adapters), once a model is registered."""
