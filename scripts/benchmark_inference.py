@@ -16,7 +16,7 @@ counters too). `--prefix-cache on off` starts the engine twice, with SGLang's ra
 caching) on and off. Hot-load: K fresh adapters, each timed from the load request to its first answer.
 
     python scripts/benchmark_inference.py --engine sglang --model /root/models/qwen2.5-1.5b-shape \\
-        --attention-backend triton --sampling-backend pytorch --prefix-cache on off --json out.json
+        --sampling-backend pytorch --prefix-cache on off --json out.json
     python scripts/benchmark_inference.py --engine vllm --model /root/models/qwen2.5-1.5b-shape \\
         --attention-backend FLASH_ATTN --json out.json          # vLLM's python: $ART_SGLANG_VLLM_PYTHON
 """

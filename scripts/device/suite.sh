@@ -17,7 +17,7 @@
 #   bench-inference (~6 min): SGLang, radix cache on and off; bench-vllm (~4 min, after stage.sh vllm 0..5):
 #     vLLM on the same workloads; bench-engines (seconds when both ran before, else runs what is missing);
 #     bench-inference-lpm (~4 min): SGLang with --schedule-policy lpm; bench-vllm-triton (~4 min): vLLM with
-#     Triton attention, as SGLang runs here
+#     Triton attention, as SGLang ran here before the kit shipped FlashAttention-3
 #   models-7b (~2 min): builds qwen2.5-7b-shape; BENCH_MODEL=/root/models/qwen2.5-7b-shape then points
 #     the benchmarks at it
 #   bench-multiturn (~5 min): tic-tac-toe through the backend, prefix-cache hit rate per turn
@@ -43,7 +43,10 @@ source scripts/device/env.sh
 export ART_SGLANG_GPU_RESULTS="$OUT/results.jsonl"
 tiny=$ART_SGLANG_GPU_TINY
 big=${BENCH_MODEL:-$ART_SGLANG_GPU_REALISTIC}
-kernels=(--attention-backend triton --sampling-backend pytorch)
+# SGLang picks its own attention (FlashAttention-3 on Hopper; the kit ships it since 2026-11-25). Sampling
+# stays on PyTorch: FlashInfer's sampling kernels are compiled at their first use and this machine has no
+# CUDA compiler (with temperature-only sampling SGLang draws with torch.multinomial under either backend).
+kernels=(--sampling-backend pytorch)
 vllm_kernels=(--attention-backend FLASH_ATTN)
 results=/tmp/bench-results
 mkdir -p "$results"

@@ -38,7 +38,9 @@ def contract_config(engine: str, **overrides: Any) -> SGLangConfig:
         "enable_weights_cpu_backup": True,
     }
     if engine == "sglang":
-        values.update(attention_backend="triton", sampling_backend="pytorch")
+        # SGLang's own attention (FlashAttention-3 on Hopper); PyTorch sampling because FlashInfer's
+        # sampling kernels compile at first use and the GPU machine has no CUDA compiler.
+        values.update(sampling_backend="pytorch")
     values.update(overrides)
     return SGLangConfig(**values)
 
