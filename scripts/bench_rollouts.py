@@ -503,6 +503,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"lone requests: {json.dumps(_without_lists(document['lone_requests']))}", flush=True)
             save(args, document)
         await measure(target, http, args, document, body, started)
+        complete = sum(len(e["runs"]) >= args.repeats for e in document["results"])
+        wanted = len(args.runs) * len(target.merge_settings(args.merging))
+        print(f"{complete} of {wanted} configurations measured" + ("" if complete >= wanted else
+              ": call again with --resume for the rest"), flush=True)  # fmt: skip
     document["wall_s"] = time.perf_counter() - started
     return document
 
