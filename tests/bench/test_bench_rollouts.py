@@ -171,14 +171,16 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["side"] == "backend" and result["device"] == "CPU" and result["start_s"] > 0
-    runs = {e["run"]: e for e in result["results"]}
+    runs = {e["run"]: e for e in result["results"] if e["merging"] != "on"}  # as forwarded one by one
     assert set(runs) == {"grpo-2:2", "multiturn-2:1"}
     grpo = runs["grpo-2:2"]["runs"][0]
     assert grpo["requests"] == 4 and grpo["mean_completion_tokens"] == 2
     # The reference engine caches a group's shared prompt; its /metrics agree with the usage reports.
     assert 0 < grpo["cached_share"] == pytest.approx(grpo["server_cached_share"], rel=0.05)
     assert runs["multiturn-2:1"]["runs"][0]["requests"] == 4
-    assert "-" in result["lone_requests"]  # the reference engine's gateway has no merge switch yet
+    # One setting while the gateway has no merge switch, else on and off (each run, each lone request).
+    settings = {e["merging"] for e in result["results"]}
+    assert (settings, set(result["lone_requests"])) in (({None}, {"-"}), ({"on", "off"}, {"on", "off"}))
 
     # A vLLM result of the same work (made from this one), compared: the ratios are backend / vLLM.
     vllm = copy.deepcopy(result)
@@ -191,8 +193,10 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
     bench_rollouts.main(["--compare", str(out), str(tmp_path / "vllm.json"), "--json", str(compared),
                          "--markdown", str(tmp_path / "both.md")])  # fmt: skip
     document = json.loads(compared.read_text())
-    assert {r["run"] for r in document["ratios_to_vllm"]} == set(runs)
+    assert {(r["run"], r["merging"]) for r in document["ratios_to_vllm"]} == {
+        (e["run"], e["merging"]) for e in result["results"]
+    }
     assert all(r["output_tokens_per_s"] == pytest.approx(0.5) for r in document["ratios_to_vllm"])
     assert set(document["lone_requests"]) == {"backend reference", "direct vllm"}
     rows = [line for line in (tmp_path / "both.md").read_text().splitlines() if line.startswith("| ")]
-    assert len(rows) == 1 + 4
+    assert len(rows) == 1 + len(result["results"]) + 2  # the backend's rows and vLLM's
