@@ -147,17 +147,18 @@ class SGLangConfig(BaseModel):
     merge_requests: bool = Field(
         True,
         description="Requests that share a prompt and arrive together reach the server so that it computes "
-        "the prompt once: identical ones (ART's GRPO groups) as one request with n=k, each caller still "
-        "getting its own answer; others after one prefill-only request. SGLang alone computes such prompts "
-        "several times. False = every request is forwarded as it came.",
+        "the prompt at most twice instead of once per request (SGLang alone computes such prompts several "
+        "times): the first is forwarded at once, identical ones that follow it (ART's GRPO groups) go as "
+        "one request with n=k, each caller still getting its own answer; others after one prefill-only "
+        "request. False = every request is forwarded as it came.",
     )
     merge_window_ms: float = Field(
-        2.0,
+        5.0,
         gt=0,
         le=100,
-        description="With merge_requests: how long a request waits for others with its prompt, after the "
-        "latest one came (8 windows at most). It is the time to first token a request that shares nothing "
-        "pays.",
+        description="With merge_requests: how long a request that follows another with its prompt waits "
+        "for more, after the latest one came (8 windows after the first at most). The first request of a "
+        "prompt does not wait.",
     )
 
     router_policy: RouterPolicy = Field(

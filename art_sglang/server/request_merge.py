@@ -7,8 +7,9 @@ prefill has run, so identical prompts admitted into the same (or the next) batch
 prompt: on an H200 only 32-42 % of such prompt tokens were found cached, against vLLM's 87 %. SGLang's
 own `n` does it right: it prefills the prompt once (a prefill-only copy first), then samples n choices.
 
-So the gateway holds a request that may share its prompt for a short window (`window` seconds after the
-latest request of the same prompt, at most `MAX_WINDOWS` windows in all) and then sends the batch:
+So the first request of a prompt is forwarded at once, and the gateway holds the requests that follow it
+with the same prompt until none came for `window` seconds (at most `MAX_WINDOWS` windows after the first),
+then sends that batch:
 
 - requests identical for the engine (same path, names, messages or prompt and sampling parameters; not
   streamed, no `n` or `seed` of their own) go as one request with `n=k`; each caller gets its own choice
@@ -16,7 +17,11 @@ latest request of the same prompt, at most `MAX_WINDOWS` windows in all) and the
 - when the batch still needs more than one upstream request (mixed `max_tokens`, streams, seeds), a
   prefill-only request for the shared prompt goes first and the others are released when it returns, so
   they find the prompt cached;
-- a request that shares nothing is released when its window closes: that wait is the added latency.
+- a request that shares nothing with others waits for nothing.
+
+A group's prompt is so computed at most twice (by the first request and by the batch), not once per
+rollout; the first request is not held back because ART's client sends a group's requests one to a few
+milliseconds apart, and holding every request for its possible siblings would tax every multi-turn step.
 
 A merged request is answered as a whole: SGLang 0.5.17 refuses `return_token_ids` on streamed chat
 completions, and the trainer trains on exactly the sampled ids, so the merged request cannot be streamed
@@ -274,12 +279,16 @@ class RequestMerger:
         self.counters = MergeCounters()
 
     async def submit(self, plan: Plan, decision: Forward, headers: dict[str, str]) -> Answer | None:
-        """Wait for the request's batch; returns the caller's answer, or None when the caller should now
-        send its own request (it was not merged; the prompt is in the cache if another needed it)."""
+        """The caller's answer once its batch was sent, or None when the caller should send its own
+        request now: the first request of a prompt, and one that could not be merged."""
         loop = asyncio.get_running_loop()
         batch = self._open.get(plan.prompt_key)
         if batch is None:
+            # The first request of a prompt goes at once, so a request that shares nothing waits for
+            # nothing; those that follow it within the window are sent together.
             batch = self._open[plan.prompt_key] = _Batch(plan.prompt_key, loop.time())
+            batch.timer = loop.call_at(batch.opened + self._window, self._close, batch)
+            return None
         member = _Member(plan, decision, headers, loop.create_future())
         batch.members.append(member)
         if batch.timer is not None:

@@ -1,5 +1,5 @@
-"""Request merging through the gateway, on the engine under test: identical rollouts sent together become
-one `n=k` request, and each caller's answer is one the trainer can use — its own sample on the adapter, its
+"""Request merging through the gateway, on the engine under test: of identical rollouts sent together, the
+first goes on its own and the others become one `n` request, and each caller's answer is one the trainer can use — its own sample on the adapter, its
 sampled ids with one logprob each, logprobs that are the model's own for those ids, usage of its own, and
 the prompt found cached by the merged choices."""
 
@@ -63,17 +63,19 @@ def _rollout(model: str, **extra: object) -> dict:
 def test_merged_rollouts_on_an_adapter_are_separate_samples(gateway: AdapterGateway) -> None:
     before = gateway.merge_counters()["requests_merged"]
     answers = _together(gateway.base_url, _rollout("merge@1", ignore_eos=True))
-    assert gateway.merge_counters()["requests_merged"] - before == K
-    samples = set()
+    assert gateway.merge_counters()["requests_merged"] - before == K - 1
+    samples, cached = set(), 0
     for answer in answers:
         [choice] = answer["choices"]
         ids = choice["token_ids"]
         assert choice["index"] == 0 and len(ids) == 8 and len(choice["logprobs"]["content"]) == 8
         assert answer["usage"]["completion_tokens"] == 8
         details = answer["usage"]["prompt_tokens_details"] or {}
-        # The merged choices found the prompt computed once (by the prefill-only copy SGLang sends first).
-        assert details.get("cached_tokens", 0) >= 0.8 * answer["usage"]["prompt_tokens"]
+        cached += details.get("cached_tokens", 0) >= 0.8 * answer["usage"]["prompt_tokens"]
         samples.add(tuple(ids))
+    # The merged choices found the prompt computed (by the prefill-only copy SGLang sends first, if the
+    # first request had not computed it yet).
+    assert cached >= K - 1
     assert len(samples) > 1
     assert len({answer["id"] for answer in answers}) == K
 
