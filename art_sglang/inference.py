@@ -136,6 +136,7 @@ class InferenceService:
                 api_key=config.api_key,
                 upstream_key=self._server_config.api_key,
                 unreachable_wait=config.server_timeout,
+                upstream_keep_alive=self._replicas[0].process.keep_alive,
             )
         self._find_checkpoint: Callable[[str], Path | None] | None = None
         self._drain_timeout = drain_timeout
