@@ -24,7 +24,7 @@ from .backend_settings import BackendSettings, check_row_length
 from .config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
 from .cuda_mps import CudaMps
 from .devices import DeviceLayout, EngineChoice
-from .errors import ConfigError, ModelNotRegisteredError, ServerRequestError, TrainingError
+from .errors import ConfigError, ModelNotRegisteredError, ServerRequestError, TrainerError, TrainingError
 from .history import append_row
 from .inference import InferenceService
 from .internal_config import ModelSettings
@@ -485,7 +485,18 @@ class SGLangBackend:
                     "trainer of %s is not running; restarting it from its checkpoint", entry.model.name
                 )
                 await entry.trainer.start()
-            yield turn
+            try:
+                yield turn
+            except TrainerError as exc:
+                saved = max(entry.store.checkpoint_steps(), default=entry.step)
+                if saved <= entry.step:
+                    raise
+                # The trainer saved a step it never reported (it hung or died after the write).
+                raise type(exc)(
+                    f"{exc}\nStep {saved} was saved before that ({entry.store.checkpoint_dir(saved)}): its "
+                    f"update is kept, the next train() resumes from it and publishes step {saved + 1}; step "
+                    f"{entry.step} stays served until then."
+                ) from exc
 
     async def _serve_step(
         self, entry: RegisteredModel, step: int, *, may_restart: bool, learning_rate: float | None = None

@@ -27,6 +27,11 @@ SERVER_VENV_DIR = ".venv-sglang-server"
 KEEP_ALIVE_ENV = "SGLANG_TIMEOUT_KEEP_ALIVE"
 SGLANG_ENV_DEFAULTS = {"SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK": "True", KEEP_ALIVE_ENV: "5"}
 
+# A training step counts as hung once the trainer sends nothing (no progress event, no result) for
+# HANG_FACTOR times its longest step so far, at least HANG_FLOOR_S (TrainerConfig.step_timeout: the ceiling).
+HANG_FACTOR = 10.0
+HANG_FLOOR_S = 10.0
+
 # The linear layers SGLang can serve LoRA on for Llama/Qwen-style models.
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -349,5 +354,6 @@ class TrainerConfig(BaseModel):
         3600.0,
         gt=0,
         description="Seconds one training step (or offload/reload) may take; longer is an error and the "
-        "trainer is restarted at the next step.",
+        "trainer is restarted at the next step. A step is also an error once the trainer has sent nothing "
+        f"for {HANG_FACTOR:g} times its longest step so far (at least {HANG_FLOOR_S:g} s).",
     )
