@@ -24,7 +24,7 @@ from .backend_settings import BackendSettings, check_row_length
 from .config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
 from .cuda_mps import CudaMps
 from .devices import DeviceLayout, EngineChoice
-from .errors import ConfigError, ModelNotRegisteredError
+from .errors import ConfigError, ModelNotRegisteredError, ServerRequestError, TrainerError, TrainingError
 from .history import append_row
 from .inference import InferenceService
 from .internal_config import ModelSettings
@@ -36,6 +36,7 @@ from .progress import StepProgress, reports_while
 from .registered_model import RegisteredModel, checkpoint_of
 from .run_lock import RunLock
 from .shared_mode import GpuHandoff, HandoffStrategy, TrainerTurn
+from .training.checkpoints import set_aside
 from .training.options import TrainOptions
 from .training.process import TrainerProcess
 from .training.sft import SFTBatch, sft_batches, validate_sft
@@ -315,8 +316,9 @@ class SGLangBackend:
         are checked before anything starts (`ConfigError`, `TrainingInputError`). In shared mode the server
         gives the GPU to the trainer for the step. The step number advances on every call, as in ART (a
         batch without learning signal gets a copy of the last checkpoint), and the new step is served. A
-        step the trainer refuses (non-finite values, a checkpoint that cannot be written) raises
-        `TrainingError`; the trainer and the served step stay where they were.
+        step the trainer refuses (non-finite values, a checkpoint that cannot be written), or whose adapter
+        does not answer a short generation with finite logprobs, raises `TrainingError`; the trainer's
+        checkpoint and the served step stay where they were.
         """
         self._check_open()
         train_options = TrainOptions.from_keywords(options)
@@ -353,7 +355,12 @@ class SGLangBackend:
                 # Also a step a restarted trainer resumed at without training now (it died after
                 # writing that checkpoint): it becomes the current step only once it is served.
                 timings.update(
-                    await self._serve_step(entry, outcome.step, may_restart=not turn.restarted_server)
+                    await self._serve_step(
+                        entry,
+                        outcome.step,
+                        may_restart=not turn.restarted_server,
+                        learning_rate=train_options.learning_rate,
+                    )
                 )
             if outcome.reason:
                 logger.warning("%s step %d: %s", model.name, outcome.step, outcome.reason)
@@ -413,7 +420,12 @@ class SGLangBackend:
                 )
                 await self._sync.prepare(entry.target(outcome.step))
             timings = turn.timings
-            timings.update(await self._serve_step(entry, outcome.step, may_restart=not turn.restarted_server))
+            learning_rate = max(batch.learning_rate for batch in batches)
+            timings.update(
+                await self._serve_step(
+                    entry, outcome.step, may_restart=not turn.restarted_server, learning_rate=learning_rate
+                )
+            )
             if verbose:
                 logger.info("%s SFT step %d: %s", entry.model.name, entry.step, json.dumps(timings))
 
@@ -474,11 +486,27 @@ class SGLangBackend:
                     "trainer of %s is not running; restarting it from its checkpoint", entry.model.name
                 )
                 await entry.trainer.start()
-            yield turn
+            try:
+                yield turn
+            except TrainerError as exc:
+                saved = max(entry.store.checkpoint_steps(), default=entry.step)
+                if saved <= entry.step:
+                    raise
+                # The trainer saved a step it never reported (it hung or died after the write).
+                raise type(exc)(
+                    f"{exc}\nStep {saved} was saved before that ({entry.store.checkpoint_dir(saved)}): its "
+                    f"update is kept, the next train() resumes from it and publishes step {saved + 1}; step "
+                    f"{entry.step} stays served until then."
+                ) from exc
 
-    async def _serve_step(self, entry: RegisteredModel, step: int, *, may_restart: bool) -> dict[str, float]:
+    async def _serve_step(
+        self, entry: RegisteredModel, step: int, *, may_restart: bool, learning_rate: float | None = None
+    ) -> dict[str, float]:
         """Make `<name>@<step>` servable and answering, then make it the model's current step. The one place
-        the current step changes, so a name the backend hands out is always loaded. Returns timings."""
+        the current step changes, so a name the backend hands out is always loaded. Returns timings.
+
+        `learning_rate`: the step was just trained with it; if its adapter does not answer what rollouts
+        ask (finite logprobs), the step is rolled back (`_refuse_step`) and `TrainingError` raised."""
         service = self._service
         assert service is not None
         target = entry.target(step)
@@ -489,9 +517,32 @@ class SGLangBackend:
         if self.sglang_config.flush_cache_on_sync:
             await service.flush_cache()
         probed_at = time.monotonic()
-        await service.probe(target.inference_name)
+        try:
+            await service.probe(target.inference_name)
+        except ServerRequestError as exc:
+            if learning_rate is None:
+                raise
+            await self._refuse_step(entry, step)
+            raise TrainingError(
+                f"step {step} of {entry.model.name} was refused before it was published: its adapter does "
+                f"not serve ({exc}). It was trained with learning_rate={learning_rate:g}; a smaller one may "
+                f"help. Step {entry.step} stays served and the next train() starts from it."
+            ) from exc
         entry.step = step
         return {"time/sync_s": probed_at - synced_at, "time/probe_s": time.monotonic() - probed_at}
+
+    async def _refuse_step(self, entry: RegisteredModel, step: int) -> None:
+        """Undo a trained step that may not be published: set its checkpoint aside (one rename, so a crash
+        never leaves it to be resumed), stop the trainer that holds its weights (the next step restarts it
+        from the current step's checkpoint) and serve the current step again in its place."""
+        assert self._service is not None
+        aside = await asyncio.to_thread(set_aside, entry.store.checkpoint_dir(step))
+        logger.warning("%s step %d refused; its checkpoint is kept as %s", entry.model.name, step, aside)
+        await entry.trainer.stop()
+        await self._service.remove_adapter(entry.target(step).inference_name)
+        current = entry.target(entry.step)
+        await self._sync.prepare(current)
+        await self._sync.apply(current, may_restart=False)
 
     # --- helpers ---------------------------------------------------------------------------------------
     def _merge_counts_since_last_step(self) -> dict[str, int]:

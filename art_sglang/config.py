@@ -21,7 +21,16 @@ SERVER_TIMEOUT_ENV = "ART_SERVER_TIMEOUT"
 SERVER_VENV_DIR = ".venv-sglang-server"
 # SGLang checks that TP ranks see balanced free memory; a trainer sharing the host makes that check fail
 # spuriously, so the backend always disables it (the user's description of the product names it).
-SGLANG_ENV_DEFAULTS = {"SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK": "True"}
+# How long a server keeps an idle connection open (SGLang reads the variable, so does the reference engine;
+# 5 s is both engines' default). Set explicitly: the gateway's pool must drop its own idle connections
+# well before the server closes them, or a burst reuses connections the server is closing.
+KEEP_ALIVE_ENV = "SGLANG_TIMEOUT_KEEP_ALIVE"
+SGLANG_ENV_DEFAULTS = {"SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK": "True", KEEP_ALIVE_ENV: "5"}
+
+# A training step counts as hung once the trainer sends nothing (no progress event, no result) for
+# HANG_FACTOR times its longest step so far, at least HANG_FLOOR_S (TrainerConfig.step_timeout: the ceiling).
+HANG_FACTOR = 10.0
+HANG_FLOOR_S = 10.0
 
 # The linear layers SGLang can serve LoRA on for Llama/Qwen-style models.
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -362,5 +371,6 @@ class TrainerConfig(BaseModel):
         3600.0,
         gt=0,
         description="Seconds one training step (or offload/reload) may take; longer is an error and the "
-        "trainer is restarted at the next step.",
+        "trainer is restarted at the next step. A step is also an error once the trainer has sent nothing "
+        f"for {HANG_FACTOR:g} times its longest step so far (at least {HANG_FLOOR_S:g} s).",
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import sys
 import time
@@ -40,6 +41,7 @@ from .server.replica_router import ReplicaRouter
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 120.0
+PROBE_TOKENS = 4  # a few: an adapter that cannot serve may answer its first token and fail at the next
 # A server being replaced because it died or hangs gets this long to exit on SIGTERM before SIGKILL.
 _HUNG_GRACE_S = 5.0
 # A replica whose restart failed is tried again after this pause, doubled per failure in a row up to the
@@ -137,6 +139,7 @@ class InferenceService:
                 upstream_key=self._server_config.api_key,
                 unreachable_wait=config.server_timeout,
                 merge_window=config.merge_window_ms / 1000,
+                upstream_keep_alive=self._replicas[0].process.keep_alive,
             )
             self._gateway.set_merging(config.merge_requests)
         self._find_checkpoint: Callable[[str], Path | None] | None = None
@@ -697,9 +700,9 @@ class InferenceService:
 
     # --- checks ----------------------------------------------------------------------------------------
     async def probe(self, name: str) -> None:
-        """One greedy one-token chat completion on `name` through the client path rollouts use and, with
-        replicas, on each routed replica directly (the adapter selected as the gateway selects it); raises
-        `ServerRequestError` unless each answers 200."""
+        """A short greedy chat completion with logprobs (what rollouts ask) on `name` through the client
+        path rollouts use and, with replicas, on each routed replica directly (the adapter selected as the
+        gateway selects it); raises `ServerRequestError` unless each answers 200 with finite logprobs."""
         targets = [(self.openai_base_url, self.client_name(name), {}, self.api_key, "")]
         if self._router is not None:
             model = self._aliases.get(name, self._base_id())
@@ -711,8 +714,8 @@ class InferenceService:
             ]
         async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False) as http:
             for url, model, adapter, key, where in targets:
-                body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1,
-                        "temperature": 0.0, **adapter}  # fmt: skip
+                body = {"model": model, "messages": [{"role": "user", "content": "ping"}],
+                        "max_tokens": PROBE_TOKENS, "temperature": 0.0, "logprobs": True, **adapter}  # fmt: skip
                 headers = {"Authorization": f"Bearer {key}"} if key else {}
                 response = await http.post(f"{url}/chat/completions", json=body, headers=headers)
                 if response.status_code != 200:
@@ -722,11 +725,27 @@ class InferenceService:
                         status=response.status_code,
                         server_message=response.text,
                     )
+                if not _finite_logprobs(response.json()):
+                    raise ServerRequestError(
+                        f"probe request on {name!r}{where} answered logprobs that are not finite numbers: "
+                        f"{response.text[:500]}",
+                        status=response.status_code,
+                        server_message=response.text,
+                    )
 
     async def flush_cache(self) -> None:
         async with self._lock:
             for client in self._live():
                 await client.flush_cache()
+
+
+def _finite_logprobs(completion: dict) -> bool:
+    """Whether every token of a chat completion has a finite logprob (JSON has no NaN or infinity; a
+    server writes them as literals, which Python reads, or as null)."""
+    content = [
+        t for choice in completion["choices"] for t in (choice.get("logprobs") or {}).get("content") or []
+    ]
+    return all(isinstance(t.get("logprob"), (int, float)) and math.isfinite(t["logprob"]) for t in content)
 
 
 def _step_of(name: str) -> int:

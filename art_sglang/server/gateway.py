@@ -9,6 +9,9 @@ server) plus what the backend needs to take the server away safely:
   for requests in flight on a name (or on any name) to finish before an adapter is unloaded.
 - A request whose connection the server refuses (it died and the watchdog is restarting it) waits up to
   `unreachable_wait` seconds for the server to come back instead of failing with 502.
+- Pooled connections idle for half the server's keep-alive (`upstream_keep_alive`) are not reused: the
+  pool hands out its oldest idle connection first, and one the server is closing at that moment fails the
+  request. A request whose connection breaks before any answer is sent once more, on a new connection.
 - `loader`: a name that is not served is offered to it first (the backend loads an older step whose
   checkpoint is on disk); the request goes on if it returns True, else it is answered 404.
 - Bodies over `max_body_bytes` are refused with 413 before they are read to the end; malformed JSON is a
@@ -69,8 +72,10 @@ class AdapterGateway:
     """Reverse proxy on `host:port` (port 0 picks a free one) in front of `upstream` ("http://host:port").
 
     `api_key`: the key rollout clients must send (None: any). `upstream_key`: the key the gateway sends to
-    the server. `merge_window`: seconds a request waits for others with its prompt (None: no merging). `set_served(...)` sets which names may be requested; until it is called nothing is served
-    on the inference routes.
+    the server. `upstream_keep_alive`: seconds the server keeps an idle connection open. `merge_window`:
+    seconds a request that follows another with its prompt waits for more (None: no merging).
+    `set_served(...)` sets which names may be requested; until it is called nothing is served on the
+    inference routes.
     """
 
     def __init__(
@@ -84,6 +89,7 @@ class AdapterGateway:
         hold_timeout: float = 1800.0,
         unreachable_wait: float = 0.0,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        upstream_keep_alive: float = 5.0,
         merge_window: float | None = None,
     ):
         self.upstream = upstream.rstrip("/")
@@ -95,6 +101,7 @@ class AdapterGateway:
         self.hold_timeout = hold_timeout
         self.unreachable_wait = unreachable_wait
         self.max_body_bytes = max_body_bytes
+        self.upstream_keep_alive = upstream_keep_alive
         self.loader: Loader | None = None
         self._loader_loop: asyncio.AbstractEventLoop | None = None
         self._served = Served()
@@ -105,6 +112,7 @@ class AdapterGateway:
         self._open: asyncio.Event | None = None  # cleared while held
         self._ready = threading.Event()
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # a new connection per request, for resends
         self._start_error: BaseException | None = None
         self._merger = RequestMerger(self._exchange, window=merge_window) if merge_window else None
         self._merging = self._merger is not None
@@ -241,14 +249,9 @@ class AdapterGateway:
         # connection and so tells the server to stop generating.
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
-        # No cookie jar: cookies the server sets belong to the client that asked, not to every client.
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None),
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
+        pooled = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.upstream_keep_alive / 2)
+        self._session = _client(pooled)
+        self._fresh = _client(aiohttp.TCPConnector(limit=0, force_close=True))
         try:
             site = web.TCPSite(runner, self.host, self.port)
             try:
@@ -263,6 +266,7 @@ class AdapterGateway:
         finally:
             await runner.cleanup()
             await self._session.close()
+            await self._fresh.close()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -351,15 +355,16 @@ class AdapterGateway:
     ) -> aiohttp.ClientResponse | Answer:
         """Send the request, waiting out a server restart; the server's response (its names counted in
         flight until the caller is done with it) or the gateway's error response."""
-        assert self._session is not None
+        assert self._session is not None and self._fresh is not None
         deadline = time.monotonic() + self.unreachable_wait
         keys = _keys(decision)
         resent = False
         while True:
             self._count(keys, 1)
             target = self.read_upstream if decision.read else self.upstream
+            session = self._fresh if resent else self._session  # never a second pooled connection
             try:
-                return await self._session.request(
+                return await session.request(
                     method, target + decision.path, data=decision.body, headers=headers
                 )
             except aiohttp.ClientConnectorError as exc:
@@ -372,10 +377,11 @@ class AdapterGateway:
                 await self._open.wait()
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 self._count(keys, -1)
-                # The connection broke before any answer: the server died, and a kept-alive connection
-                # to it is only found broken when reused. Every forwarded route is free of side effects,
-                # so the request is sent once more (it then waits for the restart, as above); only once,
-                # so a request that itself kills the server cannot take it down again and again.
+                # The connection broke before any answer: the server died (a kept-alive connection to it
+                # is only found broken when reused) or closed it as it was reused. Every forwarded route
+                # is free of side effects, so the request is sent once more, on a new connection (it then
+                # waits for a restart, as above); only once, so a request that itself kills the server
+                # cannot take it down again and again.
                 if resent or time.monotonic() >= deadline:
                     return bad_gateway(f"the inference server at {self.upstream} failed: {exc!r}")
                 resent = True
@@ -415,6 +421,16 @@ class AdapterGateway:
 def _keys(decision: Forward) -> tuple[str, ...]:
     """The in-flight counters a request counts in: each name it asks for, and every request's."""
     return (*(decision.names or ("",)), ANY)
+
+
+def _client(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+    # No cookie jar: cookies the server sets belong to the client that asked, not to every client.
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None),
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
 
 
 def _bearer(request: web.Request) -> str | None:
