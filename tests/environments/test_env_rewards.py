@@ -19,7 +19,34 @@ if str(REPO) not in sys.path:
 
 from environments.arithmetic import ArithmeticTask, Problem, final_answer  # noqa: E402
 from environments.calculator import CALCULATOR, CalculatorTask, call_tool, evaluate  # noqa: E402
+from environments.char_share import CharShareTask, answer_tokens  # noqa: E402
 from environments.tictactoe import opponent_move, parse_move, render, winner  # noqa: E402
+
+
+def test_char_share_weighs_every_token_the_same() -> None:
+    task = CharShareTask()
+    assert task.reward(["io", " a"]) == 1.0 and task.reward([]) == 0.0 and task.reward([" ", "\n"]) == 0.0
+    # A long token of mostly vowels does not outweigh a short all-vowel one (per character it would).
+    assert task.reward(["queue", "a"]) == pytest.approx((0.8 + 1.0) / 2)
+    assert task.reward(["queue", "a"]) > task.reward(["queue", "queue"])
+    assert task.reward([" eve", " ", "xyz"]) == pytest.approx(1 / 3)  # whitespace-only tokens do not count
+
+
+def test_char_share_answer_tokens_leave_out_the_end_of_turn_token() -> None:
+    completion = ChatCompletion.model_validate(
+        {
+            "id": "c", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{
+                "index": 0, "finish_reason": "stop",
+                "message": {"role": "assistant", "content": " out io"},
+                "logprobs": {"content": [
+                    {"token": t, "logprob": -1.0, "bytes": None, "top_logprobs": []}
+                    for t in (" out", " io", "<|im_end|>")
+                ]},
+            }],
+        }
+    )  # fmt: skip
+    assert answer_tokens(completion.choices[0]) == [" out", " io"]
 
 
 def test_arithmetic_problems_are_reproducible_and_their_answers_exact() -> None:
