@@ -59,6 +59,7 @@ class StepReport:
     train_s: float
     metrics: dict[str, float] = field(default_factory=dict)  # means of the trajectories' metrics
     train_metrics: dict[str, float] = field(default_factory=dict)  # the step's TrainResult metrics
+    solved: bool = False  # every rollout scored the task's ceiling: not trained, the run ends here
 
     @property
     def mean_reward(self) -> float:
@@ -114,7 +115,10 @@ async def train_loop(
     seed: int = 0,
     on_step: Callable[[StepReport], None] | None = None,
 ) -> list[StepReport]:
-    """`steps` rounds of rollouts, `model.log` and `backend.train`."""
+    """`steps` rounds of rollouts, `model.log` and `backend.train`; fewer when every rollout of a round
+    scores the environment's `ceiling` (an optional attribute): the task is solved, and a flat batch
+    has nothing left to teach."""
+    ceiling: float | None = getattr(env, "ceiling", None)
     reports = []
     for round_ in range(steps):
         served = await model.get_step()
@@ -134,23 +138,24 @@ async def train_loop(
             group.trajectories.sort(key=lambda t: t.metadata["seed"])
         trajectories = [t for g in groups for t in g.trajectories]
         await model.log(groups, split="train")
-        result = await backend.train(model, groups, learning_rate=learning_rate)
+        rewards = [t.reward for t in trajectories]
+        solved = ceiling is not None and min(rewards) >= ceiling
+        train_metrics = (
+            {} if solved else dict((await backend.train(model, groups, learning_rate=learning_rate)).metrics)
+        )
         names = sorted({name for t in trajectories for name in t.metrics})
         metrics = {
             name: statistics.fmean(float(t.metrics[name]) for t in trajectories if name in t.metrics)
             for name in names
         }
         report = StepReport(
-            served,
-            [t.reward for t in trajectories],
-            rollout_s,
-            result.metrics.get("time/step_s", 0.0),
-            metrics,
-            dict(result.metrics),
+            served, rewards, rollout_s, train_metrics.get("time/step_s", 0.0), metrics, train_metrics, solved
         )
         reports.append(report)
         if on_step is not None:
             on_step(report)
+        if solved:
+            break
     return reports
 
 
@@ -164,6 +169,12 @@ def print_report(report: StepReport) -> None:
         + ("  (not trained: no signal)" if untrained else ""),
         flush=True,
     )
+    if report.solved:
+        print(
+            f"solved: all {len(report.rewards)} rollouts of step {report.step} scored the task's best reward "
+            f"({report.mean_reward:.3f}), so there is nothing left to learn; stopping here",
+            flush=True,
+        )
 
 
 def parse_args(description: str, argv: Sequence[str] | None, *, steps: int = 12) -> argparse.Namespace:

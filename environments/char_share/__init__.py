@@ -29,6 +29,7 @@ class CharShareTask:
     prompts: tuple[str, ...] = PROMPTS
     max_tokens: int = 12
     temperature: float = 1.0
+    ceiling: float = 1.0  # the best reward: answers of all-vowel tokens
 
     def share(self, text: str) -> float | None:
         """Share of the non-whitespace characters of `text` in the class; None when there are none."""
