@@ -15,8 +15,8 @@ import art_sglang as art
 from environments.common import complete
 
 PROMPTS = ("Write a short sentence.", "Say something.", "Describe the sea.", "Name a colour.")
-# Steps of a default run: the tiny model at its learning rate (environments/common.py) climbs from 0.33 to
-# near the ceiling (1.0: answers of vowels only) in about this many.
+# Steps of a default run: the tiny model at its learning rate (environments/common.py) climbed from 0.3 to
+# the ceiling in 16-22 steps on seeds 0-4 (a run stops once every rollout scores it).
 STEPS = 22
 
 
