@@ -362,8 +362,14 @@ class SGLangBackend:
                         learning_rate=train_options.learning_rate,
                     )
                 )
-            if outcome.reason:
-                logger.warning("%s step %d: %s", model.name, outcome.step, outcome.reason)
+            if outcome.reason and outcome.reason != entry.untrained_reason:
+                # Once per run of such steps: history.jsonl records each one (gradient_steps 0).
+                logger.warning(
+                    "%s step %d: %s; the step still advances (a copy of the last checkpoint), and further "
+                    "steps like it are not warned about until one trains",
+                    model.name, outcome.step, outcome.reason,
+                )  # fmt: skip
+            entry.untrained_reason = outcome.reason
             dropped = int(outcome.metrics.get("sequences_dropped_too_long", 0))
             if dropped:
                 logger.warning(

@@ -307,7 +307,10 @@ class Trainer:
     ) -> StepOutcome:
         """As ART: no optimizer step, but the step advances with a copy of the current checkpoint."""
         if trained_groups == 0:
-            reason = f"all {len(groups)} groups have equal rewards (no learning signal)"
+            reason = (
+                f"in each of the {len(groups)} groups every rollout got the same reward, so there is "
+                "nothing to learn from (no learning signal)"
+            )
         elif dropped:
             reason = "every sequence with a non-zero advantage is longer than the row length"
         else:
