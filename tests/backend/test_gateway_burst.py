@@ -5,7 +5,8 @@ The gateway used to keep idle connections for 30 s while the server closes them 
 and its pool hands out the oldest idle connection first: a request took a connection the server was closing
 at that moment (502 with "Can not write request body" or `ServerDisconnectedError`; ART drops such a
 rollout from its batch). Pauses between a rollout's turns close to the keep-alive (an environment's step)
-make such connections all along; with the old setting this test failed 5 of its 2,000 requests."""
+make such connections all along; with the old setting this test failed 5 of its 2,000 requests. The same
+test runs against real SGLang on the GPU machine (`-m gpu`, suite `burst`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import pytest
 
 from art_sglang.config import KEEP_ALIVE_ENV, SGLangConfig
 from art_sglang.inference import InferenceService
@@ -51,11 +53,19 @@ async def _rollout(http: httpx.AsyncClient, name: str, seed: int, outcomes: Coun
             outcomes[repr(exc)] += 1
 
 
-async def test_bursts_with_hot_loads_between_lose_no_request(tiny_model_path: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["reference", pytest.param("sglang", marks=pytest.mark.gpu)])
+async def test_bursts_with_hot_loads_between_lose_no_request(
+    engine: str, tiny_model_path: Path, tmp_path: Path
+) -> None:
     adapter = _adapter(tiny_model_path, tmp_path / "adapter")
     config = SGLangConfig(server_env={KEEP_ALIVE_ENV: str(KEEP_ALIVE_S)})
+    if engine == "sglang":
+        # Quick to start (no CUDA graphs); PyTorch sampling, as FlashInfer's compiles at first use.
+        config = config.model_copy(
+            update={"disable_cuda_graph": True, "sampling_backend": "pytorch", "mem_fraction_static": 0.3}
+        )
     service = InferenceService(
-        config, str(tiny_model_path), engine="reference", log_path=tmp_path / "server.log", gpu_ids=None
+        config, str(tiny_model_path), engine=engine, log_path=tmp_path / "server.log", gpu_ids=None
     )
     outcomes: Counter[str] = Counter()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
