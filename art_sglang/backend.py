@@ -98,7 +98,7 @@ class SGLangBackend:
         self._path = path
         self._use_gateway = gateway
         self._service: InferenceService | None = None
-        self._merge_counts: dict[str, int] = {}  # the gateway's merge counters at the previous step
+        self._prefill_counts: dict[str, int] = {}  # the gateway's prefill counters at the previous step
         self._mps: CudaMps | None = None
         self._handoff: GpuHandoff | None = None
         self._models: dict[tuple[str, str], RegisteredModel] = {}
@@ -377,7 +377,7 @@ class SGLangBackend:
                     model.name, outcome.step, dropped, entry.trainer.config.max_seq_length,
                 )  # fmt: skip
             timings["time/step_s"] = time.monotonic() - started
-            metrics = {**outcome.metrics, **timings, **self._merge_counts_since_last_step()}
+            metrics = {**outcome.metrics, **timings, **self._prefill_counts_since_last_step()}
             row = {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
             written = await asyncio.to_thread(append_row, entry.store.history, entry.step, row)
             if isinstance(model, Model):  # ART's own models report to W&B themselves, from model.log
@@ -551,14 +551,14 @@ class SGLangBackend:
         await self._sync.apply(current, may_restart=False)
 
     # --- helpers ---------------------------------------------------------------------------------------
-    def _merge_counts_since_last_step(self) -> dict[str, int]:
-        """What the gateway's request merging saved since the previous step (docs/guide.md)."""
+    def _prefill_counts_since_last_step(self) -> dict[str, int]:
+        """What the gateway's prefill sharing saved since the previous step (docs/guide.md)."""
         gateway = self._service.gateway if self._service is not None else None
         if gateway is None:
             return {}
-        now = gateway.merge_counters()
-        since = {f"rollout/{key}": value - self._merge_counts.get(key, 0) for key, value in now.items()}
-        self._merge_counts = now
+        now = gateway.prefill_counters()
+        since = {f"rollout/{key}": value - self._prefill_counts.get(key, 0) for key, value in now.items()}
+        self._prefill_counts = now
         return since
 
     @property

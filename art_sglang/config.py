@@ -153,21 +153,19 @@ class SGLangConfig(BaseModel):
         default_factory=list, description="Further CLI flags passed through verbatim."
     )
 
-    merge_requests: bool = Field(
+    share_prefill: bool = Field(
         True,
-        description="Requests that share a prompt and arrive together reach the server so that it computes "
-        "the prompt at most twice instead of once per request (SGLang alone computes such prompts several "
-        "times): the first is forwarded at once, identical ones that follow it (ART's GRPO groups) go as "
-        "one request with n=k, each caller still getting its own answer; others after one prefill-only "
-        "request. False = every request is forwarded as it came.",
+        description="Requests that follow another with the same prompt (ART's GRPO groups) wait until one "
+        "prefill-only request computed the prompt, then go as they came: SGLang alone computes a prompt "
+        "once per request that reaches it together with others. The first request of a prompt never "
+        "waits. False = every request is forwarded at once.",
     )
-    merge_window_ms: float = Field(
+    share_prefill_window_ms: float = Field(
         5.0,
         gt=0,
         le=100,
-        description="With merge_requests: how long a request that follows another with its prompt waits "
-        "for more, after the latest one came (8 windows after the first at most). The first request of a "
-        "prompt does not wait.",
+        description="With share_prefill: how long requests that follow another with its prompt are held "
+        "for more, after the latest one came (8 windows after the first at most).",
     )
 
     router_policy: RouterPolicy = Field(

@@ -138,10 +138,10 @@ class InferenceService:
                 api_key=config.api_key,
                 upstream_key=self._server_config.api_key,
                 unreachable_wait=config.server_timeout,
-                merge_window=config.merge_window_ms / 1000,
+                share_window=config.share_prefill_window_ms / 1000,
                 upstream_keep_alive=self._replicas[0].process.keep_alive,
             )
-            self._gateway.set_merging(config.merge_requests)
+            self._gateway.set_prefill_sharing(config.share_prefill)
         self._find_checkpoint: Callable[[str], Path | None] | None = None
         self._drain_timeout = drain_timeout
         self._adapters: dict[str, Path] = {}  # loaded (and wanted after every start), oldest first

@@ -1,6 +1,6 @@
 """ART's rollout requests through `SGLangBackend` (group-aware forwarding on and off) and on an engine
 served directly (vLLM as ART serves it): output tokens/s, request latency, the cached share of prompt
-tokens and the gateway's merge counters, then the ratios backend / vLLM.
+tokens and the gateway's prefill-sharing counters, then the ratios backend / vLLM.
 
 Every rollout is its own non-streamed chat request with logprobs, as ART's rollouts ask, on a random
 LoRA adapter (`bench_common.make_random_adapter`, rank `--lora-rank`). Runs, `KIND-TOKENS:GROUPS`:
@@ -14,10 +14,10 @@ LoRA adapter (`bench_common.make_random_adapter`, rank `--lora-rank`). Runs, `KI
   conversations start with the same prompt and each turn resends the conversation so far.
 
 A run repeats waves of its pattern (fresh prompts each wave, as each RL step brings new ones) until
-`--min-seconds` have passed; each configuration runs `--repeats` times (merging on and off alternate,
-on one live backend: `gateway.set_merging`); tables show medians over the repeats. `--ttft-requests`
+`--min-seconds` have passed; each configuration runs `--repeats` times (the gateway's prefill sharing on and off
+alternate, on one live backend: `gateway.set_prefill_sharing`; the JSON calls the setting "merging"); tables show medians over the repeats. `--ttft-requests`
 lone requests on the idle server measure the time to first token (streamed) and the latency of a
-one-token request (as ART sends them), with merging on and off.
+one-token request (as ART sends them), with prefill sharing on and off.
 
 Sides (one per call; a GPU call of `run` is 10 minutes): `--side backend` starts `SGLangBackend`
 (`--engine sglang` or `reference`) and sends through `model.openai_client()` (the gateway);
@@ -149,17 +149,17 @@ class Target:
         """The merge settings to run: `wanted` through the backend's gateway, None (no switch) elsewhere."""
         if self.gateway is None:
             return [None]
-        if not hasattr(self.gateway, "set_merging"):
-            print("this gateway has no set_merging(): one setting, as it forwards", flush=True)
+        if not hasattr(self.gateway, "set_prefill_sharing"):
+            print("this gateway has no set_prefill_sharing(): one setting, as it forwards", flush=True)
             return [None]
         return list(wanted)
 
     def set_merging(self, setting: str | None) -> None:
         if setting is not None:
-            self.gateway.set_merging(setting == "on")
+            self.gateway.set_prefill_sharing(setting == "on")
 
     def merge_counters(self) -> dict[str, int] | None:
-        counters = getattr(self.gateway, "merge_counters", None)
+        counters = getattr(self.gateway, "prefill_counters", None)
         return dict(counters()) if counters is not None else None
 
     async def cache_counters(self, http: httpx.AsyncClient) -> dict[str, float] | None:
@@ -325,7 +325,7 @@ async def measure(
                 print(
                     f"{spec.name} merging={setting} repeat {repeat + 1}/{args.repeats}: "
                     f"{run['output_tokens_per_s']:,.0f} tok/s, {run['waves']} waves in {run['wall_s']:.1f} s, "
-                    f"cached {100 * run['cached_share']:.1f} %, merges {run['merge_counters']}",
+                    f"cached {100 * run['cached_share']:.1f} %, prefill sharing {run['merge_counters']}",
                     flush=True,
                 )
         for setting in todo:
@@ -408,7 +408,7 @@ async def backend_target(
     shutil.rmtree(path, ignore_errors=True)  # a step 0 of another model shape must not be resumed
     step0 = ModelStore(path, "bench-rollouts", "rollouts").checkpoint_dir(0)
     shutil.copytree(adapter, step0)
-    merge = {"merge_requests": True} if "merge_requests" in SGLangConfig.model_fields else {}
+    merge = {"share_prefill": True} if "share_prefill" in SGLangConfig.model_fields else {}
     backend = art.SGLangBackend(
         path=str(path),
         engine=args.engine,
@@ -578,7 +578,7 @@ def table(document: dict[str, Any]) -> str:
         "cached",
         "server cached",
         "mean output tokens",
-        "merges (last run)",
+        "held (last run)",
     ]
     rows = []
     for e in sorted(document["results"], key=lambda e: (e["run"], e["side"], e["engine"], str(e["merging"]))):
@@ -598,7 +598,7 @@ def table(document: dict[str, Any]) -> str:
                 f"{100 * m.get('cached_share', 0.0):.1f}%",
                 f"{100 * m['server_cached_share']:.1f}%" if "server_cached_share" in m else "-",
                 round(m.get("mean_completion_tokens", 0.0)),
-                merges.get("requests_merged", "-") if merges else "-",
+                merges.get("requests_held", "-") if merges else "-",
             ]
         )
     lone = document.get("lone_requests") or {}

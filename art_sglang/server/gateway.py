@@ -16,8 +16,8 @@ server) plus what the backend needs to take the server away safely:
   checkpoint is on disk); the request goes on if it returns True, else it is answered 404.
 - Bodies over `max_body_bytes` are refused with 413 before they are read to the end; malformed JSON is a
   400 from the gateway.
-- With `merge_window` set, requests that share a prompt and arrive together are sent so that the server
-  computes the prompt once (`request_merge`): identical ones as one request with `n=k`.
+- With `share_window` set, requests that follow another with the same prompt wait until one prefill-only
+  request computed it (`prefill_sharing`), so the server does not compute it once per request.
 
 It runs its own event loop in a daemon thread, so a user's event loop that blocks (e.g. a synchronous
 OpenAI call inside async code) cannot stall it.
@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import aiohttp
 from aiohttp import web
 
-from .request_merge import Answer, MergeCounters, RequestMerger, bad_gateway, plan
+from .prefill_sharing import Answer, PrefillCounters, PrefillSharing, bad_gateway, prompt_key
 from .router import Forward, Refuse, Served, error, route
 
 logger = logging.getLogger(__name__)
@@ -72,8 +72,8 @@ class AdapterGateway:
     """Reverse proxy on `host:port` (port 0 picks a free one) in front of `upstream` ("http://host:port").
 
     `api_key`: the key rollout clients must send (None: any). `upstream_key`: the key the gateway sends to
-    the server. `upstream_keep_alive`: seconds the server keeps an idle connection open. `merge_window`:
-    seconds a request that follows another with its prompt waits for more (None: no merging).
+    the server. `upstream_keep_alive`: seconds the server keeps an idle connection open. `share_window`:
+    seconds a request that follows another with its prompt waits for more (None: no prefill sharing).
     `set_served(...)` sets which names may be requested; until it is called nothing is served on the
     inference routes.
     """
@@ -90,7 +90,7 @@ class AdapterGateway:
         unreachable_wait: float = 0.0,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         upstream_keep_alive: float = 5.0,
-        merge_window: float | None = None,
+        share_window: float | None = None,
     ):
         self.upstream = upstream.rstrip("/")
         self.read_upstream = self.upstream
@@ -114,8 +114,8 @@ class AdapterGateway:
         self._session: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None  # a new connection per request, for resends
         self._start_error: BaseException | None = None
-        self._merger = RequestMerger(self._exchange, window=merge_window) if merge_window else None
-        self._merging = self._merger is not None
+        self._sharing = PrefillSharing(self._exchange, window=share_window) if share_window else None
+        self._sharing_on = self._sharing is not None
 
     # --- lifecycle (called from any thread) -------------------------------------------------------------
     @property
@@ -183,17 +183,15 @@ class AdapterGateway:
         self.upstream = upstream.rstrip("/")
         self.read_upstream = (reads or upstream).rstrip("/")
 
-    def set_merging(self, enabled: bool) -> None:
-        """Turn request merging on or off for requests that arrive from now on (it needs a `merge_window`)."""
-        if enabled and self._merger is None:
-            raise GatewayError(
-                "request merging needs a merge window: construct the gateway with merge_window"
-            )
-        self._merging = enabled
+    def set_prefill_sharing(self, enabled: bool) -> None:
+        """Turn prefill sharing on or off for requests that arrive from now on (it needs a `share_window`)."""
+        if enabled and self._sharing is None:
+            raise GatewayError("prefill sharing needs a window: construct the gateway with share_window")
+        self._sharing_on = enabled
 
-    def merge_counters(self) -> dict[str, int]:
-        """What request merging did since the gateway started (all zero without merging)."""
-        return (self._merger.counters if self._merger is not None else MergeCounters()).as_dict()
+    def prefill_counters(self) -> dict[str, int]:
+        """What prefill sharing did since the gateway started (all zero without it)."""
+        return (self._sharing.counters if self._sharing is not None else PrefillCounters()).as_dict()
 
     def in_flight(self, name: str = ANY) -> int:
         """Requests being forwarded for `name` (adapter or base id), or for any name with `ANY`."""
@@ -294,17 +292,15 @@ class AdapterGateway:
             return _json(decision.status, decision.payload)
         if not authorized:
             return _json(401, error("invalid API key", "invalid_api_key"))
-        merging = plan(decision) if self._merging and self._merger is not None else None
-        if merging is not None and self._merger is not None:
+        key = prompt_key(decision) if self._sharing_on and self._sharing is not None else None
+        if key is not None and self._sharing is not None:
             keys = _keys(decision)
             # Counted from here: a drain before an unload must wait for a request held in its window.
             self._count(keys, 1)
             try:
-                answer = await self._merger.submit(merging, decision, self._upstream_headers(request))
+                await self._sharing.wait_turn(key, decision, self._upstream_headers(request))
             finally:
                 self._count(keys, -1)
-            if answer is not None:
-                return _answer(answer)
         return await self._forward(request, decision)
 
     async def _load(self, names: tuple[str, ...]) -> bool:
@@ -338,7 +334,7 @@ class AdapterGateway:
             self._count(_keys(decision), -1)
 
     async def _exchange(self, decision: Forward, headers: dict[str, str]) -> Answer:
-        """POST `decision` and read the whole answer (for request merging)."""
+        """POST `decision` and read the whole answer (for prefill sharing)."""
         upstream = await self._send("POST", decision, headers)
         if isinstance(upstream, Answer):
             return upstream

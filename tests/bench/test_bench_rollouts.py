@@ -1,4 +1,4 @@
-"""scripts/bench_rollouts.py: its run loop against a fake gateway with a merge switch (merging on and off
+"""scripts/bench_rollouts.py: its run loop against a fake gateway with a prefill-sharing switch (on and off
 alternate, the counters are per run, --resume and --deadline-s), and end to end on CPU through
 SGLangBackend on the reference engine, then compared with a vLLM result made from it."""
 
@@ -23,18 +23,18 @@ import bench_rollouts  # noqa: E402
 
 
 class FakeGateway:
-    """The gateway's merge switch and counters; each request counts as merged while merging is on."""
+    """The gateway's prefill-sharing switch and counters; each request counts as held while it is on."""
 
     def __init__(self) -> None:
         self.merging = True
         self.switches: list[bool] = []
-        self.counters = {"requests_merged": 0, "upstream_requests_saved": 0}
+        self.counters = {"requests_held": 0, "prefill_requests": 0}
 
-    def set_merging(self, enabled: bool) -> None:
+    def set_prefill_sharing(self, enabled: bool) -> None:
         self.merging = enabled
         self.switches.append(enabled)
 
-    def merge_counters(self) -> dict[str, int]:
+    def prefill_counters(self) -> dict[str, int]:
         return dict(self.counters)
 
 
@@ -46,7 +46,7 @@ class FakeCompletions:
     async def create(self, **params: Any) -> Any:
         self.calls.append({**params, "messages": list(params["messages"])})  # as sent, not as it grows
         if self.gateway.merging:
-            self.gateway.counters["requests_merged"] += 1
+            self.gateway.counters["requests_held"] += 1
         if params.get("stream"):
             return self._stream()
         usage = SimpleNamespace(completion_tokens=params["max_tokens"], prompt_tokens=100,
@@ -86,7 +86,7 @@ async def test_merging_on_and_off_alternate_on_one_target(tmp_path: Path) -> Non
         assert len(entry["runs"]) == 3 and entry["median"]["cached_share"] == 0.75
         requests = 16 if run == "grpo-128:2" else 8 * 3  # multiturn: every turn is a request
         assert all(r["requests"] == requests for r in entry["runs"])
-        merged = [r["merge_counters"]["requests_merged"] for r in entry["runs"]]
+        merged = [r["merge_counters"]["requests_held"] for r in entry["runs"]]
         assert merged == ([requests] * 3 if setting == "on" else [0] * 3)
     # As ART's rollouts: non-streamed, logprobs on, ignore_eos for the fixed-length workloads.
     call = completions.calls[0]
@@ -178,7 +178,7 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
     # The reference engine caches a group's shared prompt; its /metrics agree with the usage reports.
     assert 0 < grpo["cached_share"] == pytest.approx(grpo["server_cached_share"], rel=0.05)
     assert runs["multiturn-2:1"]["runs"][0]["requests"] == 4
-    # One setting while the gateway has no merge switch, else on and off (each run, each lone request).
+    # One setting while the gateway has no prefill-sharing switch, else on and off (each run, each lone request).
     settings = {e["merging"] for e in result["results"]}
     assert (settings, set(result["lone_requests"])) in (({None}, {"-"}), ({"on", "off"}, {"on", "off"}))
 
