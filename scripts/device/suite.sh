@@ -43,7 +43,7 @@
 # replicas-1gpu (~4 min, 1 GPU, stage.sh router first): two replicas on the first visible GPU behind the router
 # cuda-mps (~3 min, 1 GPU): co-resident server and trainer as clients of the backend's CUDA MPS daemon
 # burst (~3 min, 1 GPU): waves of rollouts with hot-loads and idle gaps past SGLang's keep-alive, none lost
-# merged-rollouts (~2 min): the contract test of request merging alone (the contract suite includes it)
+# shared-prefill (~2 min): the contract test of prefill sharing alone (the contract suite includes it)
 # art-program (~4 min, after stage.sh art): an ART program with tools and _internal_config, 2 RL steps
 # Two 1-GPU suites at once, one per GPU: scripts/device/pair.sh.
 set -uo pipefail
@@ -84,7 +84,7 @@ for name in "$@"; do
     replicas-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_replicas.py) ;;
     cuda-mps) cmd=("${pytest[@]}" -m gpu tests/gpu/test_cuda_mps.py) ;;
     burst) cmd=("${pytest[@]}" -m gpu tests/backend/test_gateway_burst.py) ;;
-    merged-rollouts) cmd=("${pytest[@]}" tests/contract/test_merged_rollouts.py --engine sglang --model-path "$tiny") ;;
+    shared-prefill) cmd=("${pytest[@]}" tests/contract/test_shared_prefill.py --engine sglang --model-path "$tiny") ;;
     ddp) cmd=("${pytest[@]}" -m gpu tests/gpu/test_training_ranks.py) ;;
     bench-cycle-kv) cmd=("${cycle[@]}" --strategies sleep/kv_cache --steps 3) ;;
     bench-cycle-all) cmd=("${cycle[@]}" --strategies sleep/all --steps 3) ;;
