@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +97,36 @@ def kill_tree(pid: int | None, sig: signal.Signals = signal.SIGKILL) -> int:
     for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
         proc.send_signal(sig)
     return pid
+
+
+@contextlib.asynccontextmanager
+async def server_with_adapter(model: Path, folder: Path) -> AsyncIterator[Any]:
+    """A reference-engine server on `model` (log in `folder`) with a random adapter loaded as `agent@1`."""
+    from art_sglang import SGLangConfig
+    from art_sglang.server.client import ServerClient
+    from art_sglang.server.process import ServerProcess
+
+    adapter = random_adapter(model, folder / "adapter")
+    process = ServerProcess(SGLangConfig(), str(model), engine="reference", log_path=folder / "server.log")
+    await process.start()
+    try:
+        async with ServerClient(process.base_url) as client:
+            await client.load_lora_adapter("agent@1", str(adapter))
+        yield process
+    finally:
+        await process.stop()
+
+
+def random_adapter(base: Path, out: Path) -> Path:
+    """A LoRA adapter with random (non-zero) B, so it visibly changes the model's output."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    config = LoraConfig(
+        r=8, lora_alpha=64, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
+    get_peft_model(model, config).save_pretrained(out)
+    return out

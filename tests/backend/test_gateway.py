@@ -10,11 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
+from backend_helpers import server_with_adapter
 from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
-from art_sglang import SGLangConfig
-from art_sglang.server.client import ServerClient
 from art_sglang.server.gateway import ANY, AdapterGateway
 from art_sglang.server.process import ServerProcess
 
@@ -23,31 +22,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path):
-    log = tmp_path_factory.mktemp("gateway") / "server.log"
-    adapter = _random_adapter(tiny_model_path, log.parent / "adapter")
-    process = ServerProcess(SGLangConfig(), str(tiny_model_path), engine="reference", log_path=log)
-    await process.start()
-    try:
-        async with ServerClient(process.base_url) as client:
-            await client.load_lora_adapter("agent@1", str(adapter))
+    async with server_with_adapter(tiny_model_path, tmp_path_factory.mktemp("gateway")) as process:
         yield process
-    finally:
-        await process.stop()
-
-
-def _random_adapter(base: Path, out: Path) -> Path:
-    """A LoRA adapter with random (non-zero) B, so it visibly changes the model's output."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(base)
-    config = LoraConfig(
-        r=8, lora_alpha=64, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
-    )
-    get_peft_model(model, config).save_pretrained(out)
-    return out
 
 
 @pytest.fixture

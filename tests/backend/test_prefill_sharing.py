@@ -7,17 +7,18 @@ on an adapter is refused (SGLang 0.5.17 would never release the adapter)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import pytest_asyncio
+from backend_helpers import server_with_adapter
 from openai import AsyncOpenAI
 
-from art_sglang import SGLangConfig
-from art_sglang.server.client import ServerClient
 from art_sglang.server.gateway import AdapterGateway
 from art_sglang.server.process import ServerProcess
 
@@ -30,37 +31,25 @@ WINDOW = 0.5
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path):
-    log = tmp_path_factory.mktemp("sharing") / "server.log"
-    adapter = _random_adapter(tiny_model_path, log.parent / "adapter")
-    process = ServerProcess(SGLangConfig(), str(tiny_model_path), engine="reference", log_path=log)
-    await process.start()
-    try:
-        async with ServerClient(process.base_url) as client:
-            await client.load_lora_adapter("agent@1", str(adapter))
+    async with server_with_adapter(tiny_model_path, tmp_path_factory.mktemp("sharing")) as process:
         yield process
+
+
+@contextlib.contextmanager
+def _gateway(server: ServerProcess, window: float) -> Iterator[AdapterGateway]:
+    gateway = AdapterGateway(server.base_url, share_window=window)
+    gateway.start()
+    gateway.set_served(["agent@1"], [server.model_path])
+    try:
+        yield gateway
     finally:
-        await process.stop()
-
-
-def _random_adapter(base: Path, out: Path) -> Path:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(base)
-    config = LoraConfig(r=8, lora_alpha=64, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    get_peft_model(model, config).save_pretrained(out)
-    return out
+        gateway.close()
 
 
 @pytest.fixture
-def gateway(server: ServerProcess):
-    gw = AdapterGateway(server.base_url, share_window=WINDOW)
-    gw.start()
-    gw.set_served(["agent@1"], [server.model_path])
-    yield gw
-    gw.close()
+def gateway(server: ServerProcess) -> Iterator[AdapterGateway]:
+    with _gateway(server, WINDOW) as gw:
+        yield gw
 
 
 async def _requests_since(server: ServerProcess, mark: int, expected: int) -> list[str]:
@@ -164,16 +153,11 @@ async def test_mixed_requests_on_one_prompt_share_one_prefill(gateway, server) -
 
 async def test_a_request_that_shares_nothing_is_not_held(server) -> None:
     # A window far longer than any answer here: a request held for company would take at least that.
-    gateway = AdapterGateway(server.base_url, share_window=60.0)
-    gateway.start()
-    gateway.set_served(["agent@1"], [server.model_path])
-    try:
+    with _gateway(server, 60.0) as gateway:
         async with httpx.AsyncClient(base_url=gateway.base_url, timeout=120, trust_env=False) as http:
             started = time.monotonic()
             response = await http.post(CHAT, json={**_rollout("alone"), "max_tokens": 1})
             assert response.status_code == 200 and time.monotonic() - started < 30
-    finally:
-        gateway.close()
 
 
 async def test_a_caller_that_leaves_while_held_leaves_the_others_unharmed(gateway, server) -> None:
@@ -191,10 +175,7 @@ async def test_a_caller_that_leaves_while_held_leaves_the_others_unharmed(gatewa
 
 
 async def test_requests_held_count_as_in_flight(server) -> None:
-    gateway = AdapterGateway(server.base_url, share_window=3.0)
-    gateway.start()
-    gateway.set_served(["agent@1"], [server.model_path])
-    try:
+    with _gateway(server, 3.0) as gateway:
         async with httpx.AsyncClient(base_url=gateway.base_url, timeout=120, trust_env=False) as http:
             assert (await http.post(CHAT, json=_rollout("held"))).status_code == 200
             follower = asyncio.create_task(http.post(CHAT, json=_rollout("held")))
@@ -203,8 +184,6 @@ async def test_requests_held_count_as_in_flight(server) -> None:
             assert not follower.done() and gateway.in_flight("agent@1") == 1
             assert (await follower).status_code == 200
         assert await gateway.wait_idle("agent@1", timeout=5)
-    finally:
-        gateway.close()
 
 
 async def test_n_on_an_adapter_is_refused_and_the_off_switch_forwards_at_once(gateway, server) -> None:
