@@ -196,12 +196,12 @@ class SGLangBackend:
         try:
             if self._handoff.trainer_keeps_weights:
                 # Both fit side by side on their GPU(s): load them at the same time.
-                step, _ = await gather_all(trainer.start(), service.start())
+                step, _ = await gather_all(trainer.start(), service.servers.start())
             else:
                 # The trainer loads onto the GPU and moves to host memory before the server claims it.
                 async with self._handoff.trainer_turn(trainer):
                     step = await trainer.start()
-                await service.start()
+                await service.servers.start()
             entry = RegisteredModel(model, store, trainer, step, lock)
             await self._serve_step(entry, step, may_restart=False)
         except BaseException:
@@ -466,7 +466,7 @@ class SGLangBackend:
         checkpoint if it is not running) for the body; `self._lock` is held by the caller."""
         service, handoff = self._service, self._handoff
         assert service is not None and handoff is not None
-        await service.recover(probe=False)
+        await service.servers.recover(probe=False)
         async with handoff.trainer_turn(entry.trainer) as turn:
             if not entry.trainer.is_alive():
                 logger.warning(
@@ -483,10 +483,10 @@ class SGLangBackend:
         target = entry.target(step)
         synced_at = time.monotonic()
         await self._sync.prepare(target)
-        await service.recover(probe=False)
+        await service.servers.recover(probe=False)
         await self._sync.apply(target, may_restart=may_restart)
         if self.sglang_config.flush_cache_on_sync:
-            await service.flush_cache()
+            await service.servers.flush_cache()
         probed_at = time.monotonic()
         await service.probe(target.inference_name)
         entry.step = step
@@ -538,7 +538,7 @@ class SGLangBackend:
             self._sync = make_weight_sync(
                 self.sglang_config.weight_sync_method, self._service, self.sglang_config.adapters_to_keep
             )
-            self._watchdog = ServerWatchdog(self._service)
+            self._watchdog = ServerWatchdog(self._service.servers)
         return self._service
 
     async def _start_cuda_mps(self, mps: CudaMps) -> None:

@@ -32,12 +32,13 @@ async def test_the_step_path_only_looks_for_a_dead_server(tiny_model_path: Path,
         log_path=tmp_path / "server.log",
         gpu_ids=None,
     )
+    servers = service.servers
     try:
-        await service.start()
+        await servers.start()
         log = service.process.log_path
         before = await _health_lines(log, 0)
-        assert await service.recover(probe=False) is False
-        assert await service.recover() is False  # the watchdog's call: one probe, answered
+        assert await servers.recover(probe=False) is False
+        assert await servers.recover() is False  # the watchdog's call: one probe, answered
         assert await _health_lines(log, before + 1) == before + 1  # ... and none from the step path's call
         dead = service.process.pid
         assert dead is not None
@@ -46,7 +47,7 @@ async def test_the_step_path_only_looks_for_a_dead_server(tiny_model_path: Path,
             if not service.process.is_alive():
                 break
             await asyncio.sleep(0.1)
-        assert await service.recover(probe=False) is True  # a dead server is restarted without a probe
+        assert await servers.recover(probe=False) is True  # a dead server is restarted without a probe
         assert service.process.pid not in (None, dead) and service.process.is_alive()
     finally:
         await service.close()
