@@ -1,11 +1,11 @@
 """`SGLangBackend`: ART's backend protocol with inference on an SGLang server (or, without a GPU, the
 reference engine) and a LoRA trainer in its own process.
 
-The backend orchestrates; the parts live in their own modules: `backend_settings` (device layout and
-server config, what a model's `_internal_config` may change), `inference` (server + gateway + loaded
-adapters), `watchdog`, `shared_mode` (GPU handoff around training), `weight_sync` (lora/disk/restart),
-`model_store` (files on disk), `registered_model`, `history` and `training` (the trainer worker and
-`TrainOptions`, ART's train() keywords).
+The backend orchestrates; the parts live in their own modules: `backend_settings` (what the user and the
+first model's `_internal_config` ask for) and `serving_plan` (the frozen plan made from it before anything
+starts), `inference` (adapters + gateway over the `ServerGroup`), `step_runner` (one training step, RL or
+SFT: GPU handoff, trainer, weight sync), `watchdog`, `model_store` (files on disk), `registered_model`,
+`progress` and `training` (the trainer worker and `TrainOptions`, ART's train() keywords).
 """
 
 from __future__ import annotations
@@ -18,32 +18,31 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable
-from typing import Any, Literal
+from typing import Any
 
 from .backend_settings import BackendSettings, check_row_length
 from .config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
-from .cuda_mps import CudaMps
+from .cuda_mps import CudaMps, start_daemon
 from .devices import DeviceLayout, EngineChoice
 from .errors import ConfigError, ModelNotRegisteredError
-from .history import append_row
 from .inference import InferenceService
 from .internal_config import ModelSettings
-from .model import Model
 from .model_store import ModelStore, append_lines, name_problem, write_model_files
 from .pipelining import pin_step, pinned_step, pipelining_problem
 from .process_tree import gather_all
-from .progress import StepProgress, reports_while
+from .progress import StepProgress, record_step, reports_while, warn_about
 from .registered_model import RegisteredModel, checkpoint_of
 from .run_lock import RunLock
-from .shared_mode import GpuHandoff, HandoffStrategy, TrainerTurn
+from .served_names import parse_served_name, served_name, served_prefix
+from .serving_plan import HandoffStrategy, ServingPlan
+from .step_runner import StepRunner
 from .training.options import TrainOptions
 from .training.process import TrainerProcess
-from .training.sft import SFTBatch, sft_batches, validate_sft
+from .training.sft import SFTBatch, prepare_sft
 from .training.validation import groups_to_wire, validate_groups
 from .trajectories import coerce_groups, coerce_trajectory
 from .types import LocalTrainResult
 from .watchdog import ServerWatchdog
-from .weight_sync import make_weight_sync
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +95,10 @@ class SGLangBackend:
         )
         self._path = path
         self._use_gateway = gateway
+        self._plan: ServingPlan | None = None  # made once, before the first server starts
         self._service: InferenceService | None = None
         self._mps: CudaMps | None = None
-        self._handoff: GpuHandoff | None = None
+        self._steps: StepRunner | None = None
         self._models: dict[tuple[str, str], RegisteredModel] = {}
         self._lock = asyncio.Lock()
         self._watchdog: ServerWatchdog | None = None
@@ -112,15 +112,16 @@ class SGLangBackend:
 
     @property
     def layout(self) -> DeviceLayout:
-        return self._settings.layout
+        return self._plan.layout if self._plan is not None else self._settings.layout
 
     @property
     def sglang_config(self) -> SGLangConfig:
-        return self._settings.sglang_config
+        """The server's settings: the plan's once a model is registered (frozen), else as asked so far."""
+        return self._plan.server_config if self._plan is not None else self._settings.sglang_config
 
     @property
     def handoff_strategy(self) -> HandoffStrategy:
-        return self._settings.handoff_strategy
+        return self._plan.handoff if self._plan is not None else self._settings.handoff_strategy
 
     @property
     def uses_cuda_mps(self) -> bool:
@@ -183,27 +184,20 @@ class SGLangBackend:
         """Write the model's files, start its trainer (resuming its checkpoint) and serve its step."""
         model.base_path = self._path  # as ART's LocalBackend: model.log() writes where we do
         await asyncio.to_thread(write_model_files, store, model, settings)
-        service = await self._ensure_service(model.base_model, store)
-        assert self._handoff is not None
+        await self._ensure_service(model.base_model, store)
+        assert self._steps is not None and self._plan is not None
         trainer = TrainerProcess(
             model.base_model,
             store.checkpoints_dir,
             settings.trainer,
-            gpu_ids=self._gpu_ids("training"),
+            gpu_ids=list(self._plan.training_gpu_ids),
             log_path=store.trainer_log,
             env=self._mps.client_env if self._mps is not None else None,
         )
         try:
-            if self._handoff.trainer_keeps_weights:
-                # Both fit side by side on their GPU(s): load them at the same time.
-                step, _ = await gather_all(trainer.start(), service.servers.start())
-            else:
-                # The trainer loads onto the GPU and moves to host memory before the server claims it.
-                async with self._handoff.trainer_turn(trainer):
-                    step = await trainer.start()
-                await service.servers.start()
+            step = await self._steps.start(trainer)
             entry = RegisteredModel(model, store, trainer, step, lock)
-            await self._serve_step(entry, step, may_restart=False)
+            await self._steps.serve(entry, step)
         except BaseException:
             await trainer.stop()
             raise
@@ -225,17 +219,11 @@ class SGLangBackend:
         current step), in the form the client sends (see `InferenceService.client_name`)."""
         if not getattr(model, "trainable", False):
             return model.inference_model_name or model.name
-        entry = self._models.get((model.project, model.name))
         if step is None:
             step = pinned_step(model.name)
         if step is None:
-            if entry is None:
-                raise ModelNotRegisteredError(
-                    f"model {model.name!r} is not registered with this backend: "
-                    "call `await model.register(backend)` first"
-                )
-            step = entry.step
-        name = f"{model.name}@{step}"
+            step = self._entry(model).step
+        name = served_name(model.name, step)
         return self._service.client_name(name) if self._service is not None else name
 
     async def _get_step(self, model: Any) -> int:
@@ -258,7 +246,7 @@ class SGLangBackend:
             keep = {*steps_to_keep, entry.step, *self._leased_steps(entry)}
             doomed = [s for s in entry.store.checkpoint_steps() if s not in keep]
             for step in doomed:
-                await self._service.remove_adapter(f"{model.name}@{step}")
+                await self._service.remove_adapter(served_name(model.name, step))
             await asyncio.to_thread(entry.store.delete_checkpoints, doomed)
 
     # --- pipelined training (ART's PipelineTrainer) ------------------------------------------------------
@@ -275,7 +263,7 @@ class SGLangBackend:
                 yield  # train() refuses; the server is left as the weight sync and the handoff want it
                 return
             checkpoint = entry.store.checkpoint_dir(step)  # loaded (checked first) if it is not now
-            async with self._service.lease(f"{model.name}@{step}", checkpoint):
+            async with self._service.lease(served_name(model.name, step), checkpoint):
                 yield
 
     async def prune_model_adapters(self, model: Any, *, retain_steps: set[int]) -> None:
@@ -292,7 +280,7 @@ class SGLangBackend:
                 "(max_loras_per_batch), so some wait for a slot: set SGLangConfig(max_steps_off_policy=%d)",
                 model.name, len(keep), slots, len(keep) - 1,
             )  # fmt: skip
-        await self._service.prune(f"{model.name}@", {f"{model.name}@{step}" for step in keep})
+        await self._service.prune(served_prefix(model.name), {served_name(model.name, step) for step in keep})
 
     def _pipelining_problem(self) -> str | None:
         return pipelining_problem(
@@ -303,8 +291,8 @@ class SGLangBackend:
 
     def _leased_steps(self, entry: RegisteredModel) -> set[int]:
         assert self._service is not None
-        prefix = f"{entry.model.name}@"
-        return {int(name[len(prefix) :]) for name in self._service.leased() if name.startswith(prefix)}
+        leased = (parse_served_name(name) for name in self._service.leased())
+        return {parsed[1] for parsed in leased if parsed is not None and parsed[0] == entry.model.name}
 
     async def train(self, model: Any, trajectory_groups: Iterable[Any], **options: Any) -> LocalTrainResult:
         """One RL step on `trajectory_groups`; returns once `<name>@<new step>` answers requests.
@@ -319,55 +307,31 @@ class SGLangBackend:
         """
         self._check_open()
         train_options = TrainOptions.from_keywords(options)
-        groups = coerce_groups(trajectory_groups)
+        groups = groups_to_wire(coerce_groups(trajectory_groups))
         # Checked here, before the GPU handoff, so bad input never takes the server away.
-        validate_groups(
-            groups_to_wire(groups),
-            allow_training_without_logprobs=train_options.allow_training_without_logprobs,
-        )
+        validate_groups(groups, allow_training_without_logprobs=train_options.allow_training_without_logprobs)
         entry = self._entry(model)
         check_row_length(train_options, entry.trainer.config)
-        if entry.pipelined:
-            problem = self._pipelining_problem()
-            if problem is not None:
-                raise ConfigError(
-                    f"pipelined training (rollouts hold adapter leases while train() runs): {problem}"
-                )
+        if entry.pipelined and (problem := self._pipelining_problem()) is not None:
+            raise ConfigError(
+                f"pipelined training (rollouts hold adapter leases while train() runs): {problem}"
+            )
         self._ensure_watchdog()
+        steps = self._steps
+        assert steps is not None
         async with self._lock:
             started = time.monotonic()
             verbose = train_options.verbose
             with StepProgress(
                 model.name, entry.step + 1, disable=not verbose and not sys.stderr.isatty()
             ) as bar:
-                async with self._trainer_turn(entry) as turn:
-                    trained_at = time.monotonic()
-                    outcome = await entry.trainer.train(groups, train_options, on_progress=bar)
-                    turn.timings["time/train_s"] = time.monotonic() - trained_at
-                    if outcome.step != entry.step:
-                        # Work that needs no server overlaps the handoff (merging, for disk sync).
-                        await self._sync.prepare(entry.target(outcome.step))
-            timings = turn.timings
-            if outcome.step != entry.step:
-                # Also a step a restarted trainer resumed at without training now (it died after
-                # writing that checkpoint): it becomes the current step only once it is served.
-                timings.update(
-                    await self._serve_step(entry, outcome.step, may_restart=not turn.restarted_server)
+                outcome, timings = await steps.run(
+                    entry, lambda trainer: trainer.train(groups, train_options, on_progress=bar)
                 )
-            if outcome.reason:
-                logger.warning("%s step %d: %s", model.name, outcome.step, outcome.reason)
-            dropped = int(outcome.metrics.get("sequences_dropped_too_long", 0))
-            if dropped:
-                logger.warning(
-                    "%s step %d: dropped %d sequences longer than the packed row length (max_seq_length=%d)",
-                    model.name, outcome.step, dropped, entry.trainer.config.max_seq_length,
-                )  # fmt: skip
+            warn_about(model.name, outcome, entry.trainer.config.max_seq_length)
             timings["time/step_s"] = time.monotonic() - started
             metrics = {**outcome.metrics, **timings}
-            row = {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
-            written = await asyncio.to_thread(append_row, entry.store.history, entry.step, row)
-            if isinstance(model, Model):  # ART's own models report to W&B themselves, from model.log
-                await model._report(entry.step, written)
+            await record_step(model, entry.store.history, entry.step, metrics)
             if verbose:
                 logger.info("%s step %d: %s", model.name, entry.step, json.dumps(metrics, default=str))
             path = outcome.checkpoint_path if train_options.save_checkpoint else None
@@ -384,19 +348,13 @@ class SGLangBackend:
         verbose: bool = False,
     ) -> AsyncIterator[dict[str, float]]:
         """Supervised fine-tuning (ART's backend protocol): yields each batch's metrics as the trainer
-        reports them, and ends once `<name>@<new step>` answers requests. `config` is ART's or our
-        `TrainSFTConfig`; ART's experimental `_config` has no options, so any key is refused.
+        reports them, and ends once `<name>@<new step>` answers requests (`config`: see `prepare_sft`).
 
         Input is checked before anything starts; the training (handoff, trainer, weight sync) runs as one
         task, so a caller that stops iterating early does not leave the step half done."""
         self._check_open()
-        if dev_config:
-            raise ConfigError(
-                f"train_sft(_config={dict(dev_config)!r}): ART's dev TrainSFTConfig has no options"
-            )
         wire = [coerce_trajectory(t, index).model_dump(mode="python") for index, t in enumerate(trajectories)]
-        validate_sft(wire)
-        batches = sft_batches(wire, config.learning_rate, config.batch_size)
+        batches = prepare_sft(wire, config, dev_config)
         entry = self._entry(model)
         self._ensure_watchdog()
         async for report in reports_while(lambda report: self._run_sft(entry, batches, report, verbose)):
@@ -405,14 +363,14 @@ class SGLangBackend:
     async def _run_sft(
         self, entry: RegisteredModel, batches: list[SFTBatch], report: Any, verbose: bool
     ) -> None:
+        assert self._steps is not None
         async with self._lock:
-            async with self._trainer_turn(entry) as turn:
-                outcome = await entry.trainer.sft(
+            _, timings = await self._steps.run(
+                entry,
+                lambda trainer: trainer.sft(
                     batches, on_progress=lambda event: report(event.get("metrics") or {})
-                )
-                await self._sync.prepare(entry.target(outcome.step))
-            timings = turn.timings
-            timings.update(await self._serve_step(entry, outcome.step, may_restart=not turn.restarted_server))
+                ),
+            )
             if verbose:
                 logger.info("%s SFT step %d: %s", entry.model.name, entry.step, json.dumps(timings))
 
@@ -441,7 +399,7 @@ class SGLangBackend:
         """Stop the server (and its gateway) together with `stops` (the trainers), then the MPS daemon
         whose clients they were."""
         service, mps = self._service, self._mps
-        self._service = self._handoff = self._watchdog = self._mps = None
+        self._service = self._steps = self._watchdog = self._mps = self._plan = None
         try:
             await gather_all(*stops, *([service.close()] if service is not None else []))
         finally:
@@ -459,38 +417,6 @@ class SGLangBackend:
         """Restart a server that died, at any time (during train() too): see `ServerWatchdog`."""
         if self._watchdog is not None:
             self._watchdog.ensure_running()
-
-    @contextlib.asynccontextmanager
-    async def _trainer_turn(self, entry: RegisteredModel) -> AsyncIterator[TrainerTurn]:
-        """The server recovered if it died, then the GPU handed to the model's trainer (restarted from its
-        checkpoint if it is not running) for the body; `self._lock` is held by the caller."""
-        service, handoff = self._service, self._handoff
-        assert service is not None and handoff is not None
-        await service.servers.recover(probe=False)
-        async with handoff.trainer_turn(entry.trainer) as turn:
-            if not entry.trainer.is_alive():
-                logger.warning(
-                    "trainer of %s is not running; restarting it from its checkpoint", entry.model.name
-                )
-                await entry.trainer.start()
-            yield turn
-
-    async def _serve_step(self, entry: RegisteredModel, step: int, *, may_restart: bool) -> dict[str, float]:
-        """Make `<name>@<step>` servable and answering, then make it the model's current step. The one place
-        the current step changes, so a name the backend hands out is always loaded. Returns timings."""
-        service = self._service
-        assert service is not None
-        target = entry.target(step)
-        synced_at = time.monotonic()
-        await self._sync.prepare(target)
-        await service.servers.recover(probe=False)
-        await self._sync.apply(target, may_restart=may_restart)
-        if self.sglang_config.flush_cache_on_sync:
-            await service.servers.flush_cache()
-        probed_at = time.monotonic()
-        await service.probe(target.inference_name)
-        entry.step = step
-        return {"time/sync_s": probed_at - synced_at, "time/probe_s": time.monotonic() - probed_at}
 
     # --- helpers ---------------------------------------------------------------------------------------
     @property
@@ -512,51 +438,22 @@ class SGLangBackend:
         return entry
 
     async def _ensure_service(self, base_model: str, store: ModelStore) -> InferenceService:
-        # The server's log lives with the first model registered (one server serves every model).
+        """Make the plan and assemble serving from it, once: the server's log lives with the first model
+        registered (one server serves every model)."""
         if self._service is None:
-            release: Literal["kv_cache", "all"] = "all"
-            if self.handoff_strategy == "sleep":
-                plan = await asyncio.to_thread(self._settings.plan_shared_gpu, base_model)
-                release = self._settings.use_shared_plan(plan)
-            elif self._settings.co_resident:  # no handoff: the server's pool leaves the trainer room
-                await asyncio.to_thread(self._settings.use_co_resident_plan, base_model)
-                if self._settings.use_cuda_mps() and self._mps is None:
-                    await self._start_cuda_mps(CudaMps(store.logs_dir / "cuda-mps.log"))
+            plan = self._plan = await asyncio.to_thread(self._settings.plan, base_model)
+            if plan.cuda_mps:
+                self._mps = await start_daemon(self._settings.cuda_mps, store.logs_dir / "cuda-mps.log")
+            env = self._mps.client_env if self._mps is not None else {}
             self._service = InferenceService(
-                self.sglang_config,
-                base_model,
-                engine=self.layout.engine,
-                log_path=store.server_log,
-                gpu_ids=self._gpu_ids("inference"),
-                use_gateway=self._use_gateway,
-                replica_gpu_ids=self._settings.replica_gpu_ids() if len(self.layout.replicas) > 1 else None,
+                plan, base_model, log_path=store.server_log, use_gateway=self._use_gateway, env=env
             )
-            if self.sglang_config.weight_sync_method != "disk":
+            if plan.weight_sync != "disk":
                 # Merged weights hold one step only; an older step's adapter on top would be wrong.
                 self._service.serve_on_demand(lambda name: checkpoint_of(self._models.values(), name))
-            self._handoff = GpuHandoff(self.handoff_strategy, self._service, release)
-            self._sync = make_weight_sync(
-                self.sglang_config.weight_sync_method, self._service, self.sglang_config.adapters_to_keep
-            )
+            self._steps = StepRunner.for_plan(plan, self._service)
             self._watchdog = ServerWatchdog(self._service.servers)
         return self._service
-
-    async def _start_cuda_mps(self, mps: CudaMps) -> None:
-        """Make the server (and the trainers started after this) clients of `mps`. A daemon that does
-        not start fails registration with cuda_mps='on'; with 'auto' it is a warning and both go on
-        without MPS."""
-        try:
-            env = await mps.start()
-        except ConfigError as exc:
-            if self._settings.cuda_mps == "on":
-                raise
-            logger.warning("%s\nGoing on without CUDA MPS: server and trainer take turns on the GPU.", exc)
-            return
-        self._mps = mps
-        self._settings.add_server_env(env)
-
-    def _gpu_ids(self, role: Literal["inference", "training"]) -> list[str]:
-        return self._settings.gpu_ids(role)
 
 
 # help(SGLangBackend.train) and editors that read __signature__ show every option with its default.

@@ -18,21 +18,21 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Literal
 
 import httpx
 
-from .config import SGLangConfig
 from .errors import AdapterLoadError, ServerRequestError
 from .model_store import check_adapter
 from .process_tree import gather_all
+from .served_names import step_of
 from .server.gateway import ANY, AdapterGateway
 from .server.group import ServerGroup
 from .server.process import ServerProcess
 from .server.replica import Server
 from .server.replica_router import ReplicaRouter
+from .serving_plan import ServingPlan
 
 logger = logging.getLogger(__name__)
 
@@ -40,32 +40,30 @@ PROBE_TIMEOUT_S = 120.0
 
 
 class InferenceService:
-    """The adapter side of serving over a `ServerGroup` (`servers`). `replica_gpu_ids`: one server replica
-    per entry (its GPUs), behind SGLang's router when there are several; None: one server on `gpu_ids`."""
+    """The adapter side of serving over the `ServerGroup` (`servers`) of `plan`: one server replica per
+    planned replica, behind SGLang's router when there are several. `env`: added to the servers'
+    environment."""
 
     def __init__(
         self,
-        config: SGLangConfig,
+        plan: ServingPlan,
         base_model: str,
         *,
-        engine: Literal["sglang", "reference"],
         log_path: Path,
-        gpu_ids: Sequence[int | str] | None,
         use_gateway: bool = True,
+        env: Mapping[str, str] | None = None,
         drain_timeout: float = 600.0,
-        replica_gpu_ids: Sequence[Sequence[int | str]] | None = None,
     ):
+        config = plan.server_config
         self._config = config
         self._base_model = base_model
-        placements = [gpu_ids] if replica_gpu_ids is None else list(replica_gpu_ids)
         self._servers = ServerGroup(
-            config,
+            plan,
             base_model,
-            engine=engine,
             log_path=log_path,
-            placements=placements,
-            own_key=use_gateway and len(placements) == 1,
+            own_key=use_gateway and len(plan.replicas) == 1,
             hooks=self,
+            env=env,
         )
         self._gateway: AdapterGateway | None = None
         if use_gateway:
@@ -265,7 +263,7 @@ class InferenceService:
     async def keep_newest(self, prefix: str, keep: int) -> None:
         """Unload the adapters whose name starts with `prefix` except the `keep` newest (highest step) and
         the leased ones."""
-        mine = sorted((name for name in self._adapters if name.startswith(prefix)), key=_step_of)
+        mine = sorted((name for name in self._adapters if name.startswith(prefix)), key=step_of)
         for name in mine[: max(len(mine) - keep, 0)]:
             await self.remove_adapter(name)
 
@@ -360,9 +358,3 @@ class InferenceService:
         await self._servers.close()
         if self._gateway is not None:
             self._gateway.close()
-
-
-def _step_of(name: str) -> int:
-    """The step of `<model>@<step>` (-1 for another form)."""
-    step = name.rpartition("@")[2]
-    return int(step) if step.isdigit() else -1

@@ -24,6 +24,7 @@ from pydantic_core import PydanticSerializationError
 from .errors import ConfigError, ModelNotRegisteredError
 from .history import append_row, read_rows
 from .model_store import HISTORY_FILE, name_problem
+from .served_names import served_name
 from .tracking import WandbReporter, metric_key
 from .training.options import TrainOptions
 from .trajectories import Trajectory, TrajectoryGroup
@@ -156,7 +157,7 @@ class Model(BaseModel):
         if self._backend is not None and hasattr(self._backend, "_model_inference_name"):
             return self._backend._model_inference_name(self, step=step)
         name = self.inference_model_name or self.name
-        return name if step is None else f"{name}@{step}"
+        return name if step is None else served_name(name, step)
 
     async def get_step(self) -> int:
         """The latest trained step (0 for models that are not trainable)."""

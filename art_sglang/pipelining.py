@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from contextvars import ContextVar
 
 from .config import WeightSyncMethod
-from .shared_mode import HandoffStrategy
+from .serving_plan import HandoffStrategy
 
 _pinned_steps: ContextVar[dict[str, int] | None] = ContextVar("art_sglang_pinned_steps", default=None)
 

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from tqdm import tqdm
+
+from .history import append_row
+from .model import Model
+from .training.options import StepOutcome
+
+logger = logging.getLogger(__name__)
 
 Report = TypeVar("Report")
 
@@ -46,3 +54,24 @@ async def reports_while(
         else:
             report.cancel()
     task.result()  # the training's error, if any
+
+
+def warn_about(name: str, outcome: StepOutcome, max_seq_length: int) -> None:
+    """Log what a finished RL step of model `name` left out."""
+    if outcome.reason:
+        logger.warning("%s step %d: %s", name, outcome.step, outcome.reason)
+    dropped = int(outcome.metrics.get("sequences_dropped_too_long", 0))
+    if dropped:
+        logger.warning(
+            "%s step %d: dropped %d sequences longer than the packed row length (max_seq_length=%d)",
+            name, outcome.step, dropped, max_seq_length,
+        )  # fmt: skip
+
+
+async def record_step(model: Any, history: Path, step: int, metrics: dict[str, float]) -> None:
+    """Append a step's metrics to the model's history.jsonl and, for our own models, mirror the row to
+    W&B (ART's own models report to W&B themselves, from model.log)."""
+    row = {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
+    written = await asyncio.to_thread(append_row, history, step, row)
+    if isinstance(model, Model):
+        await model._report(step, written)

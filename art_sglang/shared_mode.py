@@ -25,8 +25,7 @@ from typing import Literal, Protocol
 
 from .inference import InferenceService
 from .server.client import KV_CACHE_TAG
-
-HandoffStrategy = Literal["none", "sleep", "restart"]
+from .serving_plan import HandoffStrategy
 
 
 class Offloadable(Protocol):

@@ -28,6 +28,7 @@ from .config import WeightSyncMethod
 from .inference import InferenceService
 from .merge import merge_in_subprocess
 from .model_store import ModelStore
+from .served_names import served_name, served_prefix
 
 
 @dataclass
@@ -42,11 +43,11 @@ class SyncTarget:
 
     @property
     def inference_name(self) -> str:
-        return f"{self.name}@{self.step}"
+        return served_name(self.name, self.step)
 
     @property
     def prefix(self) -> str:
-        return f"{self.name}@"
+        return served_prefix(self.name)
 
 
 class WeightSync(ABC):

@@ -16,14 +16,14 @@ import logging
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
-from ..config import SGLangConfig
 from ..errors import ServerCrashedError
 from ..process_tree import EXIT_GRACE_SECONDS, gather_all
+from ..serving_plan import ServingPlan
 from .client import MEMORY_TAGS, WEIGHTS_TAG, ServerClient
 from .process import ServerProcess
 from .replica import Replica, Server, replica_log
@@ -56,21 +56,22 @@ class GroupHooks(Protocol):
 
 
 class ServerGroup:
-    """The server process(es), their admin clients and the router. `placements`: one replica per entry (its
-    GPUs; None: all visible). `own_key`: the servers get a key of their own (the gateway's upstream key)
-    instead of `config.api_key`. Commands that change the servers run one at a time (`command()`)."""
+    """The server process(es) of `plan`, their admin clients and the router. `own_key`: the servers get a
+    key of their own (the gateway's upstream key) instead of `config.api_key`; `env`: added to their
+    environment. Commands that change the servers run one at a time (`command()`)."""
 
     def __init__(
         self,
-        config: SGLangConfig,
+        plan: ServingPlan,
         base_model: str,
         *,
-        engine: Literal["sglang", "reference"],
         log_path: Path,
-        placements: Sequence[Sequence[int | str] | None],
         own_key: bool,
         hooks: GroupHooks,
+        env: Mapping[str, str] | None = None,
     ):
+        config = plan.server_config
+        engine = plan.layout.engine
         self._config = config
         self._hooks = hooks
         # The servers' keys are their own: rollout clients hold `config.api_key`, which opens the gateway;
@@ -78,24 +79,21 @@ class ServerGroup:
         # key. Without the gateway clients talk to the server with their key, and behind SGLang's router
         # too (the router reaches the replicas with what clients send).
         # Hex keys: one starting with "-" would read as a flag where a config file becomes command-line flags.
-        self._server_config = config.model_copy(
-            update={"api_key": secrets.token_hex(32) if own_key else config.api_key}
-        )
+        self._server_key = secrets.token_hex(32) if own_key else config.api_key
         self._admin_key = secrets.token_hex(32)
-        self._replicas = [
-            Replica(
-                ServerProcess(
-                    self._server_config,
-                    base_model,
-                    engine=engine,
-                    log_path=replica_log(log_path, n),
-                    gpu_ids=gpus,
-                    admin_api_key=self._admin_key,
-                ),
-                tuple(str(g) for g in gpus or ()),
+        self._replicas = []
+        for n, planned in enumerate(plan.replicas):
+            configs = tuple(c.model_copy(update={"api_key": self._server_key}) for c in planned.configs)
+            process = ServerProcess(
+                configs[0],
+                base_model,
+                engine=engine,
+                log_path=replica_log(log_path, n),
+                gpu_ids=list(planned.gpu_ids),
+                admin_api_key=self._admin_key,
+                env=env,
             )
-            for n, gpus in enumerate(placements)
-        ]
+            self._replicas.append(Replica(process, planned.gpu_ids, configs))
         self._router: ReplicaRouter | None = None
         if len(self._replicas) > 1:
             for n, replica in enumerate(self._replicas):
@@ -138,7 +136,7 @@ class ServerGroup:
     @property
     def server_key(self) -> str | None:
         """The key of the servers' ordinary routes."""
-        return self._server_config.api_key
+        return self._server_key
 
     @property
     def serving(self) -> bool:
@@ -362,26 +360,11 @@ class ServerGroup:
 
         async def start_in_turn(group: list[Replica]) -> None:
             for replica in group:
-                replica.process.config = self._config_for(replica)
+                beside = [r for r in self._replicas if r is not replica and r.gpus and r.gpus == replica.gpus]
+                replica.process.config = replica.configs[sum(r.process.is_alive() for r in beside)]
                 await replica.process.start()
 
         await gather_all(*(start_in_turn(group) for group in groups.values()))
-
-    def _config_for(self, replica: Replica) -> SGLangConfig:
-        """The server config of a replica about to start. SGLang sizes its memory as mem_fraction_static of
-        the memory free when it starts: with k other replicas already running on its GPU, each holding the
-        share f of it, f / (1 - k*f) of what they left is the same share f of the whole GPU."""
-        if not replica.gpus:
-            return self._server_config
-        sharing = sum(
-            1 for r in self._replicas if r is not replica and r.gpus == replica.gpus and r.process.is_alive()
-        )
-        fraction = self._server_config.mem_fraction_static
-        if sharing == 0:
-            return self._server_config
-        return self._server_config.model_copy(
-            update={"mem_fraction_static": round(fraction / (1 - sharing * fraction), 3)}
-        )
 
     async def _load_everything(self, replica: Replica) -> None:
         """Give a freshly started server its admin client, then let the hooks load what it must hold."""

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import SGLangConfig
 from .client import ServerClient
 from .process import ServerProcess
 
@@ -32,6 +33,7 @@ class Replica:
 
     process: ServerProcess
     gpus: tuple[str, ...]
+    configs: tuple[SGLangConfig, ...]  # configs[k]: its settings while k others run on its GPUs
     client: ServerClient | None = None
     routed_url: str | None = None  # the URL requests reach it at; None while it is not routed to
     unanswered_since: float | None = None  # first failed health check in a row

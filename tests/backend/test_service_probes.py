@@ -9,7 +9,8 @@ import os
 import signal
 from pathlib import Path
 
-from art_sglang.config import SGLangConfig
+from art_sglang.backend_settings import BackendSettings
+from art_sglang.config import SGLangConfig, TrainerConfig
 from art_sglang.inference import InferenceService
 
 
@@ -25,13 +26,12 @@ async def _health_lines(log: Path, at_least: int) -> int:
 
 
 async def test_the_step_path_only_looks_for_a_dead_server(tiny_model_path: Path, tmp_path: Path) -> None:
-    service = InferenceService(
-        SGLangConfig(),
-        str(tiny_model_path),
-        engine="reference",
-        log_path=tmp_path / "server.log",
-        gpu_ids=None,
-    )
+    settings = BackendSettings(
+        SGLangConfig(), TrainerConfig(), shared_strategy="sleep", device_config=None, engine="reference",
+        inference_device=None, training_devices=None, layout=None,
+    )  # fmt: skip
+    plan = settings.plan(str(tiny_model_path))
+    service = InferenceService(plan, str(tiny_model_path), log_path=tmp_path / "server.log")
     servers = service.servers
     try:
         await servers.start()
