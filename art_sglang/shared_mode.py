@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from .inference import InferenceService
-from .server.client import KV_CACHE_TAG
+from .server.sglang_api import KV_CACHE_TAG
 from .serving_plan import HandoffStrategy
 
 

@@ -24,10 +24,11 @@ from typing import Protocol
 from ..errors import ServerCrashedError
 from ..process_tree import EXIT_GRACE_SECONDS, gather_all
 from ..serving_plan import ServingPlan
-from .client import MEMORY_TAGS, WEIGHTS_TAG, ServerClient
+from .client import ServerClient
 from .process import ServerProcess
 from .replica import Replica, Server, replica_log
 from .replica_router import ReplicaRouter
+from .sglang_api import MEMORY_TAGS, WEIGHTS_TAG
 
 logger = logging.getLogger(__name__)
 

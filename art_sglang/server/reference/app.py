@@ -15,7 +15,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from ..client import ADMIN_ROUTES
+from ..sglang_api import ADMIN_ROUTES
 from .adapters import AdapterError
 from .cli import ServerArgs
 from .engine import ReferenceEngine

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from ...chat_format import template_messages, template_tools
 from ...cpu_threads import limit_threads_for_small_model
 from ...token_bounds import longest_token_bytes, min_tokens
-from ..client import KV_CACHE_TAG, WEIGHTS_TAG
+from ..sglang_api import KV_CACHE_TAG, WEIGHTS_TAG
 from .adapters import BASE_KEY, AdapterRegistry, LoadedAdapter, adapter_rank
 from .cli import ServerArgs
 from .generation import FinishReason, GenerationRequest, GenerationResult, TextTracker, TokenLogprob
