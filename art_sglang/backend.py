@@ -25,7 +25,6 @@ from .config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, Tra
 from .cuda_mps import CudaMps, start_daemon
 from .devices import DeviceLayout, EngineChoice
 from .errors import ConfigError, ModelNotRegisteredError
-from .inference import InferenceService
 from .internal_config import ModelSettings
 from .model_store import ModelStore, append_lines, name_problem, write_model_files
 from .pipelining import pin_step, pinned_step, pipelining_problem
@@ -33,7 +32,9 @@ from .process_tree import gather_all
 from .progress import StepProgress, record_step, reports_while, warn_about
 from .registered_model import RegisteredModel, checkpoint_of
 from .run_lock import RunLock
-from .served_names import parse_served_name, served_name, served_prefix
+from .server.inference import InferenceService
+from .server.served_names import parse_served_name, served_name, served_prefix
+from .server.watchdog import ServerWatchdog
 from .serving_plan import HandoffStrategy, ServingPlan
 from .step_runner import StepRunner
 from .training.options import TrainOptions
@@ -42,7 +43,6 @@ from .training.sft import SFTBatch, prepare_sft
 from .training.validation import groups_to_wire, validate_groups
 from .trajectories import coerce_groups, coerce_trajectory
 from .types import LocalTrainResult
-from .watchdog import ServerWatchdog
 
 logger = logging.getLogger(__name__)
 

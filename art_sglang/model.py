@@ -24,7 +24,7 @@ from .backend_protocol import Backend
 from .errors import ConfigError, ModelNotRegisteredError
 from .history import append_row, read_rows
 from .model_store import HISTORY_FILE, name_problem
-from .served_names import served_name
+from .server.served_names import served_name
 from .tracking import WandbReporter, metric_key
 from .training.options import TrainOptions
 from .trajectories import Trajectory, TrajectoryGroup

@@ -10,7 +10,7 @@ from typing import Any
 
 from .model_store import ModelStore
 from .run_lock import RunLock
-from .served_names import parse_served_name
+from .server.served_names import parse_served_name
 from .training.process import TrainerProcess
 from .weight_sync import SyncTarget
 

@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from .inference import InferenceService
+from .server.inference import InferenceService
 from .server.sglang_api import KV_CACHE_TAG
 from .serving_plan import HandoffStrategy
 

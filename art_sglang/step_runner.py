@@ -7,9 +7,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from .inference import InferenceService
 from .process_tree import gather_all
 from .registered_model import RegisteredModel
+from .server.inference import InferenceService
 from .serving_plan import ServingPlan
 from .shared_mode import GpuHandoff
 from .training.options import StepOutcome

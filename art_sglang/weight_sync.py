@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import WeightSyncMethod
-from .inference import InferenceService
 from .merge import merge_in_subprocess
 from .model_store import ModelStore
-from .served_names import served_name, served_prefix
+from .server.inference import InferenceService
+from .server.served_names import served_name, served_prefix
 
 
 @dataclass

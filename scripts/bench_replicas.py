@@ -32,7 +32,7 @@ from bench_common import (
     write_results,
 )
 
-from art_sglang.inference import InferenceService
+from art_sglang.server.inference import InferenceService
 from art_sglang.server.replica_router import ReplicaRouter
 
 ADAPTER = "bench@1"

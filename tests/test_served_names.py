@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from art_sglang.served_names import parse_served_name, served_name, served_prefix, step_of
+from art_sglang.server.served_names import parse_served_name, served_name, served_prefix, step_of
 
 
 def test_a_served_name_reads_back_as_its_model_and_step() -> None:

@@ -20,7 +20,7 @@ import art_sglang as art
 from art_sglang import SGLangBackend
 from art_sglang.devices import DeviceLayout
 from art_sglang.errors import ServerStartError
-from art_sglang.inference import InferenceService
+from art_sglang.server.inference import InferenceService
 
 pytest.importorskip("sglang_router", reason="sglang-router is in the dev extra (pip install -e '.[dev]')")
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from art_sglang import ConfigError, SGLangBackend, SGLangConfig, TrainerConfig
 from art_sglang.backend_settings import BackendSettings
 from art_sglang.devices import DeviceLayout
-from art_sglang.inference import InferenceService
+from art_sglang.server.inference import InferenceService
 from art_sglang.serving_plan import ServingPlan
 from art_sglang.training.options import TrainOptions
 

@@ -23,16 +23,16 @@ from pathlib import Path
 
 import httpx
 
-from .errors import AdapterLoadError, ServerRequestError
-from .model_store import check_adapter
-from .process_tree import gather_all
+from ..errors import AdapterLoadError, ServerRequestError
+from ..model_store import check_adapter
+from ..process_tree import gather_all
+from ..serving_plan import ServingPlan
+from .gateway import ANY, AdapterGateway
+from .group import ServerGroup
+from .process import ServerProcess
+from .replica import Server
+from .replica_router import ReplicaRouter
 from .served_names import step_of
-from .server.gateway import ANY, AdapterGateway
-from .server.group import ServerGroup
-from .server.process import ServerProcess
-from .server.replica import Server
-from .server.replica_router import ReplicaRouter
-from .serving_plan import ServingPlan
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 
-from .server.group import ServerGroup
+from .group import ServerGroup
 
 logger = logging.getLogger(__name__)
 
