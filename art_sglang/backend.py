@@ -20,23 +20,23 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any
 
-from .backend_settings import BackendSettings, check_row_length
 from .config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
-from .cuda_mps import CudaMps, start_daemon
-from .devices import DeviceLayout, EngineChoice
 from .errors import ConfigError, ModelNotRegisteredError
-from .internal_config import ModelSettings
-from .model_store import ModelStore, append_lines, name_problem, write_model_files
-from .pipelining import pin_step, pinned_step, pipelining_problem
+from .orchestration.pipelining import pin_step, pinned_step, pipelining_problem
+from .orchestration.progress import StepProgress, record_step, reports_while, warn_about
+from .orchestration.registered_model import RegisteredModel, checkpoint_of
+from .orchestration.step_runner import StepRunner
+from .planning.backend_settings import BackendSettings, check_row_length
+from .planning.cuda_mps import CudaMps, start_daemon
+from .planning.devices import DeviceLayout, EngineChoice
+from .planning.internal_config import ModelSettings
+from .planning.serving_plan import HandoffStrategy, ServingPlan
 from .process_tree import gather_all
-from .progress import StepProgress, record_step, reports_while, warn_about
-from .registered_model import RegisteredModel, checkpoint_of
-from .run_lock import RunLock
 from .server.inference import InferenceService
 from .server.served_names import parse_served_name, served_name, served_prefix
 from .server.watchdog import ServerWatchdog
-from .serving_plan import HandoffStrategy, ServingPlan
-from .step_runner import StepRunner
+from .storage.model_store import ModelStore, append_lines, name_problem, write_model_files
+from .storage.run_lock import RunLock
 from .training.options import TrainOptions
 from .training.process import TrainerProcess
 from .training.sft import SFTBatch, prepare_sft

@@ -22,9 +22,9 @@ from pydantic_core import PydanticSerializationError
 
 from .backend_protocol import Backend
 from .errors import ConfigError, ModelNotRegisteredError
-from .history import append_row, read_rows
-from .model_store import HISTORY_FILE, name_problem
 from .server.served_names import served_name
+from .storage.history import append_row, read_rows
+from .storage.model_store import HISTORY_FILE, name_problem
 from .tracking import WandbReporter, metric_key
 from .training.options import TrainOptions
 from .trajectories import Trajectory, TrajectoryGroup

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import ServerCrashedError
+from ..planning.serving_plan import ServingPlan
 from ..process_tree import EXIT_GRACE_SECONDS, gather_all
-from ..serving_plan import ServingPlan
 from .client import ServerClient
 from .process import ServerProcess
 from .replica import Replica, Server, replica_log

@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 
 from ..errors import AdapterLoadError, ServerRequestError
-from ..model_store import check_adapter
+from ..planning.serving_plan import ServingPlan
 from ..process_tree import gather_all
-from ..serving_plan import ServingPlan
+from ..storage.model_store import check_adapter
 from .gateway import ANY, AdapterGateway
 from .group import ServerGroup
 from .process import ServerProcess

@@ -8,10 +8,10 @@ import pytest
 from pydantic import ValidationError
 
 from art_sglang import ConfigError, SGLangBackend, SGLangConfig, TrainerConfig
-from art_sglang.backend_settings import BackendSettings
-from art_sglang.devices import DeviceLayout
+from art_sglang.planning.backend_settings import BackendSettings
+from art_sglang.planning.devices import DeviceLayout
+from art_sglang.planning.serving_plan import ServingPlan
 from art_sglang.server.inference import InferenceService
-from art_sglang.serving_plan import ServingPlan
 from art_sglang.training.options import TrainOptions
 
 CPU_SHARED = DeviceLayout("shared", "reference", (), (), "forced for tests")
@@ -121,7 +121,7 @@ def test_train_signature_lists_every_option():
 
 def test_adapter_directories_are_checked_locally_before_loading(tmp_path):
     from art_sglang.errors import AdapterLoadError
-    from art_sglang.model_store import check_adapter
+    from art_sglang.storage.model_store import check_adapter
 
     missing = tmp_path / "missing"
     with pytest.raises(AdapterLoadError, match=f"{missing} is not a directory"):

@@ -14,7 +14,7 @@ import matplotlib.image
 import pytest
 from backend_helpers import REPO
 
-from art_sglang.history import read_rows
+from art_sglang.storage.history import read_rows
 
 
 def test_demo_reward_rises(tmp_path: Path, tiny_model_path: Path) -> None:

@@ -9,8 +9,8 @@ import os
 import signal
 from pathlib import Path
 
-from art_sglang.backend_settings import BackendSettings
 from art_sglang.config import SGLangConfig, TrainerConfig
+from art_sglang.planning.backend_settings import BackendSettings
 from art_sglang.server.inference import InferenceService
 
 

@@ -21,7 +21,7 @@ import pytest_asyncio
 from gpu_helpers import compute_apps, make_groups, record, sglang_test_config
 
 from art_sglang import SGLangBackend, SGLangConfig, TrainableModel
-from art_sglang.devices import DeviceLayout, detect_gpus
+from art_sglang.planning.devices import DeviceLayout, detect_gpus
 from art_sglang.server.inference import InferenceService
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))

@@ -20,11 +20,11 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import AdapterLoadError
-from .training.checkpoints import list_checkpoints
+from ..errors import AdapterLoadError
+from ..training.checkpoints import list_checkpoints
 
 if TYPE_CHECKING:
-    from .internal_config import ModelSettings
+    from ..planning.internal_config import ModelSettings
 
 MODEL_JSON = "model.json"
 HISTORY_FILE = "history.jsonl"

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 
-from .config import WeightSyncMethod
-from .serving_plan import HandoffStrategy
+from ..config import WeightSyncMethod
+from ..planning.serving_plan import HandoffStrategy
 
 _pinned_steps: ContextVar[dict[str, int] | None] = ContextVar("art_sglang_pinned_steps", default=None)
 

@@ -7,13 +7,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from .process_tree import gather_all
+from ..planning.serving_plan import ServingPlan
+from ..process_tree import gather_all
+from ..server.inference import InferenceService
+from ..training.options import StepOutcome
+from ..training.process import TrainerProcess
 from .registered_model import RegisteredModel
-from .server.inference import InferenceService
-from .serving_plan import ServingPlan
 from .shared_mode import GpuHandoff
-from .training.options import StepOutcome
-from .training.process import TrainerProcess
 from .weight_sync import WeightSync, make_weight_sync
 
 logger = logging.getLogger(__name__)

@@ -10,15 +10,15 @@ import math
 from collections import Counter
 from typing import Any, Literal
 
-from .config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from ..config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from ..errors import ConfigError
+from ..storage.model_store import ModelStore, base_model_problem
+from ..training.options import TrainOptions
 from .cuda_mps import CONTROL, control_program
 from .devices import DeviceLayout, EngineChoice, choose_layout, detect_gpus
-from .errors import ConfigError
 from .gpu_budget import SharedPlan, model_weights_bytes, plan_co_resident, plan_shared_gpu
 from .internal_config import ModelSettings, internal_config_of, model_settings
-from .model_store import ModelStore, base_model_problem
 from .serving_plan import FrozenSGLangConfig, HandoffStrategy, ReplicaPlan, ServingPlan, frozen_config
-from .training.options import TrainOptions
 
 logger = logging.getLogger(__name__)
 

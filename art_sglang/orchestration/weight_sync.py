@@ -24,11 +24,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import WeightSyncMethod
+from ..config import WeightSyncMethod
+from ..server.inference import InferenceService
+from ..server.served_names import served_name, served_prefix
+from ..storage.model_store import ModelStore
 from .merge import merge_in_subprocess
-from .model_store import ModelStore
-from .server.inference import InferenceService
-from .server.served_names import served_name, served_prefix
 
 
 @dataclass

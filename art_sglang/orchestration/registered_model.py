@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .model_store import ModelStore
-from .run_lock import RunLock
-from .server.served_names import parse_served_name
-from .training.process import TrainerProcess
+from ..server.served_names import parse_served_name
+from ..storage.model_store import ModelStore
+from ..storage.run_lock import RunLock
+from ..training.process import TrainerProcess
 from .weight_sync import SyncTarget
 
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from .config import SGLangConfig, WeightSyncMethod
+from ..config import SGLangConfig, WeightSyncMethod
 from .devices import DeviceLayout
 
 # Who holds the one GPU while the trainer works (shared_mode.GpuHandoff); "none" where they never compete.

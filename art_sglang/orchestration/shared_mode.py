@@ -23,9 +23,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from .server.inference import InferenceService
-from .server.sglang_api import KV_CACHE_TAG
-from .serving_plan import HandoffStrategy
+from ..planning.serving_plan import HandoffStrategy
+from ..server.inference import InferenceService
+from ..server.sglang_api import KV_CACHE_TAG
 
 
 class Offloadable(Protocol):

@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
-from .history import append_row
-from .model import Model
-from .training.options import StepOutcome
+from ..model import Model
+from ..storage.history import append_row
+from ..training.options import StepOutcome
 
 logger = logging.getLogger(__name__)
 
