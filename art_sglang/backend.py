@@ -26,6 +26,7 @@ from .orchestration.pipelining import pin_step, pinned_step, pipelining_problem
 from .orchestration.progress import StepProgress, record_step, reports_while, warn_about
 from .orchestration.registered_model import RegisteredModel, checkpoint_of
 from .orchestration.step_runner import StepRunner
+from .orchestration.weight_sync import STRATEGIES
 from .planning.backend_settings import BackendSettings, check_row_length
 from .planning.cuda_mps import CudaMps, start_daemon
 from .planning.devices import DeviceLayout, EngineChoice
@@ -448,8 +449,7 @@ class SGLangBackend:
             self._service = InferenceService(
                 plan, base_model, log_path=store.server_log, use_gateway=self._use_gateway, env=env
             )
-            if plan.weight_sync != "disk":
-                # Merged weights hold one step only; an older step's adapter on top would be wrong.
+            if STRATEGIES[plan.weight_sync].serves_older_steps:
                 self._service.serve_on_demand(lambda name: checkpoint_of(self._models.values(), name))
             self._steps = StepRunner.for_plan(plan, self._service)
             self._watchdog = ServerWatchdog(self._service.servers)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from ..config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
 from ..errors import ConfigError
+from ..orchestration.weight_sync import STRATEGIES
 from ..storage.model_store import ModelStore, base_model_problem
 from ..training.options import TrainOptions
 from .cuda_mps import CONTROL, control_program
@@ -156,7 +157,7 @@ class BackendSettings:
                 f"this backend serves base model {served_base_model!r}; model {model.name!r} uses "
                 f"{model.base_model!r}: one server serves one base model, so use a second SGLangBackend"
             )
-        if self.sglang_config.weight_sync_method == "disk":
+        if not STRATEGIES[self.sglang_config.weight_sync_method].several_models:
             raise ConfigError(
                 "weight_sync_method='disk' merges one model's weights into the server's base weights, so "
                 "only one model can be registered: use weight_sync_method='lora' to serve several"
