@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import aiohttp
 from aiohttp import web
 
-from .router import Forward, Refuse, Served, error, route
+from .gateway_rules import Forward, Refuse, Served, error, route
 
 logger = logging.getLogger(__name__)
 
