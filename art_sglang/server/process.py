@@ -31,7 +31,7 @@ Engine = Literal["sglang", "reference"]
 
 ENGINE_MODULES: dict[Engine, str] = {
     "sglang": "sglang.launch_server",
-    "reference": "art_sglang.server.reference",
+    "reference": "art_sglang_reference",
 }
 _POLL_SECONDS = 0.25
 

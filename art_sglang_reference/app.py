@@ -13,7 +13,8 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from ..sglang_api import ADMIN_ROUTES
+from art_sglang.server.sglang_api import ADMIN_ROUTES
+
 from .cli import ServerArgs
 from .engine import ReferenceEngine
 from .http_common import error_response
@@ -21,7 +22,7 @@ from .metrics import render_metrics
 from .native_api import router as native_router
 from .openai_api import router as openai_router
 
-logger = logging.getLogger("art_sglang.server.reference")
+logger = logging.getLogger("art_sglang_reference")
 
 # /health* and /metrics stay open with --api-key, as in SGLang.
 _OPEN_PATHS = ("/health", "/metrics")

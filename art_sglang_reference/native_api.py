@@ -37,7 +37,7 @@ from .schemas import (
 )
 from .weights import WeightsLoadError
 
-logger = logging.getLogger("art_sglang.server.reference")
+logger = logging.getLogger("art_sglang_reference")
 
 SGLANG_VERSION = "0.5.17"  # the release whose HTTP API this engine speaks
 FLUSH_MESSAGE = (
