@@ -302,9 +302,9 @@ class SGLangBackend:
         learning_rate=5e-6, ...): see `TrainOptions` (docs/configuration.md lists them). Options and groups
         are checked before anything starts (`ConfigError`, `TrainingInputError`). In shared mode the server
         gives the GPU to the trainer for the step. The step number advances on every call, as in ART (a
-        batch without learning signal gets a copy of the last checkpoint), and the new step is served. A
-        step the trainer refuses (non-finite values, a checkpoint that cannot be written) raises
-        `TrainingError`; the trainer and the served step stay where they were.
+        batch without learning signal gets a copy of the last checkpoint), and the new step is served. A step
+        the trainer refuses (non-finite values, an unwritable checkpoint), or whose adapter does not answer
+        a short generation with finite logprobs, raises `TrainingError`; the served step stays.
         """
         self._check_open()
         train_options = TrainOptions.from_keywords(options)
@@ -323,15 +323,15 @@ class SGLangBackend:
         async with self._lock:
             started = time.monotonic()
             verbose = train_options.verbose
-            with StepProgress(
-                model.name, entry.step + 1, disable=not verbose and not sys.stderr.isatty()
-            ) as bar:
+            with StepProgress(model.name, entry.step + 1, not (verbose or sys.stderr.isatty())) as bar:
                 outcome, timings = await steps.run(
-                    entry, lambda trainer: trainer.train(groups, train_options, on_progress=bar)
+                    entry,
+                    lambda trainer: trainer.train(groups, train_options, on_progress=bar),
+                    learning_rate=train_options.learning_rate,
                 )
-            warn_about(model.name, outcome, entry.trainer.config.max_seq_length)
+            warn_about(entry, outcome)
             timings["time/step_s"] = time.monotonic() - started
-            metrics = {**outcome.metrics, **timings}
+            metrics = {**outcome.metrics, **timings, **steps.prefill_counts_since_last_step()}
             await record_step(model, entry.store.history, entry.step, metrics)
             if verbose:
                 logger.info("%s step %d: %s", model.name, entry.step, json.dumps(metrics, default=str))
@@ -368,9 +368,8 @@ class SGLangBackend:
         async with self._lock:
             _, timings = await self._steps.run(
                 entry,
-                lambda trainer: trainer.sft(
-                    batches, on_progress=lambda event: report(event.get("metrics") or {})
-                ),
+                lambda t: t.sft(batches, on_progress=lambda event: report(event.get("metrics") or {})),
+                learning_rate=max(batch.learning_rate for batch in batches),
             )
             if verbose:
                 logger.info("%s SFT step %d: %s", entry.model.name, entry.step, json.dumps(timings))

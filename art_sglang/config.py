@@ -21,7 +21,16 @@ SERVER_TIMEOUT_ENV = "ART_SERVER_TIMEOUT"
 SERVER_VENV_DIR = ".venv-sglang-server"
 # SGLang checks that TP ranks see balanced free memory; a trainer sharing the host makes that check fail
 # spuriously, so the backend always disables it (the user's description of the product names it).
-SGLANG_ENV_DEFAULTS = {"SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK": "True"}
+# How long a server keeps an idle connection open (SGLang reads the variable, so does the reference engine;
+# 5 s is both engines' default). Set explicitly: the gateway's pool must drop its own idle connections
+# well before the server closes them, or a burst reuses connections the server is closing.
+KEEP_ALIVE_ENV = "SGLANG_TIMEOUT_KEEP_ALIVE"
+SGLANG_ENV_DEFAULTS = {"SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK": "True", KEEP_ALIVE_ENV: "5"}
+
+# A training step counts as hung once the trainer sends nothing (no progress event, no result) for
+# HANG_FACTOR times its longest step so far, at least HANG_FLOOR_S (TrainerConfig.step_timeout: the ceiling).
+HANG_FACTOR = 10.0
+HANG_FLOOR_S = 10.0
 
 # The linear layers SGLang can serve LoRA on for Llama/Qwen-style models.
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -142,6 +151,21 @@ class SGLangConfig(BaseModel):
     server_env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the server.")
     extra_args: list[str] = Field(
         default_factory=list, description="Further CLI flags passed through verbatim."
+    )
+
+    share_prefill: bool = Field(
+        True,
+        description="Requests that follow another with the same prompt (ART's GRPO groups) wait until one "
+        "prefill-only request computed the prompt, then go as they came: SGLang alone computes a prompt "
+        "once per request that reaches it together with others. The first request of a prompt never "
+        "waits. False = every request is forwarded at once.",
+    )
+    share_prefill_window_ms: float = Field(
+        5.0,
+        gt=0,
+        le=100,
+        description="With share_prefill: how long requests that follow another with its prompt are held "
+        "for more, after the latest one came (8 windows after the first at most).",
     )
 
     router_policy: RouterPolicy = Field(
@@ -345,5 +369,6 @@ class TrainerConfig(BaseModel):
         3600.0,
         gt=0,
         description="Seconds one training step (or offload/reload) may take; longer is an error and the "
-        "trainer is restarted at the next step.",
+        "trainer is restarted at the next step. A step is also an error once the trainer has sent nothing "
+        f"for {HANG_FACTOR:g} times its longest step so far (at least {HANG_FLOOR_S:g} s).",
     )

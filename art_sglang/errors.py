@@ -53,8 +53,9 @@ class TrainerError(ArtSGLangError):
 
 class TrainingError(TrainerError):
     """A training step was refused and not applied: its loss, gradient norm or new weights were not
-    finite, or its checkpoint could not be written. The trainer stays at its last checkpoint (weights,
-    optimizer state and step number) and keeps serving; the message names the cause."""
+    finite, its checkpoint could not be written, or its adapter did not answer what rollouts ask (a short
+    generation with finite logprobs). The trainer stays at its last checkpoint (weights, optimizer state
+    and step number) and keeps serving; the message names the cause."""
 
 
 class ModelNotRegisteredError(ArtSGLangError, ValueError):

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import signal
 import sys
 from types import FrameType
+
+from art_sglang.config import KEEP_ALIVE_ENV
 
 from .cli import log_ignored, parse_args
 
@@ -46,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=2,
+        # SGLang's variable and default, so the backend sets both engines' keep-alive the same way.
+        timeout_keep_alive=int(os.environ.get(KEEP_ALIVE_ENV, "5")),
     )
 
     class Server(uvicorn.Server):

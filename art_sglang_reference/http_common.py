@@ -8,7 +8,7 @@ import json
 import logging
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -60,6 +60,7 @@ def note_results(request: Request, results: list[GenerationResult]) -> None:
         request,
         adapter=adapter.name if adapter else "base",
         prompt=len(results[0].prompt_ids),
+        n=len(results),
         completion=sum(len(r.output_ids) for r in results),
         cached=results[0].cached_tokens,
     )
@@ -73,7 +74,17 @@ async def run_generations(
     engine: ReferenceEngine, requests: list[GenerationRequest]
 ) -> list[GenerationResult]:
     """Run requests one after another in a worker thread (the engine serialises the model anyway)."""
+    await asyncio.to_thread(prefill_once, engine, requests)
     return [await asyncio.to_thread(engine.generate, r) for r in requests]
+
+
+def prefill_once(engine: ReferenceEngine, requests: list[GenerationRequest]) -> None:
+    """SGLang's `n`: a prefill-only copy computes the shared prompt first, so every choice (the first one
+    too) finds the prompt cached and reports it so."""
+    if len(requests) > 1 and all(r.prompt_ids == requests[0].prompt_ids for r in requests):
+        first = requests[0]
+        sampling = replace(first.sampling, max_new_tokens=0, stop=list(first.sampling.stop))
+        engine.generate(GenerationRequest(first.prompt_ids, sampling, adapter_name=first.adapter_name))
 
 
 _background: set[asyncio.Task[None]] = set()
@@ -110,6 +121,7 @@ async def stream_generations(
 
     async def produce() -> None:
         try:
+            await asyncio.to_thread(prefill_once, engine, requests)
             for index, request in enumerate(requests):
                 push(Finished(index, await asyncio.to_thread(engine.generate, request)))
         except Exception as exc:  # handed to the consumer, which reports it in the stream

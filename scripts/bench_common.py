@@ -45,7 +45,8 @@ def add_server_args(
     parser.add_argument(
         "--attention-backend",
         default=None,
-        help="the engine's own name: e.g. triton for SGLang (the device kit has no FA3), FLASH_ATTN for vLLM",
+        help="the engine's own name, e.g. triton or fa3 for SGLang, FLASH_ATTN for vLLM; unset: the engine's "
+        "default (SGLang: fa3 on Hopper)",
     )
     parser.add_argument("--sampling-backend", default=None, help="SGLang only, e.g. pytorch")
     parser.add_argument(

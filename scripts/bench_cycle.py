@@ -18,7 +18,7 @@ this does not trip over argmax ties of a random-weight model (near-equal logits 
 shapes), and a lost or wrong adapter or base weights moves them far more. Per strategy: the wall times of
 `register()` and `close()`.
 
-    python scripts/bench_cycle.py --model /root/models/qwen2.5-1.5b-shape --attention-backend triton \\
+    python scripts/bench_cycle.py --model /root/models/qwen2.5-1.5b-shape \\
         --sampling-backend pytorch --strategies sleep/kv_cache sleep/all --json out.json --markdown out.md
     python scripts/bench_cycle.py ... --strategies restart --steps 2 --merge --json out.json --markdown out.md
     python scripts/bench_cycle.py --engine reference --model /tmp/tiny ...   # CPU, shared layout forced

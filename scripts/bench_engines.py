@@ -8,7 +8,7 @@ An engine whose results already exist (`--reuse ENGINE=PATH`, a `benchmark_infer
 the same workloads) is not run again; the others are, with `--ENGINE-flags`.
 
     python scripts/bench_engines.py --model /root/models/qwen2.5-1.5b-shape \\
-        --sglang-flags "--attention-backend triton --sampling-backend pytorch" \\
+        --sglang-flags "--sampling-backend pytorch" \\
         --vllm-flags "--attention-backend FLASH_ATTN" --json out.json --markdown out.md
 """
 

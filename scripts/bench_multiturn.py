@@ -5,7 +5,7 @@ per turn, how much of the prompt the server reported as cached (`usage.prompt_to
 `--enable-cache-report`).
 
     python scripts/bench_multiturn.py --model /root/models/qwen2.5-1.5b-shape \
-        --attention-backend triton --sampling-backend pytorch --json out.json --markdown out.md
+        --sampling-backend pytorch --json out.json --markdown out.md
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ GPU 1), `replicas` (two servers on GPUs 0-1 behind SGLang's router, a two-rank t
 `cpu` (the reference engine, for a smoke run).
 
     python scripts/bench_pipeline.py --model /root/models/qwen2.5-1.5b-shape --layout co_resident \\
-        --attention-backend triton --sampling-backend pytorch --json out.json --markdown out.md
+        --sampling-backend pytorch --json out.json --markdown out.md
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ replicas behind the router with cache-aware routing, and on the same two with ro
 replicas are started once, through the backend's `InferenceService` (the adapter loaded on both); each run
 starts from flushed prefix caches.
 
-    python scripts/bench_replicas.py --model /root/models/qwen2.5-1.5b-shape --attention-backend triton \\
+    python scripts/bench_replicas.py --model /root/models/qwen2.5-1.5b-shape \\
         --sampling-backend pytorch --json replicas.json --markdown replicas.md    (2 GPUs)
     python scripts/bench_replicas.py --engine reference --model <tiny model> --conversations 4   (CPU)
 """

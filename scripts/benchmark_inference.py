@@ -16,7 +16,7 @@ counters too). `--prefix-cache on off` starts the engine twice, with SGLang's ra
 caching) on and off. Hot-load: K fresh adapters, each timed from the load request to its first answer.
 
     python scripts/benchmark_inference.py --engine sglang --model /root/models/qwen2.5-1.5b-shape \\
-        --attention-backend triton --sampling-backend pytorch --prefix-cache on off --json out.json
+        --sampling-backend pytorch --prefix-cache on off --json out.json
     python scripts/benchmark_inference.py --engine vllm --model /root/models/qwen2.5-1.5b-shape \\
         --attention-backend FLASH_ATTN --json out.json          # vLLM's python: $ART_SGLANG_VLLM_PYTHON
 """
@@ -30,6 +30,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,10 @@ class Conversation:
 
     system: str
     turns: tuple[str, ...]
+
+
+# One chat turn: the messages so far -> the result, with the answer's "text".
+Chat = Callable[[list[dict[str, str]]], Awaitable[dict[str, Any]]]
 
 
 def prompt_body(model: str, tokens: int) -> str:
@@ -142,22 +147,39 @@ async def one_chat(
 
 
 def summarize(chats: list[dict[str, Any]], wall: float) -> dict[str, Any]:
-    """Throughput, latency percentiles and the cached share of prompt tokens of one run's chats."""
+    """Throughput, latency percentiles (and TTFT's, for streamed chats) and the cached share of prompt
+    tokens of one run's chats."""
     prompt = sum(c["prompt_tokens"] for c in chats)
-    ttft = [c["ttft_s"] for c in chats]
+    output = [c["completion_tokens"] for c in chats]
     latency = [c["latency_s"] for c in chats]
-    return {
+    summary = {
         "requests": len(chats),
         "wall_s": wall,
-        "output_tokens_per_s": sum(c["completion_tokens"] for c in chats) / wall,
+        "output_tokens_per_s": sum(output) / wall,
         "requests_per_s": len(chats) / wall,
-        "ttft_median_s": statistics.median(ttft),
-        "ttft_p99_s": percentile(ttft, 0.99),
         "latency_median_s": statistics.median(latency),
         "latency_p99_s": percentile(latency, 0.99),
         "mean_prompt_tokens": prompt / len(chats),
+        "mean_completion_tokens": sum(output) / len(chats),
         "cached_share": sum(c["cached_tokens"] for c in chats) / prompt if prompt else 0.0,
     }
+    if all("ttft_s" in c for c in chats):
+        ttft = [c["ttft_s"] for c in chats]
+        summary.update(ttft_median_s=statistics.median(ttft), ttft_p99_s=percentile(ttft, 0.99))
+    return summary
+
+
+async def converse(conversation: Conversation, chat: Chat) -> list[dict[str, Any]]:
+    """The conversation's turns one after another, each sent (by `chat`, which answers a result with the
+    answer's "text") with every earlier turn and answer; the turns' results without the text."""
+    messages = [{"role": "system", "content": conversation.system}]
+    chats = []
+    for turn in conversation.turns:
+        messages.append({"role": "user", "content": turn})
+        result = await chat(messages)
+        messages.append({"role": "assistant", "content": result.pop("text")})
+        chats.append(result)
+    return chats
 
 
 async def run_workload(
@@ -174,20 +196,13 @@ async def run_workload(
     gate = asyncio.Semaphore(concurrency)
     model = server.adapter_model(ADAPTER)
 
-    async def converse(conversation: Conversation) -> list[dict[str, Any]]:
-        messages = [{"role": "system", "content": conversation.system}]
-        chats = []
-        for turn in conversation.turns:
-            messages.append({"role": "user", "content": turn})
-            async with gate:
-                chat = await one_chat(client, messages, model, args.max_tokens)
-            messages.append({"role": "assistant", "content": chat.pop("text")})
-            chats.append(chat)
-        return chats
+    async def chat(messages: list[dict[str, str]]) -> dict[str, Any]:
+        async with gate:
+            return await one_chat(client, messages, model, args.max_tokens)
 
     before = await server.prefix_cache_counters(http)
     start = time.perf_counter()
-    done = await asyncio.gather(*(converse(c) for c in conversations(workload, args, tag, body)))
+    done = await asyncio.gather(*(converse(c, chat) for c in conversations(workload, args, tag, body)))
     result = {
         "workload": workload,
         "concurrency": concurrency,

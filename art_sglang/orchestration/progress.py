@@ -14,6 +14,7 @@ from tqdm import tqdm
 from ..model import Model
 from ..storage.history import append_row
 from ..training.options import StepOutcome
+from .registered_model import RegisteredModel
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,17 @@ async def reports_while(
     task.result()  # the training's error, if any
 
 
-def warn_about(name: str, outcome: StepOutcome, max_seq_length: int) -> None:
-    """Log what a finished RL step of model `name` left out."""
-    if outcome.reason:
-        logger.warning("%s step %d: %s", name, outcome.step, outcome.reason)
+def warn_about(entry: RegisteredModel, outcome: StepOutcome) -> None:
+    """Log what a finished RL step of `entry` left out: the "no learning signal" warning once per run of
+    such steps (history.jsonl records each one, gradient_steps 0), and sequences dropped as too long."""
+    name, max_seq_length = entry.model.name, entry.trainer.config.max_seq_length
+    if outcome.reason and outcome.reason != entry.untrained_reason:
+        logger.warning(
+            "%s step %d: %s; the step still advances (a copy of the last checkpoint), and further "
+            "steps like it are not warned about until one trains",
+            name, outcome.step, outcome.reason,
+        )  # fmt: skip
+    entry.untrained_reason = outcome.reason
     dropped = int(outcome.metrics.get("sequences_dropped_too_long", 0))
     if dropped:
         logger.warning(

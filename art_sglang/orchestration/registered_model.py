@@ -26,6 +26,7 @@ class RegisteredModel:
     lock: RunLock  # the model directory's, held while the model is registered
     pipelined: bool = False  # rollouts took adapter leases (ART's PipelineTrainer drives the model)
     warned_pool: bool = False  # the "more steps in use than LoRA pool slots" warning was given
+    untrained_reason: str | None = None  # why the last step took no optimizer step; None: it trained
 
     def target(self, step: int) -> SyncTarget:
         checkpoint = self.store.checkpoint_dir(step)

@@ -9,10 +9,15 @@ server) plus what the backend needs to take the server away safely:
   for requests in flight on a name (or on any name) to finish before an adapter is unloaded.
 - A request whose connection the server refuses (it died and the watchdog is restarting it) waits up to
   `unreachable_wait` seconds for the server to come back instead of failing with 502.
+- Pooled connections idle for half the server's keep-alive (`upstream_keep_alive`) are not reused: the
+  pool hands out its oldest idle connection first, and one the server is closing at that moment fails the
+  request. A request whose connection breaks before any answer is sent once more, on a new connection.
 - `loader`: a name that is not served is offered to it first (the backend loads an older step whose
   checkpoint is on disk); the request goes on if it returns True, else it is answered 404.
 - Bodies over `max_body_bytes` are refused with 413 before they are read to the end; malformed JSON is a
   400 from the gateway.
+- With `share_window` set, requests that follow another with the same prompt wait until one prefill-only
+  request computed it (`prefill_sharing`), so the server does not compute it once per request.
 
 It runs its own event loop in a daemon thread, so a user's event loop that blocks (e.g. a synchronous
 OpenAI call inside async code) cannot stall it.
@@ -32,6 +37,7 @@ import aiohttp
 from aiohttp import web
 
 from .gateway_rules import Forward, Refuse, Served, error, route
+from .prefill_sharing import Answer, PrefillCounters, PrefillSharing, bad_gateway, prompt_key
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +72,10 @@ class AdapterGateway:
     """Reverse proxy on `host:port` (port 0 picks a free one) in front of `upstream` ("http://host:port").
 
     `api_key`: the key rollout clients must send (None: any). `upstream_key`: the key the gateway sends to
-    the server. `set_served(...)` sets which names may be requested; until it is called nothing is served
-    on the inference routes.
+    the server. `upstream_keep_alive`: seconds the server keeps an idle connection open. `share_window`:
+    seconds a request that follows another with its prompt waits for more (None: no prefill sharing).
+    `set_served(...)` sets which names may be requested; until it is called nothing is served on the
+    inference routes.
     """
 
     def __init__(
@@ -81,6 +89,8 @@ class AdapterGateway:
         hold_timeout: float = 1800.0,
         unreachable_wait: float = 0.0,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        upstream_keep_alive: float = 5.0,
+        share_window: float | None = None,
     ):
         self.upstream = upstream.rstrip("/")
         self.read_upstream = self.upstream
@@ -91,6 +101,7 @@ class AdapterGateway:
         self.hold_timeout = hold_timeout
         self.unreachable_wait = unreachable_wait
         self.max_body_bytes = max_body_bytes
+        self.upstream_keep_alive = upstream_keep_alive
         self.loader: Loader | None = None
         self._loader_loop: asyncio.AbstractEventLoop | None = None
         self._served = Served()
@@ -101,7 +112,10 @@ class AdapterGateway:
         self._open: asyncio.Event | None = None  # cleared while held
         self._ready = threading.Event()
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # a new connection per request, for resends
         self._start_error: BaseException | None = None
+        self._sharing = PrefillSharing(self._exchange, window=share_window) if share_window else None
+        self._sharing_on = self._sharing is not None
 
     # --- lifecycle (called from any thread) -------------------------------------------------------------
     @property
@@ -169,6 +183,16 @@ class AdapterGateway:
         self.upstream = upstream.rstrip("/")
         self.read_upstream = (reads or upstream).rstrip("/")
 
+    def set_prefill_sharing(self, enabled: bool) -> None:
+        """Turn prefill sharing on or off for requests that arrive from now on (it needs a `share_window`)."""
+        if enabled and self._sharing is None:
+            raise GatewayError("prefill sharing needs a window: construct the gateway with share_window")
+        self._sharing_on = enabled
+
+    def prefill_counters(self) -> dict[str, int]:
+        """What prefill sharing did since the gateway started (all zero without it)."""
+        return (self._sharing.counters if self._sharing is not None else PrefillCounters()).as_dict()
+
     def in_flight(self, name: str = ANY) -> int:
         """Requests being forwarded for `name` (adapter or base id), or for any name with `ANY`."""
         return self._in_flight[name]
@@ -223,14 +247,9 @@ class AdapterGateway:
         # connection and so tells the server to stop generating.
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
-        # No cookie jar: cookies the server sets belong to the client that asked, not to every client.
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None),
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
+        pooled = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.upstream_keep_alive / 2)
+        self._session = _client(pooled)
+        self._fresh = _client(aiohttp.TCPConnector(limit=0, force_close=True))
         try:
             site = web.TCPSite(runner, self.host, self.port)
             try:
@@ -245,6 +264,7 @@ class AdapterGateway:
         finally:
             await runner.cleanup()
             await self._session.close()
+            await self._fresh.close()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -272,6 +292,15 @@ class AdapterGateway:
             return _json(decision.status, decision.payload)
         if not authorized:
             return _json(401, error("invalid API key", "invalid_api_key"))
+        key = prompt_key(decision) if self._sharing_on and self._sharing is not None else None
+        if key is not None and self._sharing is not None:
+            keys = _keys(decision)
+            # Counted from here: a drain before an unload must wait for a request held in its window.
+            self._count(keys, 1)
+            try:
+                await self._sharing.wait_turn(key, decision, self._upstream_headers(request))
+            finally:
+                self._count(keys, -1)
         return await self._forward(request, decision)
 
     async def _load(self, names: tuple[str, ...]) -> bool:
@@ -289,57 +318,79 @@ class AdapterGateway:
             return False
         return True
 
-    async def _forward(self, request: web.Request, decision: Forward) -> web.StreamResponse:
-        assert self._session is not None
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         if self.upstream_key is not None:
             headers["Authorization"] = f"Bearer {self.upstream_key}"
+        return headers
+
+    async def _forward(self, request: web.Request, decision: Forward) -> web.StreamResponse:
+        upstream = await self._send(request.method, decision, self._upstream_headers(request))
+        if isinstance(upstream, Answer):
+            return _answer(upstream)
+        try:
+            return await self._relay(request, upstream)
+        finally:
+            self._count(_keys(decision), -1)
+
+    async def _exchange(self, decision: Forward, headers: dict[str, str]) -> Answer:
+        """POST `decision` and read the whole answer (for prefill sharing)."""
+        upstream = await self._send("POST", decision, headers)
+        if isinstance(upstream, Answer):
+            return upstream
+        try:
+            async with upstream:
+                return Answer(upstream.status, await upstream.read())
+        except aiohttp.ClientError as exc:
+            return bad_gateway(f"the inference server at {self.upstream} failed: {exc!r}")
+        finally:
+            self._count(_keys(decision), -1)
+
+    async def _send(
+        self, method: str, decision: Forward, headers: dict[str, str]
+    ) -> aiohttp.ClientResponse | Answer:
+        """Send the request, waiting out a server restart; the server's response (its names counted in
+        flight until the caller is done with it) or the gateway's error response."""
+        assert self._session is not None and self._fresh is not None
         deadline = time.monotonic() + self.unreachable_wait
-        keys = (*(decision.names or ("",)), ANY)
+        keys = _keys(decision)
         resent = False
         while True:
-            for key in keys:
-                self._in_flight[key] += 1
+            self._count(keys, 1)
             target = self.read_upstream if decision.read else self.upstream
+            session = self._fresh if resent else self._session  # never a second pooled connection
             try:
-                upstream = await self._session.request(
-                    request.method, target + decision.path, data=decision.body, headers=headers
+                return await session.request(
+                    method, target + decision.path, data=decision.body, headers=headers
                 )
-                break
             except aiohttp.ClientConnectorError as exc:
-                self._done(keys)
+                self._count(keys, -1)
                 # Nothing reached the server: waiting for the restart and sending again is safe.
                 if time.monotonic() >= deadline:
-                    message = f"the inference server at {target} is not reachable: {exc}"
-                    return _json(502, error(message, "bad_gateway"))
+                    return bad_gateway(f"the inference server at {target} is not reachable: {exc}")
                 await asyncio.sleep(_UNREACHABLE_POLL_S)
                 assert self._open is not None
                 await self._open.wait()
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                self._done(keys)
-                # The connection broke before any answer: the server died, and a kept-alive connection
-                # to it is only found broken when reused. Every forwarded route is free of side effects,
-                # so the request is sent once more (it then waits for the restart, as above); only once,
-                # so a request that itself kills the server cannot take it down again and again.
+                self._count(keys, -1)
+                # The connection broke before any answer: the server died (a kept-alive connection to it
+                # is only found broken when reused) or closed it as it was reused. Every forwarded route
+                # is free of side effects, so the request is sent once more, on a new connection (it then
+                # waits for a restart, as above); only once, so a request that itself kills the server
+                # cannot take it down again and again.
                 if resent or time.monotonic() >= deadline:
-                    message = f"the inference server at {self.upstream} failed: {exc!r}"
-                    return _json(502, error(message, "bad_gateway"))
+                    return bad_gateway(f"the inference server at {self.upstream} failed: {exc!r}")
                 resent = True
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                self._done(keys)
-                message = f"the inference server at {target} failed: {exc!r}"
-                return _json(502, error(message, "bad_gateway"))
+                self._count(keys, -1)
+                return bad_gateway(f"the inference server at {target} failed: {exc!r}")
             except BaseException:
-                self._done(keys)
+                self._count(keys, -1)
                 raise
-        try:
-            return await self._relay(request, upstream)
-        finally:
-            self._done(keys)
 
-    def _done(self, keys: tuple[str, ...]) -> None:
+    def _count(self, keys: tuple[str, ...], delta: int) -> None:
         for key in keys:
-            self._in_flight[key] -= 1
+            self._in_flight[key] += delta
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
         """Stream the server's response to the client."""
@@ -363,6 +414,21 @@ class AdapterGateway:
             return response
 
 
+def _keys(decision: Forward) -> tuple[str, ...]:
+    """The in-flight counters a request counts in: each name it asks for, and every request's."""
+    return (*(decision.names or ("",)), ANY)
+
+
+def _client(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+    # No cookie jar: cookies the server sets belong to the client that asked, not to every client.
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None),
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
+
+
 def _bearer(request: web.Request) -> str | None:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
@@ -370,3 +436,7 @@ def _bearer(request: web.Request) -> str | None:
 
 def _json(status: int, payload: dict) -> web.Response:
     return web.json_response(payload, status=status)
+
+
+def _answer(answer: Answer) -> web.Response:
+    return web.Response(status=answer.status, body=answer.body, content_type="application/json")

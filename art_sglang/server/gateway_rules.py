@@ -16,6 +16,7 @@ success. So:
   served. A loaded adapter named by `model` is forwarded with `lora_path` set to it (the response still
   echoes the name the client sent), an alias (merged weights) is rewritten to the base id, the base
   model's ids pass, and any other name is a 404 in OpenAI's error shape listing the loaded adapters.
+- `n > 1` on an adapter is a 400: SGLang 0.5.17 then never releases the adapter (it cannot be unloaded).
 - A non-streaming chat or text completion on an adapter (or an alias) also gets `return_token_ids: true`
   unless the client set the field itself, so each Choice carries the ids the server sampled and the
   trainer trains on exactly those instead of re-tokenizing the text. (SGLang 0.5.17's stream chunks are
@@ -53,6 +54,10 @@ class Served:
             return True
         base, sep, adapter = name.partition(":")
         return bool(sep) and base in self.base_ids and adapter in self.adapters
+
+    def uses_adapter(self, name: str) -> bool:
+        """Whether `name` is served by a LoRA adapter (not by the base slot, as an alias is)."""
+        return self.is_trained(name) and name not in self.aliases
 
     def serves(self, name: str) -> bool:
         return name in self.base_ids or self.is_trained(name)
@@ -119,6 +124,15 @@ def route(
             "Use model.get_inference_name() for the current step."
         )
         return Refuse(404, error(message, "model_not_found", "model"), unknown)
+    n = payload.get("n")
+    if isinstance(n, int) and n > 1 and any(served.uses_adapter(name) for name in names):
+        message = (
+            f"n={n} on a LoRA adapter is refused: SGLang 0.5.17 counts such a request's use of the adapter "
+            "once but releases it once per choice, after which the adapter can never be unloaded (the backend "
+            "unloads old steps' adapters). Send n separate requests; the gateway computes their shared "
+            "prompt once."
+        )
+        return Refuse(400, error(message, "n_with_adapter", "n"))
     if rewrite(payload, served, token_ids=path in TOKEN_ID_PATHS):
         body = json.dumps(payload).encode()
     return Forward(canonical, body, tuple(names))

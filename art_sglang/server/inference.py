@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -37,6 +38,7 @@ from .served_names import step_of
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 120.0
+PROBE_TOKENS = 4  # a few: an adapter that cannot serve may answer its first token and fail at the next
 
 
 class InferenceService:
@@ -73,7 +75,10 @@ class InferenceService:
                 api_key=config.api_key,
                 upstream_key=self._servers.server_key,
                 unreachable_wait=config.server_timeout,
+                share_window=config.share_prefill_window_ms / 1000,
+                upstream_keep_alive=self._servers.processes[0].keep_alive,
             )
+            self._gateway.set_prefill_sharing(config.share_prefill)
         self._find_checkpoint: Callable[[str], Path | None] | None = None
         self._drain_timeout = drain_timeout
         self._adapters: dict[str, Path] = {}  # loaded (and wanted after every start), oldest first
@@ -328,9 +333,9 @@ class InferenceService:
 
     # --- checks ----------------------------------------------------------------------------------------
     async def probe(self, name: str) -> None:
-        """One greedy one-token chat completion on `name` through the client path rollouts use and, with
-        replicas, on each routed replica directly (the adapter selected as the gateway selects it); raises
-        `ServerRequestError` unless each answers 200."""
+        """A short greedy chat completion with logprobs (what rollouts ask) on `name` through the client
+        path rollouts use and, with replicas, on each routed replica directly (the adapter selected as the
+        gateway selects it); raises `ServerRequestError` unless each answers 200 with finite logprobs."""
         targets = [(self.openai_base_url, self.client_name(name), {}, self.api_key, "")]
         if self._servers.router is not None:
             model = self._aliases.get(name, self._base_id())
@@ -341,13 +346,20 @@ class InferenceService:
             ]
         async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False) as http:
             for url, model, adapter, key, where in targets:
-                body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1,
-                        "temperature": 0.0, **adapter}  # fmt: skip
+                body = {"model": model, "messages": [{"role": "user", "content": "ping"}],
+                        "max_tokens": PROBE_TOKENS, "temperature": 0.0, "logprobs": True, **adapter}  # fmt: skip
                 headers = {"Authorization": f"Bearer {key}"} if key else {}
                 response = await http.post(f"{url}/chat/completions", json=body, headers=headers)
                 if response.status_code != 200:
                     raise ServerRequestError(
                         f"probe request on {name!r}{where} failed with HTTP {response.status_code}: "
+                        f"{response.text[:500]}",
+                        status=response.status_code,
+                        server_message=response.text,
+                    )
+                if not _finite_logprobs(response.json()):
+                    raise ServerRequestError(
+                        f"probe request on {name!r}{where} answered logprobs that are not finite numbers: "
                         f"{response.text[:500]}",
                         status=response.status_code,
                         server_message=response.text,
@@ -358,3 +370,12 @@ class InferenceService:
         await self._servers.close()
         if self._gateway is not None:
             self._gateway.close()
+
+
+def _finite_logprobs(completion: dict) -> bool:
+    """Whether every token of a chat completion has a finite logprob (JSON has no NaN or infinity; a
+    server writes them as literals, which Python reads, or as null)."""
+    content = [
+        t for choice in completion["choices"] for t in (choice.get("logprobs") or {}).get("content") or []
+    ]
+    return all(isinstance(t.get("logprob"), (int, float)) and math.isfinite(t["logprob"]) for t in content)

@@ -23,7 +23,7 @@ from typing import Literal
 import httpx
 from tqdm import tqdm
 
-from art_sglang.config import SGLANG_ENV_DEFAULTS, SGLangConfig
+from art_sglang.config import KEEP_ALIVE_ENV, SGLANG_ENV_DEFAULTS, SGLangConfig
 from art_sglang.errors import ServerCrashedError, ServerStartError
 from art_sglang.process_tree import EXIT_GRACE_SECONDS, ManagedProcess, display_command, peek_exit_code
 
@@ -166,6 +166,11 @@ class ServerProcess(ManagedProcess):
         if self.gpu_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
         return env
+
+    @property
+    def keep_alive(self) -> float:
+        """Seconds the server keeps an idle connection open (its `SGLANG_TIMEOUT_KEEP_ALIVE`)."""
+        return float(self.environment()[KEEP_ALIVE_ENV])
 
     async def start(self) -> None:
         """Launch the server and wait until `GET /health` answers 200.

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 MODEL_JSON = "model.json"
 HISTORY_FILE = "history.jsonl"
 ADAPTER_CONFIG = "adapter_config.json"
+MODEL_CONFIG = "config.json"  # what every Hugging Face model directory holds
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
@@ -120,9 +121,18 @@ def base_model_problem(base_model: str) -> str | None:
     """Why `base_model` can be neither a local model directory nor a model-hub id, or None.
 
     Without this check a missing local path reaches the hub client, whose "Repo id must be in the form
-    'repo_name' or 'namespace/repo_name'" hides that the directory does not exist.
+    'repo_name' or 'namespace/repo_name'" hides that the directory does not exist, and a directory that
+    is no model (say /etc) fails deep in the tokenizer's loader.
     """
-    if Path(base_model).expanduser().exists():
+    path = Path(base_model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            return f"base model {base_model!r} is a file, not a model directory"
+        if not (path / MODEL_CONFIG).is_file():
+            return (
+                f"base model {base_model!r} is not a model directory: it has no {MODEL_CONFIG} (a Hugging "
+                f"Face model directory holds {MODEL_CONFIG}, the weights and the tokenizer's files)"
+            )
         return None
     looks_local = base_model.startswith(("/", ".", "~")) or base_model.count("/") > 1
     if looks_local or not _HUB_ID.match(base_model):

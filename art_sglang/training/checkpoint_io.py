@@ -47,12 +47,15 @@ class CheckpointState:
 
     adapter_config: dict[str, Any]
     weights: dict[str, torch.Tensor]
-    optimizer: dict[str, Any] | None  # None: the folder has none (ART's layout)
+    optimizer: dict[str, Any] | None  # None: the folder has none (ART's layout), or it is unreadable
     trainer_state: dict[str, Any] | None
+    optimizer_problem: str | None = None  # why the optimizer state cannot be read; the adapter still can
 
 
 def read_checkpoint(path: Path, device: torch.device) -> CheckpointState:
-    """Read a checkpoint folder; CheckpointUnreadable names the first file that cannot be used."""
+    """Read a checkpoint folder; CheckpointUnreadable names the first file that cannot be used. An
+    optimizer state that cannot be read is only reported (`optimizer_problem`): the adapter is what a
+    checkpoint is for, and it resumes with a fresh optimizer."""
     import json
 
     from safetensors.torch import load_file
@@ -68,12 +71,12 @@ def read_checkpoint(path: Path, device: torch.device) -> CheckpointState:
         weights = load_file(str(path / ckpt.ADAPTER_WEIGHTS), device=str(device))
     except Exception as exc:  # safetensors raises its own error types for a truncated file
         raise unreadable(ckpt.ADAPTER_WEIGHTS, exc) from None
-    optimizer = None
+    optimizer = optimizer_problem = None
     if (path / ckpt.OPTIMIZER).exists():
         try:
             optimizer = torch.load(path / ckpt.OPTIMIZER, map_location=device)
         except Exception as exc:  # torch.load raises pickle, zip and runtime errors alike
-            raise unreadable(ckpt.OPTIMIZER, exc) from None
+            optimizer_problem = str(unreadable(ckpt.OPTIMIZER, exc))
     trainer_state = None
     if (path / ckpt.TRAINER_STATE).exists():
         try:
@@ -82,7 +85,7 @@ def read_checkpoint(path: Path, device: torch.device) -> CheckpointState:
             raise unreadable(ckpt.TRAINER_STATE, exc) from None
     elif optimizer is not None:
         raise unreadable(ckpt.TRAINER_STATE, "missing next to the optimizer state")
-    return CheckpointState(adapter_config, weights, optimizer, trainer_state)
+    return CheckpointState(adapter_config, weights, optimizer, trainer_state, optimizer_problem)
 
 
 def save_adapter(model: Any, folder: Path, base_model: str) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from subprocess import Popen
 from typing import IO, Any
 
-from ..config import TrainerConfig
+from ..config import HANG_FACTOR, HANG_FLOOR_S, TrainerConfig
 from ..errors import TrainerError, TrainingError, TrainingInputError
 from ..process_tree import EXIT_GRACE_SECONDS, ManagedProcess
 from ..trajectories import TrajectoryGroup
@@ -40,6 +40,10 @@ _LAUNCHER_VARIABLES = {
     "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS",
 }  # fmt: skip
+
+# The requests that are steps: bounded by the silence HANG_FACTOR and HANG_FLOOR_S derive from the longest
+# one so far (step_timeout stays the ceiling, and the only bound before one was measured).
+_STEP_COMMANDS = ("train", "sft")
 
 ProgressCallback = Callable[[dict[str, Any]], None]
 _ERRORS: dict[Any, type[TrainerError] | type[TrainingInputError]] = {
@@ -79,6 +83,7 @@ class TrainerProcess(ManagedProcess):
         self.info: dict[str, Any] = {}  # the worker's answer to init: step, resumed, backend, device
         self._lines: _Lines | None = None
         self.step: int | None = None  # the newest step the worker reported
+        self.longest_step: float | None = None  # seconds, of the train and sft calls answered so far
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
 
@@ -221,18 +226,17 @@ class TrainerProcess(ManagedProcess):
                 raise self._died(f"closed its input while receiving {cmd!r}") from None
             # Loading the model at init may take long for reasons of its own (downloads); steps may not.
             timeout = None if cmd == "init" else self.config.step_timeout
-            deadline = time.monotonic() + (timeout or 0.0)
+            began = time.monotonic()
+            deadline = began + (timeout or 0.0)
+            silence = self._silence_limit(cmd)
             while True:
+                left = None if timeout is None else max(deadline - time.monotonic(), 0.0)
+                silent = silence is not None and (left is None or silence < left)
                 try:
-                    left = None if timeout is None else max(deadline - time.monotonic(), 0.0)
-                    line = await asyncio.wait_for(lines.next(), left)
+                    line = await asyncio.wait_for(lines.next(), silence if silent else left)
                 except asyncio.TimeoutError:
                     await self._kill()
-                    raise TrainerError(
-                        f"the trainer worker did not finish {cmd!r} within {self.config.step_timeout:g} s "
-                        "(TrainerConfig.step_timeout); it was stopped (hung or stopped process?) and the next "
-                        f"step restarts it from its newest checkpoint.\nlog: {self.log_path}"
-                    ) from None
+                    raise TrainerError(self._hang_message(cmd, silence if silent else None)) from None
                 if line is None:
                     await asyncio.to_thread(_wait_quietly, popen)
                     raise self._died(f"died during {cmd!r}")
@@ -243,6 +247,8 @@ class TrainerProcess(ManagedProcess):
                 if event == PROGRESS and on_progress is not None:
                     on_progress(message.get("data") or {})
                 elif event == RESULT:
+                    if cmd in _STEP_COMMANDS:
+                        self.longest_step = max(self.longest_step or 0.0, time.monotonic() - began)
                     return message.get("data") or {}
                 elif event == ERROR:
                     error = _ERRORS.get(message.get("error_type"), TrainerError)
@@ -253,6 +259,29 @@ class TrainerProcess(ManagedProcess):
                         await asyncio.to_thread(_wait_quietly, popen)
                         raise self._died(f"stopped after an error on rank 0 ({text})")
                     raise error(text)
+
+    def _silence_limit(self, cmd: str) -> float | None:
+        """How long a step may go without a word from the worker, from its measured steps; None: no bound
+        but step_timeout (not a step, or none measured yet)."""
+        if cmd not in _STEP_COMMANDS or self.longest_step is None:
+            return None
+        return max(HANG_FACTOR * self.longest_step, HANG_FLOOR_S)
+
+    def _hang_message(self, cmd: str, silence: float | None) -> str:
+        if silence is None:
+            what = (
+                f"did not finish {cmd!r} within {self.config.step_timeout:g} s (TrainerConfig.step_timeout)"
+            )
+        else:
+            what = (
+                f"sent nothing for {silence:.0f} s during {cmd!r} ({HANG_FACTOR:g} times its longest step so "
+                f"far, {self.longest_step:.1f} s, and at least {HANG_FLOOR_S:g} s; TrainerConfig.step_timeout "
+                f"= {self.config.step_timeout:g} s is the ceiling)"
+            )
+        return (
+            f"the trainer worker {what}; it was stopped (hung or stopped process?) and the next step restarts "
+            f"it from its newest checkpoint.\nlog: {self.log_path}"
+        )
 
 
 def _write(stream: IO[bytes] | None, request: dict[str, Any]) -> None:

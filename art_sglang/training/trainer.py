@@ -102,7 +102,8 @@ class Trainer:
 
         A newest folder that cannot be read (a truncated file, a folder without an adapter) is set aside
         under a `.broken-` name and the one before it is resumed; a checkpoint with the adapter only (as
-        ART writes them) is resumed with a fresh optimizer. Both are noted in `self.notes`.
+        ART writes them) or with an optimizer state that cannot be read is resumed with a fresh optimizer.
+        Each is noted in `self.notes`.
 
         Rank 0 chooses (and writes step 0); the other ranks load the checkpoint it resumed, and take its
         weights in either case (the LoRA initialisation is seeded, but equal weights on every rank is what
@@ -192,7 +193,11 @@ class Trainer:
             raise TrainerError(
                 f"checkpoint {path} has weights this model lacks: {result.unexpected_keys[:5]}"
             )
-        if state.optimizer is None:
+        if state.optimizer_problem is not None:
+            self._note(
+                f"{state.optimizer_problem}; the adapter of {path.name} resumes with a fresh optimizer"
+            )
+        elif state.optimizer is None:
             self._note(
                 f"checkpoint {path.name} has no {ckpt.OPTIMIZER} (ART writes none): the optimizer starts fresh"
             )
@@ -302,7 +307,10 @@ class Trainer:
     ) -> StepOutcome:
         """As ART: no optimizer step, but the step advances with a copy of the current checkpoint."""
         if trained_groups == 0:
-            reason = f"all {len(groups)} groups have equal rewards (no learning signal)"
+            reason = (
+                f"in each of the {len(groups)} groups every rollout got the same reward, so there is "
+                "nothing to learn from (no learning signal)"
+            )
         elif dropped:
             reason = "every sequence with a non-zero advantage is longer than the row length"
         else:

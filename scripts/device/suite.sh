@@ -17,10 +17,17 @@
 #   bench-inference (~6 min): SGLang, radix cache on and off; bench-vllm (~4 min, after stage.sh vllm 0..5):
 #     vLLM on the same workloads; bench-engines (seconds when both ran before, else runs what is missing);
 #     bench-inference-lpm (~4 min): SGLang with --schedule-policy lpm; bench-vllm-triton (~4 min): vLLM with
-#     Triton attention, as SGLang runs here
+#     Triton attention, as SGLang ran here before the kit shipped FlashAttention-3
 #   models-7b (~2 min): builds qwen2.5-7b-shape; BENCH_MODEL=/root/models/qwen2.5-7b-shape then points
 #     the benchmarks at it
 #   bench-multiturn (~5 min): tic-tac-toe through the backend, prefix-cache hit rate per turn
+#   bench-rollouts-sglang (~8 min a call, twice at 1.5B, 2-3 times at 7B): scripts/bench_rollouts.py, ART's
+#     rollout requests through SGLangBackend with group-aware forwarding on and off (16 and 32 groups of 8,
+#     128 and 384 tokens, varying lengths, multi-turn; 3 repeats of >= 10 s each; lone-request TTFT). A call
+#     starts no run after 470 s and keeps what it measured; the next call of the same suite goes on from there
+#     (--resume) until every run is in. bench-rollouts-vllm (~7 min at 1.5B, after stage.sh vllm 0..5; again
+#     at 7B if cut): the same on vLLM as ART serves it. bench-rollouts (seconds): both into
+#     bench_rollouts-<model>.json/.md with the ratios backend / vLLM
 #   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
 #     workload and seed, server and trainer co-resident on GPU 0 (CUDA MPS where the driver has it);
 #     bench-pipeline-1gpu-no-mps the same with cuda_mps="off"; bench-pipeline-split: server on GPU 0,
@@ -35,6 +42,8 @@
 #   (~4 min, after stage.sh art): pipelined vs synchronous with 2 replicas (GPUs 0-1) and 2 ranks (GPUs 2-3)
 # replicas-1gpu (~4 min, 1 GPU, stage.sh router first): two replicas on the first visible GPU behind the router
 # cuda-mps (~3 min, 1 GPU): co-resident server and trainer as clients of the backend's CUDA MPS daemon
+# burst (~3 min, 1 GPU): waves of rollouts with hot-loads and idle gaps past SGLang's keep-alive, none lost
+# shared-prefill (~2 min): the contract test of prefill sharing alone (the contract suite includes it)
 # art-program (~4 min, after stage.sh art): an ART program with tools and _internal_config, 2 RL steps
 # Two 1-GPU suites at once, one per GPU: scripts/device/pair.sh.
 set -uo pipefail
@@ -43,7 +52,10 @@ source scripts/device/env.sh
 export ART_SGLANG_GPU_RESULTS="$OUT/results.jsonl"
 tiny=$ART_SGLANG_GPU_TINY
 big=${BENCH_MODEL:-$ART_SGLANG_GPU_REALISTIC}
-kernels=(--attention-backend triton --sampling-backend pytorch)
+# SGLang picks its own attention (FlashAttention-3 on Hopper; the kit ships it since 2026-11-25). Sampling
+# stays on PyTorch: FlashInfer's sampling kernels are compiled at their first use and this machine has no
+# CUDA compiler (with temperature-only sampling SGLang draws with torch.multinomial under either backend).
+kernels=(--sampling-backend pytorch)
 vllm_kernels=(--attention-backend FLASH_ATTN)
 results=/tmp/bench-results
 mkdir -p "$results"
@@ -54,6 +66,8 @@ inference=(python3 scripts/benchmark_inference.py --model "$big")
 # little to overlap for pipelining to show.
 # 8 steps: the first of each loop (the trainer compiling) is left out of the steady-state rate.
 pipeline=(python3 scripts/bench_pipeline.py --model "$big" "${kernels[@]}" --steps 8 --max-tokens 384)
+# 470 s: the last run to start (10-35 s at 7B) and the server's stop end before the call's 10 minutes.
+rollouts=(python3 scripts/bench_rollouts.py --model "$big" --resume --deadline-s 470)
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
 for name in "$@"; do
@@ -69,6 +83,8 @@ for name in "$@"; do
     faults-shared) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k shared) ;;
     replicas-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_replicas.py) ;;
     cuda-mps) cmd=("${pytest[@]}" -m gpu tests/gpu/test_cuda_mps.py) ;;
+    burst) cmd=("${pytest[@]}" -m gpu tests/backend/test_gateway_burst.py) ;;
+    shared-prefill) cmd=("${pytest[@]}" tests/contract/test_shared_prefill.py --engine sglang --model-path "$tiny") ;;
     ddp) cmd=("${pytest[@]}" -m gpu tests/gpu/test_training_ranks.py) ;;
     bench-cycle-kv) cmd=("${cycle[@]}" --strategies sleep/kv_cache --steps 3) ;;
     bench-cycle-all) cmd=("${cycle[@]}" --strategies sleep/all --steps 3) ;;
@@ -98,6 +114,13 @@ for name in "$@"; do
                         --vllm-flags "${vllm_kernels[*]}" --reuse "sglang=$results/bench_inference.json"
                         --reuse "vllm=$results/bench_vllm.json" --workdir /tmp/bench-engines
                         --json "$results/bench_engines.json" --markdown "$results/bench_engines.md") ;;
+    bench-rollouts-sglang) cmd=("${rollouts[@]}" --side backend "${kernels[@]}" --workdir "/tmp/work-$name"
+                                --json "$results/bench_rollouts-sglang-${big##*/}.json") ;;
+    bench-rollouts-vllm) cmd=("${rollouts[@]}" --side direct --engine vllm "${vllm_kernels[@]}" --workdir "/tmp/work-$name"
+                              --json "$results/bench_rollouts-vllm-${big##*/}.json") ;;
+    bench-rollouts) cmd=(python3 scripts/bench_rollouts.py --compare "$results/bench_rollouts-sglang-${big##*/}.json"
+                         "$results/bench_rollouts-vllm-${big##*/}.json" --json "$results/bench_rollouts-${big##*/}.json"
+                         --markdown "$results/bench_rollouts-${big##*/}.md") ;;
     models-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-shape) ;;
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
     # 512 conversations with CUDA graphs on: at 128 without graphs (the first H200x2 run) one replica was

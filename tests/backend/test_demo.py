@@ -1,6 +1,6 @@
-"""The demo (scripts/demo.py, README's main job) on the tiny model: the mean reward of the
-character-share task rises over 12 steps with fixed seeds, and the run leaves its per-step results and a
-reward-curve PNG next to its history.jsonl."""
+"""The demo (scripts/demo.py, README's main job) on the tiny model: on a short run with fixed seeds the mean
+reward of the character-share task rises while the rollouts stay diverse (no collapse onto one answer), and
+the run leaves its per-step results and a reward-curve PNG next to its history.jsonl."""
 
 from __future__ import annotations
 
@@ -16,23 +16,29 @@ from backend_helpers import REPO
 
 from art_sglang.storage.history import read_rows
 
+STEPS = 14  # of the demo's default run: the part where the climb starts (the first steps stay near 0.33)
+
 
 def test_demo_reward_rises(tmp_path: Path, tiny_model_path: Path) -> None:
     out = tmp_path / "demo.json"
     done = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "demo.py"), "--path", str(tmp_path / ".art"),
-         "--tiny-model-dir", str(tiny_model_path), "--steps", "12", "--json", str(out)],
+         "--tiny-model-dir", str(tiny_model_path), "--steps", str(STEPS), "--json", str(out)],
         capture_output=True, text=True, timeout=540, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())
     steps = [row["step"] for row in rows]
-    # Once every answer earns the same reward there is no signal and the step is not taken.
-    assert len(rows) == 12 and steps[0] == 0 and steps == sorted(steps) and steps[-1] >= 9
+    assert steps == list(range(len(rows))) and 6 <= len(rows) <= STEPS
+    if len(rows) < STEPS:  # it stops early only once every rollout scores the ceiling
+        assert rows[-1]["min_reward"] == 1.0
     rewards = [row["mean_reward"] for row in rows]
     first, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-3:])
-    assert last > first + 0.1, rewards
+    assert last > first + 0.05, rewards
+    # Rising by exploring: below the ceiling every step's rollouts still differ, so every step trained.
+    assert all(row["max_reward"] > row["min_reward"] for row in rows if row["min_reward"] < 1.0), rows
     assert "mean reward" in done.stdout and "train+sync" in done.stdout
+    assert "no optimizer step" not in done.stdout + done.stderr
 
     run_dir = tmp_path / ".art" / "demo" / "models" / "char-share"
     assert f"reward curve: {run_dir / 'reward_curve.png'}" in done.stdout

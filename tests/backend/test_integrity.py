@@ -37,6 +37,17 @@ async def test_registration_integrity(tmp_path: Path, tiny_model_path: Path, ope
         missing = art.TrainableModel(name="m1", project="p", base_model=str(tmp_path / "no-such-model"))
         with pytest.raises(ConfigError, match="does not exist"):
             await missing.register(backend)
+        # A directory that is no model (say /etc) or a file is named as such, with what a model holds.
+        not_a_model = tmp_path / "etc"
+        not_a_model.mkdir()
+        (not_a_model / "hosts").write_text("127.0.0.1 localhost\n")
+        for base, problem in [
+            (not_a_model, "is not a model directory: it has no config.json"),
+            (not_a_model / "hosts", "is a file, not a model directory"),
+        ]:
+            wrong = art.TrainableModel(name="m0", project="p", base_model=str(base))
+            with pytest.raises(ConfigError, match=problem):
+                await wrong.register(backend)
         broken_dir = tmp_path / "broken-model"
         broken_dir.mkdir()
         (broken_dir / "config.json").write_text(json.dumps({"model_type": "qwen2"}))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -132,6 +133,14 @@ async def test_three_steps_hot_load_and_keep_the_newest_adapters(loop: Loop) -> 
         assert loop.model.get_inference_name() == f"agent@{step}"
         for key in ("time/train_s", "time/sync_s", "time/probe_s", "loss", "reward"):
             assert key in result.metrics, key
+        # What the gateway's prefill sharing did for this step's rollouts (counts, never negative).
+        shared = {key: value for key, value in result.metrics.items() if key.startswith("rollout/")}
+        assert set(shared) == {
+            "rollout/requests_held",
+            "rollout/prefill_requests",
+            "rollout/prefill_tokens_saved",
+        }
+        assert all(isinstance(value, int) and value >= 0 for value in shared.values())
         on_server = {
             name
             for name in await server_models(loop.server_url, loop.server_key)
@@ -226,17 +235,24 @@ async def test_bad_input_fails_before_training_and_changes_nothing(loop: Loop) -
     assert (await chat(loop.gateway_url, loop.model.get_inference_name())).status_code == 200
 
 
-async def test_equal_rewards_advance_the_step_and_serve_it(loop: Loop) -> None:
+async def test_equal_rewards_advance_the_step_and_serve_it(
+    loop: Loop, caplog: pytest.LogCaptureFixture
+) -> None:
     # As ART: no optimizer step, but a new step (a copy of the last checkpoint), served like any other.
     step = await loop.model.get_step()
     groups = await sample_groups(loop.model, seed=7, groups=1)
     flat = art.TrajectoryGroup([t.model_copy(update={"reward": 0.5}) for t in groups[0].trajectories])
-    result = await loop.backend.train(loop.model, [flat], allow_training_without_logprobs=True)
-    assert result.step == step + 1 and await loop.model.get_step() == step + 1
+    with caplog.at_level(logging.WARNING, logger="art_sglang.backend"):
+        result = await loop.backend.train(loop.model, [flat], allow_training_without_logprobs=True)
+        again = await loop.backend.train(loop.model, [flat], allow_training_without_logprobs=True)
+    assert result.step == step + 1 and again.step == step + 2 and await loop.model.get_step() == step + 2
     assert result.metrics["groups_skipped"] == 1.0 and result.metrics["gradient_steps"] == 0.0
-    assert loop.model.get_inference_name() == f"agent@{step + 1}"
+    assert loop.model.get_inference_name() == f"agent@{step + 2}"
     assert (await chat(loop.gateway_url, f"agent@{step + 1}")).status_code == 200
     assert result.checkpoint_path == str(loop.store.checkpoint_dir(step + 1))
+    # Said once for the run of steps without signal, in words that say what it means.
+    warnings = [r.getMessage() for r in caplog.records if "no optimizer step" in r.getMessage()]
+    assert len(warnings) == 1 and "every rollout got the same reward" in warnings[0], warnings
 
 
 async def test_a_poisoned_step_is_refused_and_nothing_moves(loop: Loop) -> None:

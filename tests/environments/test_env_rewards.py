@@ -13,13 +13,43 @@ from typing import Any
 import pytest
 from openai.types.chat import ChatCompletion
 
+import art_sglang as art
+
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # environments/ is a top-level folder of the checkout
 
 from environments.arithmetic import ArithmeticTask, Problem, final_answer  # noqa: E402
 from environments.calculator import CALCULATOR, CalculatorTask, call_tool, evaluate  # noqa: E402
+from environments.char_share import CharShareTask, answer_tokens  # noqa: E402
+from environments.common import train_loop  # noqa: E402
 from environments.tictactoe import opponent_move, parse_move, render, winner  # noqa: E402
+
+
+def test_char_share_weighs_every_token_the_same() -> None:
+    task = CharShareTask()
+    assert task.reward(["io", " a"]) == 1.0 and task.reward([]) == 0.0 and task.reward([" ", "\n"]) == 0.0
+    # A long token of mostly vowels does not outweigh a short all-vowel one (per character it would).
+    assert task.reward(["queue", "a"]) == pytest.approx((0.8 + 1.0) / 2)
+    assert task.reward(["queue", "a"]) > task.reward(["queue", "queue"])
+    assert task.reward([" eve", " ", "xyz"]) == pytest.approx(1 / 3)  # whitespace-only tokens do not count
+
+
+def test_char_share_answer_tokens_leave_out_the_end_of_turn_token() -> None:
+    completion = ChatCompletion.model_validate(
+        {
+            "id": "c", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{
+                "index": 0, "finish_reason": "stop",
+                "message": {"role": "assistant", "content": " out io"},
+                "logprobs": {"content": [
+                    {"token": t, "logprob": -1.0, "bytes": None, "top_logprobs": []}
+                    for t in (" out", " io", "<|im_end|>")
+                ]},
+            }],
+        }
+    )  # fmt: skip
+    assert answer_tokens(completion.choices[0]) == [" out", " io"]
 
 
 def test_arithmetic_problems_are_reproducible_and_their_answers_exact() -> None:
@@ -129,3 +159,54 @@ def test_entry_point_help(
     assert exited.value.code == 0
     shown = capsys.readouterr().out
     assert "--model" in shown and "--group-size" in shown and "--engine" in shown
+
+
+class _ScoredTask:
+    """Rollouts whose rewards are given per round: without a model, to drive the loop alone."""
+
+    name = "scored"
+    max_tokens = 1
+    ceiling = 1.0
+
+    def __init__(self, rounds: list[list[float]]) -> None:
+        self.rounds = rounds
+        self.round = -1
+
+    def scenarios(self, step: int, count: int, seed: int) -> list[int]:
+        self.round += 1
+        return list(range(count))
+
+    async def rollout(self, model: Any, scenario: int, seed: int) -> art.Trajectory:
+        reward = self.rounds[self.round][seed % 100]
+        return art.Trajectory(messages_and_choices=[], reward=reward, metadata={"seed": seed})
+
+
+class _CountingBackend:
+    def __init__(self) -> None:
+        self.trained = 0
+
+    async def train(self, model: Any, groups: Any, **options: Any) -> Any:
+        self.trained += 1
+        return art.TrainResult(step=self.trained, metrics={"gradient_steps": 1.0})
+
+
+class _StepModel:
+    async def get_step(self) -> int:
+        return 0
+
+    async def log(self, groups: Any, split: str) -> None:
+        pass
+
+
+async def test_the_loop_stops_once_every_rollout_scores_the_ceiling(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    backend, printed = _CountingBackend(), []
+    task = _ScoredTask([[0.5, 1.0], [1.0, 0.9], [1.0, 1.0], [0.0, 0.0]])
+    reports = await train_loop(
+        backend, _StepModel(), task, steps=4, groups_per_step=1, group_size=2, on_step=printed.append
+    )
+    # Rounds below the ceiling train, even the one whose best rollout reached it; the solved round does not,
+    # and the loop ends there.
+    assert backend.trained == 2 and [r.solved for r in reports] == [False, False, True]
+    assert reports[-1].train_metrics == {} and printed == reports

@@ -111,7 +111,7 @@ def test_groups_without_signal_advance_the_step(
     outcome = trainer.train(flat, TrainOptions(), lambda _: None)
     # As ART: no optimizer step, but a new step whose checkpoint equals the last one.
     assert not outcome.trained and outcome.step == 1 and outcome.checkpoint_path is not None
-    assert "all 2 groups have equal rewards" in (outcome.reason or "")
+    assert "in each of the 2 groups every rollout got the same reward" in (outcome.reason or "")
     assert outcome.metrics["groups_skipped"] == 2 and outcome.metrics["gradient_steps"] == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0000", "0001"]
     assert (tmp_path / "0001" / "adapter_model.safetensors").read_bytes() == (
@@ -152,3 +152,24 @@ def test_a_checkpoint_of_another_base_model_is_refused_by_name(tiny_model_path: 
     other = Trainer(str(wider), tmp_path / "checkpoints", TrainerConfig())
     with pytest.raises(TrainerError, match=r"does not fit base model .*wider.*it was trained on .*tiny"):
         other.resume_or_init()
+
+
+def test_an_unreadable_optimizer_state_resumes_the_adapter_with_a_fresh_optimizer(
+    tiny_model_path: Path, tmp_path: Path, tokenizer: Any
+) -> None:
+    """The adapter is what a checkpoint is for: a corrupt optimizer.pt costs the optimizer's moments, not
+    the step (the checkpoint is not set aside)."""
+    trainer = Trainer(str(tiny_model_path), tmp_path, TrainerConfig())
+    trainer.resume_or_init()
+    trainer.train(batch(tokenizer), TrainOptions(learning_rate=5e-2), lambda _: None)
+    optimizer = tmp_path / "0001" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:200])  # truncated
+    resumed = Trainer(str(tiny_model_path), tmp_path, TrainerConfig())
+    assert resumed.resume_or_init() == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0000", "0001"]
+    for name, value in lora_weights(trainer).items():
+        assert torch.equal(lora_weights(resumed)[name], value)
+    assert not resumed.optimizer.state
+    assert [n for n in resumed.notes if "optimizer.pt" in n and "fresh optimizer" in n], resumed.notes
+    outcome = resumed.train(batch(tokenizer), TrainOptions(learning_rate=5e-2), lambda _: None)
+    assert outcome.trained and outcome.step == 2
