@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from .backend import SGLangBackend
+from .backend_protocol import Backend
 from .config import DeviceConfig, SGLangConfig, TrainerConfig
 from .errors import (
     AdapterLoadError,
@@ -22,7 +23,7 @@ from .errors import (
     TrainingInputError,
 )
 from .gather import gather_trajectory_groups
-from .model import Backend, Model, TrainableModel
+from .model import Model, TrainableModel
 from .trajectories import History, Trajectory, TrajectoryGroup
 from .types import (
     LocalTrainResult,

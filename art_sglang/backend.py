@@ -1,11 +1,11 @@
 """`SGLangBackend`: ART's backend protocol with inference on an SGLang server (or, without a GPU, the
 reference engine) and a LoRA trainer in its own process.
 
-The backend orchestrates; the parts live in their own modules: `backend_settings` (device layout and
-server config, what a model's `_internal_config` may change), `inference` (server + gateway + loaded
-adapters), `watchdog`, `shared_mode` (GPU handoff around training), `weight_sync` (lora/disk/restart),
-`model_store` (files on disk), `registered_model`, `history` and `training` (the trainer worker and
-`TrainOptions`, ART's train() keywords).
+The backend orchestrates; the parts live in their own modules: `backend_settings` (what the user and the
+first model's `_internal_config` ask for) and `serving_plan` (the frozen plan made from it before anything
+starts), `inference` (adapters + gateway over the `ServerGroup`), `step_runner` (one training step, RL or
+SFT: GPU handoff, trainer, weight sync), `watchdog`, `model_store` (files on disk), `registered_model`,
+`progress` and `training` (the trainer worker and `TrainOptions`, ART's train() keywords).
 """
 
 from __future__ import annotations
@@ -18,33 +18,32 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable
-from typing import Any, Literal
+from typing import Any
 
-from .backend_settings import BackendSettings, check_row_length
 from .config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
-from .cuda_mps import CudaMps
-from .devices import DeviceLayout, EngineChoice
-from .errors import ConfigError, ModelNotRegisteredError, ServerRequestError, TrainerError, TrainingError
-from .history import append_row
-from .inference import InferenceService
-from .internal_config import ModelSettings
-from .model import Model
-from .model_store import ModelStore, append_lines, name_problem, write_model_files
-from .pipelining import pin_step, pinned_step, pipelining_problem
+from .errors import ConfigError, ModelNotRegisteredError
+from .orchestration.pipelining import pin_step, pinned_step, pipelining_problem
+from .orchestration.progress import StepProgress, record_step, reports_while, warn_about
+from .orchestration.registered_model import RegisteredModel, checkpoint_of
+from .orchestration.step_runner import StepRunner
+from .orchestration.weight_sync import STRATEGIES
+from .planning.backend_settings import BackendSettings, check_row_length
+from .planning.cuda_mps import CudaMps, start_daemon
+from .planning.devices import DeviceLayout, EngineChoice
+from .planning.internal_config import ModelSettings
+from .planning.serving_plan import HandoffStrategy, ServingPlan
 from .process_tree import gather_all
-from .progress import StepProgress, reports_while
-from .registered_model import RegisteredModel, checkpoint_of
-from .run_lock import RunLock
-from .shared_mode import GpuHandoff, HandoffStrategy, TrainerTurn
-from .training.checkpoints import set_aside
+from .server.inference import InferenceService
+from .server.served_names import parse_served_name, served_name, served_prefix
+from .server.watchdog import ServerWatchdog
+from .storage.model_store import ModelStore, append_lines, name_problem, write_model_files
+from .storage.run_lock import RunLock
 from .training.options import TrainOptions
 from .training.process import TrainerProcess
-from .training.sft import SFTBatch, sft_batches, validate_sft
+from .training.sft import SFTBatch, prepare_sft
 from .training.validation import groups_to_wire, validate_groups
 from .trajectories import coerce_groups, coerce_trajectory
 from .types import LocalTrainResult
-from .watchdog import ServerWatchdog
-from .weight_sync import make_weight_sync
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +96,10 @@ class SGLangBackend:
         )
         self._path = path
         self._use_gateway = gateway
+        self._plan: ServingPlan | None = None  # made once, before the first server starts
         self._service: InferenceService | None = None
-        self._prefill_counts: dict[str, int] = {}  # the gateway's prefill counters at the previous step
         self._mps: CudaMps | None = None
-        self._handoff: GpuHandoff | None = None
+        self._steps: StepRunner | None = None
         self._models: dict[tuple[str, str], RegisteredModel] = {}
         self._lock = asyncio.Lock()
         self._watchdog: ServerWatchdog | None = None
@@ -114,15 +113,16 @@ class SGLangBackend:
 
     @property
     def layout(self) -> DeviceLayout:
-        return self._settings.layout
+        return self._plan.layout if self._plan is not None else self._settings.layout
 
     @property
     def sglang_config(self) -> SGLangConfig:
-        return self._settings.sglang_config
+        """The server's settings: the plan's once a model is registered (frozen), else as asked so far."""
+        return self._plan.server_config if self._plan is not None else self._settings.sglang_config
 
     @property
     def handoff_strategy(self) -> HandoffStrategy:
-        return self._settings.handoff_strategy
+        return self._plan.handoff if self._plan is not None else self._settings.handoff_strategy
 
     @property
     def uses_cuda_mps(self) -> bool:
@@ -185,27 +185,20 @@ class SGLangBackend:
         """Write the model's files, start its trainer (resuming its checkpoint) and serve its step."""
         model.base_path = self._path  # as ART's LocalBackend: model.log() writes where we do
         await asyncio.to_thread(write_model_files, store, model, settings)
-        service = await self._ensure_service(model.base_model, store)
-        assert self._handoff is not None
+        await self._ensure_service(model.base_model, store)
+        assert self._steps is not None and self._plan is not None
         trainer = TrainerProcess(
             model.base_model,
             store.checkpoints_dir,
             settings.trainer,
-            gpu_ids=self._gpu_ids("training"),
+            gpu_ids=list(self._plan.training_gpu_ids),
             log_path=store.trainer_log,
             env=self._mps.client_env if self._mps is not None else None,
         )
         try:
-            if self._handoff.trainer_keeps_weights:
-                # Both fit side by side on their GPU(s): load them at the same time.
-                step, _ = await gather_all(trainer.start(), service.start())
-            else:
-                # The trainer loads onto the GPU and moves to host memory before the server claims it.
-                async with self._handoff.trainer_turn(trainer):
-                    step = await trainer.start()
-                await service.start()
+            step = await self._steps.start(trainer)
             entry = RegisteredModel(model, store, trainer, step, lock)
-            await self._serve_step(entry, step, may_restart=False)
+            await self._steps.serve(entry, step)
         except BaseException:
             await trainer.stop()
             raise
@@ -227,17 +220,11 @@ class SGLangBackend:
         current step), in the form the client sends (see `InferenceService.client_name`)."""
         if not getattr(model, "trainable", False):
             return model.inference_model_name or model.name
-        entry = self._models.get((model.project, model.name))
         if step is None:
             step = pinned_step(model.name)
         if step is None:
-            if entry is None:
-                raise ModelNotRegisteredError(
-                    f"model {model.name!r} is not registered with this backend: "
-                    "call `await model.register(backend)` first"
-                )
-            step = entry.step
-        name = f"{model.name}@{step}"
+            step = self._entry(model).step
+        name = served_name(model.name, step)
         return self._service.client_name(name) if self._service is not None else name
 
     async def _get_step(self, model: Any) -> int:
@@ -260,7 +247,7 @@ class SGLangBackend:
             keep = {*steps_to_keep, entry.step, *self._leased_steps(entry)}
             doomed = [s for s in entry.store.checkpoint_steps() if s not in keep]
             for step in doomed:
-                await self._service.remove_adapter(f"{model.name}@{step}")
+                await self._service.remove_adapter(served_name(model.name, step))
             await asyncio.to_thread(entry.store.delete_checkpoints, doomed)
 
     # --- pipelined training (ART's PipelineTrainer) ------------------------------------------------------
@@ -277,7 +264,7 @@ class SGLangBackend:
                 yield  # train() refuses; the server is left as the weight sync and the handoff want it
                 return
             checkpoint = entry.store.checkpoint_dir(step)  # loaded (checked first) if it is not now
-            async with self._service.lease(f"{model.name}@{step}", checkpoint):
+            async with self._service.lease(served_name(model.name, step), checkpoint):
                 yield
 
     async def prune_model_adapters(self, model: Any, *, retain_steps: set[int]) -> None:
@@ -294,7 +281,7 @@ class SGLangBackend:
                 "(max_loras_per_batch), so some wait for a slot: set SGLangConfig(max_steps_off_policy=%d)",
                 model.name, len(keep), slots, len(keep) - 1,
             )  # fmt: skip
-        await self._service.prune(f"{model.name}@", {f"{model.name}@{step}" for step in keep})
+        await self._service.prune(served_prefix(model.name), {served_name(model.name, step) for step in keep})
 
     def _pipelining_problem(self) -> str | None:
         return pipelining_problem(
@@ -305,8 +292,8 @@ class SGLangBackend:
 
     def _leased_steps(self, entry: RegisteredModel) -> set[int]:
         assert self._service is not None
-        prefix = f"{entry.model.name}@"
-        return {int(name[len(prefix) :]) for name in self._service.leased() if name.startswith(prefix)}
+        leased = (parse_served_name(name) for name in self._service.leased())
+        return {parsed[1] for parsed in leased if parsed is not None and parsed[0] == entry.model.name}
 
     async def train(self, model: Any, trajectory_groups: Iterable[Any], **options: Any) -> LocalTrainResult:
         """One RL step on `trajectory_groups`; returns once `<name>@<new step>` answers requests.
@@ -315,73 +302,37 @@ class SGLangBackend:
         learning_rate=5e-6, ...): see `TrainOptions` (docs/configuration.md lists them). Options and groups
         are checked before anything starts (`ConfigError`, `TrainingInputError`). In shared mode the server
         gives the GPU to the trainer for the step. The step number advances on every call, as in ART (a
-        batch without learning signal gets a copy of the last checkpoint), and the new step is served. A
-        step the trainer refuses (non-finite values, a checkpoint that cannot be written), or whose adapter
-        does not answer a short generation with finite logprobs, raises `TrainingError`; the trainer's
-        checkpoint and the served step stay where they were.
+        batch without learning signal gets a copy of the last checkpoint), and the new step is served. A step
+        the trainer refuses (non-finite values, an unwritable checkpoint), or whose adapter does not answer
+        a short generation with finite logprobs, raises `TrainingError`; the served step stays.
         """
         self._check_open()
         train_options = TrainOptions.from_keywords(options)
-        groups = coerce_groups(trajectory_groups)
+        groups = groups_to_wire(coerce_groups(trajectory_groups))
         # Checked here, before the GPU handoff, so bad input never takes the server away.
-        validate_groups(
-            groups_to_wire(groups),
-            allow_training_without_logprobs=train_options.allow_training_without_logprobs,
-        )
+        validate_groups(groups, allow_training_without_logprobs=train_options.allow_training_without_logprobs)
         entry = self._entry(model)
         check_row_length(train_options, entry.trainer.config)
-        if entry.pipelined:
-            problem = self._pipelining_problem()
-            if problem is not None:
-                raise ConfigError(
-                    f"pipelined training (rollouts hold adapter leases while train() runs): {problem}"
-                )
+        if entry.pipelined and (problem := self._pipelining_problem()) is not None:
+            raise ConfigError(
+                f"pipelined training (rollouts hold adapter leases while train() runs): {problem}"
+            )
         self._ensure_watchdog()
+        steps = self._steps
+        assert steps is not None
         async with self._lock:
             started = time.monotonic()
             verbose = train_options.verbose
-            with StepProgress(
-                model.name, entry.step + 1, disable=not verbose and not sys.stderr.isatty()
-            ) as bar:
-                async with self._trainer_turn(entry) as turn:
-                    trained_at = time.monotonic()
-                    outcome = await entry.trainer.train(groups, train_options, on_progress=bar)
-                    turn.timings["time/train_s"] = time.monotonic() - trained_at
-                    if outcome.step != entry.step:
-                        # Work that needs no server overlaps the handoff (merging, for disk sync).
-                        await self._sync.prepare(entry.target(outcome.step))
-            timings = turn.timings
-            if outcome.step != entry.step:
-                # Also a step a restarted trainer resumed at without training now (it died after
-                # writing that checkpoint): it becomes the current step only once it is served.
-                timings.update(
-                    await self._serve_step(
-                        entry,
-                        outcome.step,
-                        may_restart=not turn.restarted_server,
-                        learning_rate=train_options.learning_rate,
-                    )
+            with StepProgress(model.name, entry.step + 1, not (verbose or sys.stderr.isatty())) as bar:
+                outcome, timings = await steps.run(
+                    entry,
+                    lambda trainer: trainer.train(groups, train_options, on_progress=bar),
+                    learning_rate=train_options.learning_rate,
                 )
-            if outcome.reason and outcome.reason != entry.untrained_reason:
-                # Once per run of such steps: history.jsonl records each one (gradient_steps 0).
-                logger.warning(
-                    "%s step %d: %s; the step still advances (a copy of the last checkpoint), and further "
-                    "steps like it are not warned about until one trains",
-                    model.name, outcome.step, outcome.reason,
-                )  # fmt: skip
-            entry.untrained_reason = outcome.reason
-            dropped = int(outcome.metrics.get("sequences_dropped_too_long", 0))
-            if dropped:
-                logger.warning(
-                    "%s step %d: dropped %d sequences longer than the packed row length (max_seq_length=%d)",
-                    model.name, outcome.step, dropped, entry.trainer.config.max_seq_length,
-                )  # fmt: skip
+            warn_about(entry, outcome)
             timings["time/step_s"] = time.monotonic() - started
-            metrics = {**outcome.metrics, **timings, **self._prefill_counts_since_last_step()}
-            row = {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
-            written = await asyncio.to_thread(append_row, entry.store.history, entry.step, row)
-            if isinstance(model, Model):  # ART's own models report to W&B themselves, from model.log
-                await model._report(entry.step, written)
+            metrics = {**outcome.metrics, **timings, **steps.prefill_counts_since_last_step()}
+            await record_step(model, entry.store.history, entry.step, metrics)
             if verbose:
                 logger.info("%s step %d: %s", model.name, entry.step, json.dumps(metrics, default=str))
             path = outcome.checkpoint_path if train_options.save_checkpoint else None
@@ -398,19 +349,13 @@ class SGLangBackend:
         verbose: bool = False,
     ) -> AsyncIterator[dict[str, float]]:
         """Supervised fine-tuning (ART's backend protocol): yields each batch's metrics as the trainer
-        reports them, and ends once `<name>@<new step>` answers requests. `config` is ART's or our
-        `TrainSFTConfig`; ART's experimental `_config` has no options, so any key is refused.
+        reports them, and ends once `<name>@<new step>` answers requests (`config`: see `prepare_sft`).
 
         Input is checked before anything starts; the training (handoff, trainer, weight sync) runs as one
         task, so a caller that stops iterating early does not leave the step half done."""
         self._check_open()
-        if dev_config:
-            raise ConfigError(
-                f"train_sft(_config={dict(dev_config)!r}): ART's dev TrainSFTConfig has no options"
-            )
         wire = [coerce_trajectory(t, index).model_dump(mode="python") for index, t in enumerate(trajectories)]
-        validate_sft(wire)
-        batches = sft_batches(wire, config.learning_rate, config.batch_size)
+        batches = prepare_sft(wire, config, dev_config)
         entry = self._entry(model)
         self._ensure_watchdog()
         async for report in reports_while(lambda report: self._run_sft(entry, batches, report, verbose)):
@@ -419,18 +364,12 @@ class SGLangBackend:
     async def _run_sft(
         self, entry: RegisteredModel, batches: list[SFTBatch], report: Any, verbose: bool
     ) -> None:
+        assert self._steps is not None
         async with self._lock:
-            async with self._trainer_turn(entry) as turn:
-                outcome = await entry.trainer.sft(
-                    batches, on_progress=lambda event: report(event.get("metrics") or {})
-                )
-                await self._sync.prepare(entry.target(outcome.step))
-            timings = turn.timings
-            learning_rate = max(batch.learning_rate for batch in batches)
-            timings.update(
-                await self._serve_step(
-                    entry, outcome.step, may_restart=not turn.restarted_server, learning_rate=learning_rate
-                )
+            _, timings = await self._steps.run(
+                entry,
+                lambda t: t.sft(batches, on_progress=lambda event: report(event.get("metrics") or {})),
+                learning_rate=max(batch.learning_rate for batch in batches),
             )
             if verbose:
                 logger.info("%s SFT step %d: %s", entry.model.name, entry.step, json.dumps(timings))
@@ -460,7 +399,7 @@ class SGLangBackend:
         """Stop the server (and its gateway) together with `stops` (the trainers), then the MPS daemon
         whose clients they were."""
         service, mps = self._service, self._mps
-        self._service = self._handoff = self._watchdog = self._mps = None
+        self._service = self._steps = self._watchdog = self._mps = self._plan = None
         try:
             await gather_all(*stops, *([service.close()] if service is not None else []))
         finally:
@@ -479,88 +418,7 @@ class SGLangBackend:
         if self._watchdog is not None:
             self._watchdog.ensure_running()
 
-    @contextlib.asynccontextmanager
-    async def _trainer_turn(self, entry: RegisteredModel) -> AsyncIterator[TrainerTurn]:
-        """The server recovered if it died, then the GPU handed to the model's trainer (restarted from its
-        checkpoint if it is not running) for the body; `self._lock` is held by the caller."""
-        service, handoff = self._service, self._handoff
-        assert service is not None and handoff is not None
-        await service.recover(probe=False)
-        async with handoff.trainer_turn(entry.trainer) as turn:
-            if not entry.trainer.is_alive():
-                logger.warning(
-                    "trainer of %s is not running; restarting it from its checkpoint", entry.model.name
-                )
-                await entry.trainer.start()
-            try:
-                yield turn
-            except TrainerError as exc:
-                saved = max(entry.store.checkpoint_steps(), default=entry.step)
-                if saved <= entry.step:
-                    raise
-                # The trainer saved a step it never reported (it hung or died after the write).
-                raise type(exc)(
-                    f"{exc}\nStep {saved} was saved before that ({entry.store.checkpoint_dir(saved)}): its "
-                    f"update is kept, the next train() resumes from it and publishes step {saved + 1}; step "
-                    f"{entry.step} stays served until then."
-                ) from exc
-
-    async def _serve_step(
-        self, entry: RegisteredModel, step: int, *, may_restart: bool, learning_rate: float | None = None
-    ) -> dict[str, float]:
-        """Make `<name>@<step>` servable and answering, then make it the model's current step. The one place
-        the current step changes, so a name the backend hands out is always loaded. Returns timings.
-
-        `learning_rate`: the step was just trained with it; if its adapter does not answer what rollouts
-        ask (finite logprobs), the step is rolled back (`_refuse_step`) and `TrainingError` raised."""
-        service = self._service
-        assert service is not None
-        target = entry.target(step)
-        synced_at = time.monotonic()
-        await self._sync.prepare(target)
-        await service.recover(probe=False)
-        await self._sync.apply(target, may_restart=may_restart)
-        if self.sglang_config.flush_cache_on_sync:
-            await service.flush_cache()
-        probed_at = time.monotonic()
-        try:
-            await service.probe(target.inference_name)
-        except ServerRequestError as exc:
-            if learning_rate is None:
-                raise
-            await self._refuse_step(entry, step)
-            raise TrainingError(
-                f"step {step} of {entry.model.name} was refused before it was published: its adapter does "
-                f"not serve ({exc}). It was trained with learning_rate={learning_rate:g}; a smaller one may "
-                f"help. Step {entry.step} stays served and the next train() starts from it."
-            ) from exc
-        entry.step = step
-        return {"time/sync_s": probed_at - synced_at, "time/probe_s": time.monotonic() - probed_at}
-
-    async def _refuse_step(self, entry: RegisteredModel, step: int) -> None:
-        """Undo a trained step that may not be published: set its checkpoint aside (one rename, so a crash
-        never leaves it to be resumed), stop the trainer that holds its weights (the next step restarts it
-        from the current step's checkpoint) and serve the current step again in its place."""
-        assert self._service is not None
-        aside = await asyncio.to_thread(set_aside, entry.store.checkpoint_dir(step))
-        logger.warning("%s step %d refused; its checkpoint is kept as %s", entry.model.name, step, aside)
-        await entry.trainer.stop()
-        await self._service.remove_adapter(entry.target(step).inference_name)
-        current = entry.target(entry.step)
-        await self._sync.prepare(current)
-        await self._sync.apply(current, may_restart=False)
-
     # --- helpers ---------------------------------------------------------------------------------------
-    def _prefill_counts_since_last_step(self) -> dict[str, int]:
-        """What the gateway's prefill sharing saved since the previous step (docs/guide.md)."""
-        gateway = self._service.gateway if self._service is not None else None
-        if gateway is None:
-            return {}
-        now = gateway.prefill_counters()
-        since = {f"rollout/{key}": value - self._prefill_counts.get(key, 0) for key, value in now.items()}
-        self._prefill_counts = now
-        return since
-
     @property
     def inference(self) -> InferenceService | None:
         """The inference service (server, gateway, loaded adapters), once a model is registered."""
@@ -580,51 +438,21 @@ class SGLangBackend:
         return entry
 
     async def _ensure_service(self, base_model: str, store: ModelStore) -> InferenceService:
-        # The server's log lives with the first model registered (one server serves every model).
+        """Make the plan and assemble serving from it, once: the server's log lives with the first model
+        registered (one server serves every model)."""
         if self._service is None:
-            release: Literal["kv_cache", "all"] = "all"
-            if self.handoff_strategy == "sleep":
-                plan = await asyncio.to_thread(self._settings.plan_shared_gpu, base_model)
-                release = self._settings.use_shared_plan(plan)
-            elif self._settings.co_resident:  # no handoff: the server's pool leaves the trainer room
-                await asyncio.to_thread(self._settings.use_co_resident_plan, base_model)
-                if self._settings.use_cuda_mps() and self._mps is None:
-                    await self._start_cuda_mps(CudaMps(store.logs_dir / "cuda-mps.log"))
+            plan = self._plan = await asyncio.to_thread(self._settings.plan, base_model)
+            if plan.cuda_mps:
+                self._mps = await start_daemon(self._settings.cuda_mps, store.logs_dir / "cuda-mps.log")
+            env = self._mps.client_env if self._mps is not None else {}
             self._service = InferenceService(
-                self.sglang_config,
-                base_model,
-                engine=self.layout.engine,
-                log_path=store.server_log,
-                gpu_ids=self._gpu_ids("inference"),
-                use_gateway=self._use_gateway,
-                replica_gpu_ids=self._settings.replica_gpu_ids() if len(self.layout.replicas) > 1 else None,
+                plan, base_model, log_path=store.server_log, use_gateway=self._use_gateway, env=env
             )
-            if self.sglang_config.weight_sync_method != "disk":
-                # Merged weights hold one step only; an older step's adapter on top would be wrong.
+            if STRATEGIES[plan.weight_sync].serves_older_steps:
                 self._service.serve_on_demand(lambda name: checkpoint_of(self._models.values(), name))
-            self._handoff = GpuHandoff(self.handoff_strategy, self._service, release)
-            self._sync = make_weight_sync(
-                self.sglang_config.weight_sync_method, self._service, self.sglang_config.adapters_to_keep
-            )
-            self._watchdog = ServerWatchdog(self._service)
+            self._steps = StepRunner.for_plan(plan, self._service)
+            self._watchdog = ServerWatchdog(self._service.servers)
         return self._service
-
-    async def _start_cuda_mps(self, mps: CudaMps) -> None:
-        """Make the server (and the trainers started after this) clients of `mps`. A daemon that does
-        not start fails registration with cuda_mps='on'; with 'auto' it is a warning and both go on
-        without MPS."""
-        try:
-            env = await mps.start()
-        except ConfigError as exc:
-            if self._settings.cuda_mps == "on":
-                raise
-            logger.warning("%s\nGoing on without CUDA MPS: server and trainer take turns on the GPU.", exc)
-            return
-        self._mps = mps
-        self._settings.add_server_env(env)
-
-    def _gpu_ids(self, role: Literal["inference", "training"]) -> list[str]:
-        return self._settings.gpu_ids(role)
 
 
 # help(SGLangBackend.train) and editors that read __signature__ show every option with its default.

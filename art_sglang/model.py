@@ -1,8 +1,7 @@
 """`Model` and `TrainableModel`, with the fields and methods of OpenPipe ART 0.5.x.
 
-The model is the user's handle; the backend does the work. What a model needs from its backend is the
-`Backend` protocol below, the same methods ART's own models call, so `SGLangBackend` serves both
-`art_sglang.TrainableModel` and `art.TrainableModel`.
+The model is the user's handle; the backend does the work: what a model needs from it is the `Backend`
+protocol (backend_protocol.py).
 """
 
 from __future__ import annotations
@@ -13,58 +12,25 @@ import math
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from openai import AsyncOpenAI, Timeout
 from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
 from pydantic_core import PydanticSerializationError
 
+from .backend_protocol import Backend
 from .errors import ConfigError, ModelNotRegisteredError
-from .history import append_row, read_rows
-from .model_store import HISTORY_FILE, name_problem
+from .server.served_names import served_name
+from .storage.history import append_row, read_rows
+from .storage.model_store import HISTORY_FILE, name_problem
 from .tracking import WandbReporter, metric_key
 from .training.options import TrainOptions
 from .trajectories import Trajectory, TrajectoryGroup
 from .types import TrainConfig, TrainResult, TrainSFTConfig
 
 logger = logging.getLogger(__name__)
-
-
-class Backend(Protocol):
-    """What models call on their backend (ART 0.5.x's `art.Backend`).
-
-    Optional: `async def _log(model, trajectory_groups, split) -> None`; when a backend defines it,
-    `Model.log` hands it the logged groups after writing the history row.
-    """
-
-    async def register(self, model: Model) -> None: ...
-
-    async def _prepare_backend_for_training(
-        self, model: TrainableModel, config: Any | None
-    ) -> tuple[str, str]: ...  # (OpenAI base_url ending in /v1, api_key)
-
-    def _model_inference_name(self, model: Model, step: int | None = None) -> str: ...
-
-    async def _get_step(self, model: TrainableModel) -> int: ...
-
-    async def _delete_checkpoint_files(self, model: TrainableModel, steps_to_keep: list[int]) -> None: ...
-
-    async def train(
-        self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], **options: Any
-    ) -> TrainResult: ...
-
-    def _train_sft(
-        self,
-        model: TrainableModel,
-        trajectories: Iterable[Trajectory],
-        config: TrainSFTConfig,
-        dev_config: dict[str, Any],
-        verbose: bool = False,
-    ) -> AsyncIterator[dict[str, float]]: ...  # one metrics dict per batch
-
-    async def close(self) -> None: ...
 
 
 class Model(BaseModel):
@@ -156,7 +122,7 @@ class Model(BaseModel):
         if self._backend is not None and hasattr(self._backend, "_model_inference_name"):
             return self._backend._model_inference_name(self, step=step)
         name = self.inference_model_name or self.name
-        return name if step is None else f"{name}@{step}"
+        return name if step is None else served_name(name, step)
 
     async def get_step(self) -> int:
         """The latest trained step (0 for models that are not trainable)."""

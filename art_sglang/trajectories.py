@@ -13,6 +13,7 @@ from typing import Any, cast
 from pydantic import BaseModel, Field
 
 from .errors import TrainingInputError
+from .gather_context import current_gather_context
 from .types import Choice, Message, Messages, MessagesAndChoices, Tools
 
 MetadataValue = float | int | str | bool | None
@@ -186,9 +187,6 @@ class PendingTrajectoryGroup:
         return self._run().__await__()
 
     async def _run(self) -> TrajectoryGroup:
-        # Imported here: gather.py imports this module and owns the progress/exception context.
-        from .gather import current_gather_context
-
         context = current_gather_context()
         trajectories: list[Trajectory] = []
         exceptions = list(self._exceptions)

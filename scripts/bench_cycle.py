@@ -58,7 +58,7 @@ from gpu_helpers import MemorySampler
 
 import art_sglang as art
 from art_sglang import SGLangBackend, TrainerConfig
-from art_sglang.devices import DeviceLayout
+from art_sglang.planning.devices import DeviceLayout
 from environments.char_share import CharShareTask
 from environments.common import train_loop
 

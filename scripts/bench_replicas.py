@@ -32,7 +32,9 @@ from bench_common import (
     write_results,
 )
 
-from art_sglang.inference import InferenceService
+from art_sglang.planning.devices import DeviceLayout
+from art_sglang.planning.serving_plan import ReplicaPlan, ServingPlan, frozen_config
+from art_sglang.server.inference import InferenceService
 from art_sglang.server.replica_router import ReplicaRouter
 
 ADAPTER = "bench@1"
@@ -87,24 +89,31 @@ async def workload(url: str, model: str, args: argparse.Namespace) -> dict[str, 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     config = server_config(args)
-    placements: list[list[int]] = [[0], [1]] if args.engine == "sglang" else [[], []]
+    placements = [("0",), ("1",)] if args.engine == "sglang" else [(), ()]
     args.workdir.mkdir(parents=True, exist_ok=True)
     adapter = make_random_adapter(args.model, args.workdir / "adapter", rank=args.lora_rank)
-    service = InferenceService(
-        config,
-        args.model,
-        engine=args.engine,
-        log_path=args.workdir / "server.log",
-        gpu_ids=None,
-        replica_gpu_ids=placements,
-        use_gateway=False,
+    frozen = frozen_config(config)
+    mode = "split" if args.engine == "sglang" else "cpu"
+    layout = DeviceLayout(
+        mode, args.engine, (0,), (), "bench", replica_gpus=((0,), (1,)) if mode == "split" else ((), ())
     )
+    plan = ServingPlan(
+        layout=layout,
+        server_config=frozen,
+        replicas=tuple(ReplicaPlan(gpu_ids=gpus, configs=(frozen,)) for gpus in placements),
+        training_gpu_ids=(),
+        handoff="none",
+        release="all",
+        cuda_mps=False,
+        weight_sync=frozen.weight_sync_method,
+    )
+    service = InferenceService(plan, args.model, log_path=args.workdir / "server.log", use_gateway=False)
     python = config.resolved_server_python() if args.engine == "sglang" else sys.executable
     round_robin = ReplicaRouter(python=python, policy="round_robin", log_path=args.workdir / "router-rr.log")
     runs = []
     try:
         began = time.monotonic()
-        await service.start()
+        await service.servers.start()
         started = time.monotonic() - began
         await service.add_adapter(ADAPTER, adapter)
         await round_robin.start()
@@ -121,7 +130,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await workload(
                 url, args.model, argparse.Namespace(**{**vars(args), "conversations": 4, "turns": 1})
             )
-            await service.flush_cache()
+            await service.servers.flush_cache()
             runs.append({"setup": label, **(await workload(url, args.model, args))})
             print(runs[-1], flush=True)
     finally:

@@ -402,7 +402,7 @@ async def backend_target(
     only, as ART's LocalBackend writes, is resumed as it is): requests through the model's own client."""
     import art_sglang as art
     from art_sglang.config import SGLangConfig, TrainerConfig
-    from art_sglang.model_store import ModelStore
+    from art_sglang.storage.model_store import ModelStore
 
     path = args.workdir / "backend" / ".art"
     shutil.rmtree(path, ignore_errors=True)  # a step 0 of another model shape must not be resumed

@@ -16,9 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from art_sglang import ConfigError, SGLangBackend
-from art_sglang.cuda_mps import CudaMps
-from art_sglang.devices import DeviceLayout
+from art_sglang import ConfigError
+from art_sglang.planning.cuda_mps import CudaMps, start_daemon
 
 # -f: make the control socket, note the environment, run until asked to quit; otherwise: a `quit` on
 # stdin is passed to the running daemon.
@@ -74,21 +73,17 @@ async def test_a_daemon_that_does_not_start_is_a_config_error_with_its_log(tmp_p
 
 async def test_a_failed_daemon_is_a_warning_with_auto_and_an_error_with_on(tmp_path, monkeypatch, caplog):
     stand_in(tmp_path, BROKEN, monkeypatch)
-    one_gpu = DeviceLayout("shared", "sglang", (0,), (0,), "forced for tests")
-    auto = SGLangBackend(layout=one_gpu, shared_strategy="co_resident", cuda_mps="auto")
-    with caplog.at_level(logging.WARNING, logger="art_sglang.backend"):
-        await auto._start_cuda_mps(CudaMps(tmp_path / "auto.log"))
-    assert not auto.uses_cuda_mps and "CUDA_MPS_PIPE_DIRECTORY" not in auto.sglang_config.server_env
+    with caplog.at_level(logging.WARNING, logger="art_sglang.planning.cuda_mps"):
+        assert await start_daemon("auto", tmp_path / "auto.log") is None
     assert "Going on without CUDA MPS" in caplog.text and "already running" in caplog.text
-    on = SGLangBackend(layout=one_gpu, shared_strategy="co_resident", cuda_mps="on")
     with pytest.raises(ConfigError, match="CUDA MPS could not start"):
-        await on._start_cuda_mps(CudaMps(tmp_path / "on.log"))
+        await start_daemon("on", tmp_path / "on.log")
 
 
 OWNER = """
 import asyncio, sys
 from pathlib import Path
-from art_sglang.cuda_mps import CudaMps
+from art_sglang.planning.cuda_mps import CudaMps, start_daemon
 
 async def main():
     daemon = CudaMps(Path(sys.argv[1]))  # held: the handle kills its daemon when collected

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from art_sglang.config import DeviceConfig
-from art_sglang.devices import (
+from art_sglang.errors import ConfigError
+from art_sglang.planning.devices import (
     Discovery,
     apply_cuda_visible_devices,
     choose_layout,
     detect_gpus,
     parse_nvidia_smi,
 )
-from art_sglang.errors import ConfigError
 
 FOUR_GPUS = """\
 0, GPU-11111111-aaaa, NVIDIA H100 80GB HBM3, 81559, 1

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from art_sglang.errors import ConfigError
-from art_sglang.gpu_budget import (
+from art_sglang.planning.gpu_budget import (
     GIB,
     TRAINER_OVERHEAD_BYTES,
     model_weights_bytes,

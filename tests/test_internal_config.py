@@ -10,7 +10,7 @@ import pytest
 import art_sglang as art
 from art_sglang.config import TrainerConfig
 from art_sglang.errors import ConfigError
-from art_sglang.internal_config import model_settings
+from art_sglang.planning.internal_config import model_settings
 
 
 def test_keys_with_an_equivalent_are_mapped(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from art_sglang.config import LAUNCH_FLAGS, SGLangConfig, launch_flag
-from art_sglang.server.reference.cli import build_parser, parse_args
+from art_sglang_reference.cli import build_parser, parse_args
 
 
 def test_every_rendered_flag_is_understood() -> None:
@@ -79,7 +79,7 @@ def test_unknown_flags_are_kept_and_lora_paths_parsed() -> None:
 
 def test_help_runs_without_loading_a_model() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "art_sglang.server.reference", "--help"],
+        [sys.executable, "-m", "art_sglang_reference", "--help"],
         capture_output=True,
         text=True,
         timeout=60,

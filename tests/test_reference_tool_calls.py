@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from art_sglang.server.reference.call_grammar import CallGrammar
-from art_sglang.server.reference.tool_calls import StreamSplitter, ToolParsing, parse
+from art_sglang_reference.call_grammar import CallGrammar
+from art_sglang_reference.tool_calls import StreamSplitter, ToolParsing, parse
 
 NAMES = {"add", "mul"}
 

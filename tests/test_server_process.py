@@ -105,7 +105,7 @@ def test_command_per_engine(tmp_path: Path) -> None:
     reference = ServerProcess(config, "/models/m", engine="reference", log_path=tmp_path / "r.log")
     args = config.server_args("/models/m", 31234)
     assert sglang.command() == ["/opt/sglang-venv/bin/python", "-m", "sglang.launch_server", *args]
-    assert reference.command() == [sys.executable, "-m", "art_sglang.server.reference", *args]
+    assert reference.command() == [sys.executable, "-m", "art_sglang_reference", *args]
     assert sglang.base_url == "http://127.0.0.1:31234"
 
 
@@ -259,7 +259,7 @@ async def test_reference_engine_bad_model_path(tmp_path: Path) -> None:
     with pytest.raises(ServerStartError, match=r"exited with code [1-9](.|\n)*last lines of the log") as info:
         await server.start()
     message = str(info.value)
-    assert f"-m art_sglang.server.reference --model-path {tmp_path / 'no-model'}" in message
+    assert f"-m art_sglang_reference --model-path {tmp_path / 'no-model'}" in message
     assert message.count("\n") > 4  # the log tail, not just the headline
     assert not server.is_alive()
 

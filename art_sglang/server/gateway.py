@@ -36,8 +36,8 @@ from collections.abc import Awaitable, Callable, Iterable
 import aiohttp
 from aiohttp import web
 
+from .gateway_rules import Forward, Refuse, Served, error, route
 from .prefill_sharing import Answer, PrefillCounters, PrefillSharing, bad_gateway, prompt_key
-from .router import Forward, Refuse, Served, error, route
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
-from .router import Forward, error
+from .gateway_rules import Forward, error
 
 logger = logging.getLogger(__name__)
 
@@ -179,9 +179,7 @@ class PrefillSharing:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _prefill_then_release(
-        self, waiting: list[_Held]
-    ) -> None:
+    async def _prefill_then_release(self, waiting: list[_Held]) -> None:
         decision, headers, _ = waiting[0]
         try:
             answer = await self._exchange(replace(decision, body=prefill_body(decision.body)), headers)

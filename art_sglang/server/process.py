@@ -16,7 +16,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -31,7 +31,7 @@ Engine = Literal["sglang", "reference"]
 
 ENGINE_MODULES: dict[Engine, str] = {
     "sglang": "sglang.launch_server",
-    "reference": "art_sglang.server.reference",
+    "reference": "art_sglang_reference",
 }
 _POLL_SECONDS = 0.25
 
@@ -105,15 +105,17 @@ class ServerProcess(ManagedProcess):
         log_path: Path,
         gpu_ids: Sequence[int | str] | None = None,
         admin_api_key: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         """`config.api_key` is the key of the server's ordinary routes, `admin_api_key` that of its admin
-        routes (None: the ordinary key opens them too, as in SGLang)."""
+        routes (None: the ordinary key opens them too, as in SGLang). `env`: added to its environment."""
         super().__init__(f"{engine} server", log_path)
         self.config = config
         self.admin_api_key = admin_api_key
         self.model_path = model_path
         self.engine: Engine = engine
         self.gpu_ids = gpu_ids
+        self._extra_env = dict(env or {})
         self._port: int | None = config.port
 
     @property
@@ -158,7 +160,7 @@ class ServerProcess(ManagedProcess):
             json.dump(self._keys(), f)
 
     def environment(self) -> dict[str, str]:
-        env = {**os.environ, **SGLANG_ENV_DEFAULTS, **self.config.server_env}
+        env = {**os.environ, **SGLANG_ENV_DEFAULTS, **self.config.server_env, **self._extra_env}
         # Log lines reach the file as they are written, so a failed start shows its last words.
         env.setdefault("PYTHONUNBUFFERED", "1")
         if self.gpu_ids is not None:

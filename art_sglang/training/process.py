@@ -30,7 +30,7 @@ from ..trajectories import TrajectoryGroup
 from .options import StepOutcome, TrainOptions
 from .protocol import ERROR, INPUT_ERROR, PROGRESS, RESULT, STEP_ERROR
 from .sft import SFTBatch
-from .validation import WireGroup, groups_to_wire, validate_groups
+from .validation import WireGroup, groups_to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -155,8 +155,8 @@ class TrainerProcess(ManagedProcess):
         signal: the step still advances, to a copy of the last checkpoint, as in ART.
         `on_progress` gets one event per micro-batch. Cancelling the call does not stop the worker: it
         finishes that step (and its checkpoint), and the next call's outcome carries the step reached."""
+        # The worker checks the groups before it trains (the backend did too, before the GPU handoff).
         wire = groups_to_wire(groups)
-        validate_groups(wire, allow_training_without_logprobs=options.allow_training_without_logprobs)
         data = await self._request(
             "train", on_progress=on_progress, groups=wire, options=options.model_dump()
         )

@@ -63,6 +63,17 @@ def sft_batches(
     return [SFTBatch(chunk, rate) for chunk, rate in zip(chunks, rates, strict=False)]
 
 
+def prepare_sft(
+    trajectories: Sequence[WireGroup], config: Any, dev_config: dict[str, Any] | None = None
+) -> list[SFTBatch]:
+    """A `train_sft` call's batches, checked before anything starts: `config` is ART's or our
+    `TrainSFTConfig`; ART's experimental `_config` has no options, so any key is refused."""
+    if dev_config:
+        raise ConfigError(f"train_sft(_config={dict(dev_config)!r}): ART's dev TrainSFTConfig has no options")
+    validate_sft(trajectories)
+    return sft_batches(trajectories, config.learning_rate, config.batch_size)
+
+
 def validate_sft(trajectories: Iterable[WireGroup]) -> None:
     """Every trajectory must have an assistant turn to learn; raises TrainingInputError naming the first
     that has none."""

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from art_sglang import SGLangBackend, SGLangConfig
-from art_sglang.devices import DeviceLayout
+from art_sglang.planning.devices import DeviceLayout
 
 GROUP_SIZE = 3
 MAX_TOKENS = 8

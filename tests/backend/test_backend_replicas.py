@@ -18,9 +18,9 @@ from backend_helpers import kill_tree, sample_groups, served_by_each
 
 import art_sglang as art
 from art_sglang import SGLangBackend
-from art_sglang.devices import DeviceLayout
 from art_sglang.errors import ServerStartError
-from art_sglang.inference import InferenceService
+from art_sglang.planning.devices import DeviceLayout
+from art_sglang.server.inference import InferenceService
 
 pytest.importorskip("sglang_router", reason="sglang-router is in the dev extra (pip install -e '.[dev]')")
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -16,7 +16,7 @@ from backend_helpers import bearer, chat, sample_groups, server_models
 
 import art_sglang as art
 from art_sglang import SGLangBackend
-from art_sglang.devices import DeviceLayout
+from art_sglang.planning.devices import DeviceLayout
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import psutil
 import pytest
+from pydantic import ValidationError
 
 from art_sglang import ConfigError, SGLangBackend, SGLangConfig, TrainerConfig
-from art_sglang.devices import DeviceLayout
+from art_sglang.planning.backend_settings import BackendSettings
+from art_sglang.planning.devices import DeviceLayout
+from art_sglang.planning.serving_plan import ServingPlan
+from art_sglang.server.inference import InferenceService
 from art_sglang.training.options import TrainOptions
 
 CPU_SHARED = DeviceLayout("shared", "reference", (), (), "forced for tests")
@@ -117,7 +121,7 @@ def test_train_signature_lists_every_option():
 
 def test_adapter_directories_are_checked_locally_before_loading(tmp_path):
     from art_sglang.errors import AdapterLoadError
-    from art_sglang.model_store import check_adapter
+    from art_sglang.storage.model_store import check_adapter
 
     missing = tmp_path / "missing"
     with pytest.raises(AdapterLoadError, match=f"{missing} is not a directory"):
@@ -143,8 +147,8 @@ def test_gpu_uuids_reach_the_children_unchanged(tmp_path):
     from art_sglang.training.process import TrainerProcess
 
     split = DeviceLayout("split", "sglang", (0,), (1,), "test", cuda_ids=("GPU-aa11", "GPU-bb22"))
-    backend = SGLangBackend(layout=split)
-    inference, training = backend._gpu_ids("inference"), backend._gpu_ids("training")
+    plan = _plan(split)
+    inference, training = list(plan.replicas[0].gpu_ids), list(plan.training_gpu_ids)
     assert (inference, training) == (["GPU-aa11"], ["GPU-bb22"])
     server = ServerProcess(
         SGLangConfig(), "m", engine="sglang", log_path=tmp_path / "s.log", gpu_ids=inference
@@ -156,9 +160,15 @@ def test_gpu_uuids_reach_the_children_unchanged(tmp_path):
     assert trainer.environment()["CUDA_VISIBLE_DEVICES"] == "GPU-bb22"
 
 
-def test_replicas_sharing_a_gpu_split_its_memory_and_each_gets_its_gpus(tmp_path):
-    from art_sglang.inference import InferenceService
+def _plan(layout: DeviceLayout, base_model: str = "m") -> ServingPlan:
+    settings = BackendSettings(
+        SGLangConfig(), TrainerConfig(), shared_strategy="sleep", device_config=None, engine="auto",
+        inference_device=None, training_devices=None, layout=layout,
+    )  # fmt: skip
+    return settings.plan(base_model)
 
+
+def test_replicas_sharing_a_gpu_split_its_memory_and_each_gets_its_gpus(tmp_path):
     two_on_one = DeviceLayout(
         "split", "sglang", (0,), (1,), "test", cuda_ids=("GPU-aa11", "GPU-bb22"), replica_gpus=((0,), (0,))
     )
@@ -170,18 +180,24 @@ def test_replicas_sharing_a_gpu_split_its_memory_and_each_gets_its_gpus(tmp_path
         SGLangBackend(layout=two_on_one, sglang_config=SGLangConfig(api_key="secret"))
     with pytest.raises(ConfigError, match=r"port=30000\) with several server replicas"):
         SGLangBackend(layout=two_on_one, sglang_config=SGLangConfig(port=30000))
-    service = InferenceService(
-        backend.sglang_config,
-        "m",
-        engine="sglang",
-        log_path=tmp_path / "server.log",
-        gpu_ids=None,
-        replica_gpu_ids=backend._settings.replica_gpu_ids(),
-    )
+    plan = _plan(two_on_one)
+    # The second to start asks for 0.42 of what the first left: 0.42 of the whole GPU.
+    assert [[c.mem_fraction_static for c in r.configs] for r in plan.replicas] == [[0.42, 0.724]] * 2
+    service = InferenceService(plan, "m", log_path=tmp_path / "server.log")
     assert [p.environment()["CUDA_VISIBLE_DEVICES"] for p in service.processes] == ["GPU-aa11", "GPU-aa11"]
     assert [p.log_path.name for p in service.processes] == ["server.log", "server-replica1.log"]
     assert service.router is not None and service.router.log_path.name == "server-router.log"
     assert _children() == 0  # nothing started
+
+
+def test_the_serving_plan_cannot_be_changed():
+    plan = _plan(CPU_SHARED)
+    with pytest.raises(ValidationError, match="frozen"):
+        plan.release = "kv_cache"  # type: ignore[misc]
+    with pytest.raises(ValidationError, match="frozen"):
+        plan.server_config.mem_fraction_static = 0.5
+    with pytest.raises(ValidationError, match="frozen"):
+        plan.replicas[0].configs[0].server_env = {"X": "1"}
 
 
 def test_cuda_mps_on_where_it_cannot_apply_is_refused(monkeypatch, tmp_path):

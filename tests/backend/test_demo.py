@@ -14,7 +14,7 @@ import matplotlib.image
 import pytest
 from backend_helpers import REPO
 
-from art_sglang.history import read_rows
+from art_sglang.storage.history import read_rows
 
 STEPS = 14  # of the demo's default run: the part where the climb starts (the first steps stay near 0.33)
 

@@ -19,8 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from art_sglang.config import KEEP_ALIVE_ENV, SGLangConfig
-from art_sglang.inference import InferenceService
+from art_sglang.config import KEEP_ALIVE_ENV, SGLangConfig, TrainerConfig
+from art_sglang.planning.backend_settings import BackendSettings
+from art_sglang.planning.devices import DeviceLayout, detect_gpus
+from art_sglang.server.inference import InferenceService
 
 KEEP_ALIVE_S = 1  # the server's: short, so the test's pauses are short too
 WAVES = 5
@@ -64,13 +66,21 @@ async def test_bursts_with_hot_loads_between_lose_no_request(
         config = config.model_copy(
             update={"disable_cuda_graph": True, "sampling_backend": "pytorch", "mem_fraction_static": 0.3}
         )
+    layout = None
+    if engine == "sglang":  # the server on the first visible GPU, no trainer
+        cuda_ids = tuple(g.cuda_id for g in detect_gpus().gpus)
+        layout = DeviceLayout("split", "sglang", (0,), (), "burst test: one GPU", cuda_ids=cuda_ids)
+    settings = BackendSettings(
+        config, TrainerConfig(), shared_strategy="sleep", device_config=None, engine=engine,
+        inference_device=None, training_devices=None, layout=layout,
+    )  # fmt: skip
     service = InferenceService(
-        config, str(tiny_model_path), engine=engine, log_path=tmp_path / "server.log", gpu_ids=None
+        settings.plan(str(tiny_model_path)), str(tiny_model_path), log_path=tmp_path / "server.log"
     )
     outcomes: Counter[str] = Counter()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     try:
-        await service.start()
+        await service.servers.start()
         async with httpx.AsyncClient(
             base_url=service.openai_base_url.removesuffix("/v1"),
             headers={"Authorization": f"Bearer {service.api_key}"},

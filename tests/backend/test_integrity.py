@@ -18,7 +18,7 @@ from backend_helpers import REPO, bearer
 
 import art_sglang as art
 from art_sglang import ConfigError, SGLangBackend
-from art_sglang.run_lock import RunLock
+from art_sglang.storage.run_lock import RunLock
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:
@@ -117,7 +117,7 @@ def test_the_lock_dies_with_its_process(tmp_path: Path) -> None:
         [
             sys.executable,
             "-c",
-            "import sys, time; from art_sglang.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); "
+            "import sys, time; from art_sglang.storage.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); "
             "print('locked', flush=True); time.sleep(600)",
             str(tmp_path),
         ],

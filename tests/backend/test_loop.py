@@ -26,8 +26,8 @@ from backend_helpers import REPO, bearer, chat, kill_tree, sample_groups, server
 
 import art_sglang as art
 from art_sglang import ConfigError, SGLangBackend, SGLangConfig, TrainingError, TrainingInputError
-from art_sglang.history import read_rows
-from art_sglang.model_store import ModelStore
+from art_sglang.storage.history import read_rows
+from art_sglang.storage.model_store import ModelStore
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

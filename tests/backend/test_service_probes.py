@@ -9,8 +9,9 @@ import os
 import signal
 from pathlib import Path
 
-from art_sglang.config import SGLangConfig
-from art_sglang.inference import InferenceService
+from art_sglang.config import SGLangConfig, TrainerConfig
+from art_sglang.planning.backend_settings import BackendSettings
+from art_sglang.server.inference import InferenceService
 
 
 async def _health_lines(log: Path, at_least: int) -> int:
@@ -25,19 +26,19 @@ async def _health_lines(log: Path, at_least: int) -> int:
 
 
 async def test_the_step_path_only_looks_for_a_dead_server(tiny_model_path: Path, tmp_path: Path) -> None:
-    service = InferenceService(
-        SGLangConfig(),
-        str(tiny_model_path),
-        engine="reference",
-        log_path=tmp_path / "server.log",
-        gpu_ids=None,
-    )
+    settings = BackendSettings(
+        SGLangConfig(), TrainerConfig(), shared_strategy="sleep", device_config=None, engine="reference",
+        inference_device=None, training_devices=None, layout=None,
+    )  # fmt: skip
+    plan = settings.plan(str(tiny_model_path))
+    service = InferenceService(plan, str(tiny_model_path), log_path=tmp_path / "server.log")
+    servers = service.servers
     try:
-        await service.start()
+        await servers.start()
         log = service.process.log_path
         before = await _health_lines(log, 0)
-        assert await service.recover(probe=False) is False
-        assert await service.recover() is False  # the watchdog's call: one probe, answered
+        assert await servers.recover(probe=False) is False
+        assert await servers.recover() is False  # the watchdog's call: one probe, answered
         assert await _health_lines(log, before + 1) == before + 1  # ... and none from the step path's call
         dead = service.process.pid
         assert dead is not None
@@ -46,7 +47,7 @@ async def test_the_step_path_only_looks_for_a_dead_server(tiny_model_path: Path,
             if not service.process.is_alive():
                 break
             await asyncio.sleep(0.1)
-        assert await service.recover(probe=False) is True  # a dead server is restarted without a probe
+        assert await servers.recover(probe=False) is True  # a dead server is restarted without a probe
         assert service.process.pid not in (None, dead) and service.process.is_alive()
     finally:
         await service.close()

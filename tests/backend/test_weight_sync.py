@@ -12,7 +12,7 @@ from backend_helpers import bearer, chat, sample_groups, server_models
 
 import art_sglang as art
 from art_sglang import ConfigError, SGLangBackend, SGLangConfig
-from art_sglang.model_store import ModelStore
+from art_sglang.storage.model_store import ModelStore
 
 
 async def _greedy(base_url: str, model: str, key: str | None = None) -> str:

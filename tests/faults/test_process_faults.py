@@ -20,7 +20,7 @@ from backend_helpers import chat, kill_tree, sample_groups, server_models
 
 import art_sglang as art
 from art_sglang import SGLangBackend, SGLangConfig, TrainerConfig, TrainerError
-from art_sglang.model_store import ModelStore
+from art_sglang.storage.model_store import ModelStore
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -18,8 +18,8 @@ from backend_helpers import sample_groups
 
 import art_sglang as art
 from art_sglang import SGLangBackend, TrainerError, TrainingError
-from art_sglang.history import read_rows
-from art_sglang.model_store import ModelStore
+from art_sglang.storage.history import read_rows
+from art_sglang.storage.model_store import ModelStore
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

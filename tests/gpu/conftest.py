@@ -14,7 +14,7 @@ import pytest
 from gpu_models import build_gpu_model
 
 from art_sglang.config import SGLangConfig
-from art_sglang.devices import detect_gpus
+from art_sglang.planning.devices import detect_gpus
 
 TINY_ENV = "ART_SGLANG_GPU_TINY"  # a prebuilt tests/gpu/gpu_models.py "tiny" model (the device script's)
 

@@ -21,8 +21,8 @@ import pytest_asyncio
 from gpu_helpers import compute_apps, make_groups, record, sglang_test_config
 
 from art_sglang import SGLangBackend, SGLangConfig, TrainableModel
-from art_sglang.devices import DeviceLayout, detect_gpus
-from art_sglang.inference import InferenceService
+from art_sglang.planning.devices import DeviceLayout, detect_gpus
+from art_sglang.server.inference import InferenceService
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
 from backend_helpers import kill_tree, served_by_each  # what each replica serves, asked of it directly
@@ -78,11 +78,11 @@ async def test_two_replicas_share_gpu_0_behind_the_router(replicated: Replicated
 
 
 def backend_gpu_ids(replicated: Replicated) -> tuple[list[str], list[str]]:
-    """The CUDA_VISIBLE_DEVICES entries the first replica and the trainer were given, as this process
-    numbers them (0 = the first GPU it sees)."""
-    settings = replicated.backend._settings
+    """The CUDA_VISIBLE_DEVICES entries the first replica was given, as this process numbers them (0 = the
+    first GPU it sees), and the trainer's GPUs."""
     visible = {g.cuda_id: str(g.index) for g in detect_gpus().gpus}
-    return [visible[i] for i in settings.replica_gpu_ids()[0]], settings.gpu_ids("training")
+    first = replicated.service.processes[0].gpu_ids or []
+    return [visible[str(i)] for i in first], [str(g) for g in replicated.backend.layout.training_gpus]
 
 
 def _gpu_memory_of(pid: int | None) -> dict[int, int]:

@@ -36,7 +36,7 @@ from gpu_helpers import (
 )
 
 from art_sglang import SGLangBackend, TrainableModel, TrainerConfig
-from art_sglang.model_store import ModelStore
+from art_sglang.storage.model_store import ModelStore
 
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio(loop_scope="module")]
 

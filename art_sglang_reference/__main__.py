@@ -1,4 +1,4 @@
-"""`python -m art_sglang.server.reference <flags>`: load the model, then serve until SIGTERM/SIGINT."""
+"""`python -m art_sglang_reference <flags>`: load the model, then serve until SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import signal
 import sys
 from types import FrameType
 
-from ...config import KEEP_ALIVE_ENV
+from art_sglang.config import KEEP_ALIVE_ENV
+
 from .cli import log_ignored, parse_args
 
 
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
     engine = ReferenceEngine(args)
-    logging.getLogger("art_sglang.server.reference").info(
+    logging.getLogger("art_sglang_reference").info(
         "loaded %s in %.1fs (context %d, adapters %s)",
         args.model_path,
         engine.load_seconds,
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             super().handle_exit(sig, frame)
 
     server = Server(config)
-    logging.getLogger("art_sglang.server.reference").info(
+    logging.getLogger("art_sglang_reference").info(
         "The server is fired up and ready to roll! http://%s:%d", args.host, args.port
     )
     server.run()

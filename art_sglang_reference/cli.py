@@ -19,7 +19,8 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.fields import FieldInfo
 
-from ...config import LAUNCH_FLAGS, SGLangConfig, launch_flag
+from art_sglang.config import LAUNCH_FLAGS, SGLangConfig, launch_flag
+
 from .tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def _parse_lora_paths(items: list[str]) -> dict[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     """One option per ServerArgs field; an absent flag stays out of the namespace (ServerArgs' default)."""
     parser = argparse.ArgumentParser(
-        prog="python -m art_sglang.server.reference",
+        prog="python -m art_sglang_reference",
         description="CPU reference engine speaking SGLang 0.5.17's HTTP subset (transformers + peft).",
     )
     for name, field in ServerArgs.model_fields.items():

@@ -20,11 +20,11 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import AdapterLoadError
-from .training.checkpoints import list_checkpoints
+from ..errors import AdapterLoadError
+from ..training.checkpoints import list_checkpoints
 
 if TYPE_CHECKING:
-    from .internal_config import ModelSettings
+    from ..planning.internal_config import ModelSettings
 
 MODEL_JSON = "model.json"
 HISTORY_FILE = "history.jsonl"
@@ -86,11 +86,6 @@ class ModelStore:
     def write_model_json(self, data: dict[str, Any]) -> None:
         """Write model.json atomically: a crash leaves the old file or the new one, never half of one."""
         write_atomic(self.model_json, json.dumps(data, indent=2, default=str) + "\n")
-
-    def read_model_json(self) -> dict[str, Any] | None:
-        if not self.model_json.exists():
-            return None
-        return json.loads(self.model_json.read_text())
 
     def checkpoint_steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending (in-progress and broken ones are ignored, as the

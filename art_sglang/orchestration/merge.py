@@ -1,5 +1,5 @@
 """Merge a LoRA adapter into its base model's weights and save a full model directory
-(`weight_sync_method="disk"`). Run as `python -m art_sglang.merge BASE ADAPTER OUT` in a subprocess on
+(`weight_sync_method="disk"`). Run as `python -m art_sglang.orchestration.merge BASE ADAPTER OUT` in a subprocess on
 CPU, so the user's process never imports torch and the GPUs stay with the server and the trainer.
 
 The model is written to `OUT.tmp-<pid>` and renamed to OUT, so a crash never leaves a half model that
@@ -15,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .errors import TrainerError
+from ..errors import TrainerError
 
 
 def merge(base_model: str, adapter: Path, out: Path) -> None:
@@ -39,7 +39,7 @@ async def merge_in_subprocess(base_model: str, adapter: Path, out: Path, log_pat
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     with log_path.open("ab") as log:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "art_sglang.merge", base_model, str(adapter), str(out),
+            sys.executable, "-m", "art_sglang.orchestration.merge", base_model, str(adapter), str(out),
             stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=env,
         )  # fmt: skip
         try:

@@ -1,7 +1,7 @@
-"""The backend's device layout and server configuration: chosen from SGLangBackend's arguments, changed
-by the first model's `_internal_config` if it asks, then fixed (a later model may not ask for other server
-settings: one server serves every model of a backend). Also the configuration clashes found before
-anything starts."""
+"""The backend's device layout and server configuration as the user asked: chosen from SGLangBackend's
+arguments, changed by the first model's `_internal_config` if it asks, then fixed (a later model may not
+ask for other server settings: one server serves every model of a backend); `serving_plan.make_plan`
+turns them into the frozen plan. Also the configuration clashes found before anything starts."""
 
 from __future__ import annotations
 
@@ -10,15 +10,16 @@ import math
 from collections import Counter
 from typing import Any, Literal
 
-from .config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from ..config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from ..errors import ConfigError
+from ..orchestration.weight_sync import STRATEGIES
+from ..storage.model_store import ModelStore, base_model_problem
+from ..training.options import TrainOptions
 from .cuda_mps import CONTROL, control_program
 from .devices import DeviceLayout, EngineChoice, choose_layout, detect_gpus
-from .errors import ConfigError
 from .gpu_budget import SharedPlan, model_weights_bytes, plan_co_resident, plan_shared_gpu
 from .internal_config import ModelSettings, internal_config_of, model_settings
-from .model_store import ModelStore, base_model_problem
-from .shared_mode import HandoffStrategy
-from .training.options import TrainOptions
+from .serving_plan import FrozenSGLangConfig, HandoffStrategy, ReplicaPlan, ServingPlan, frozen_config
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ class BackendSettings:
                 f"this backend serves base model {served_base_model!r}; model {model.name!r} uses "
                 f"{model.base_model!r}: one server serves one base model, so use a second SGLangBackend"
             )
-        if self.sglang_config.weight_sync_method == "disk":
+        if not STRATEGIES[self.sglang_config.weight_sync_method].several_models:
             raise ConfigError(
                 "weight_sync_method='disk' merges one model's weights into the server's base weights, so "
                 "only one model can be registered: use weight_sync_method='lora' to serve several"
@@ -177,51 +178,10 @@ class BackendSettings:
                 "backend, so use a second SGLangBackend"
             )
 
-    def plan_shared_gpu(self, base_model: str) -> SharedPlan:
-        """What a sleep handoff releases, from the shared GPU's size and the base model's (blocking)."""
-        config = self.sglang_config
-        requested = config.sleep_release
-        total = self._gpu_total_bytes()
-        if total is None and self.layout.engine == "sglang" and requested == "auto":
-            return SharedPlan("all", config.mem_fraction_static, "the GPU's memory size is unknown")
-        return plan_shared_gpu(
-            requested,
-            gpu_total_bytes=total,
-            weights_bytes=model_weights_bytes(base_model),
-            mem_fraction_static=config.mem_fraction_static,
-            fraction_set_by_user="mem_fraction_static" in config.model_fields_set,
-        )
-
     @property
     def co_resident(self) -> bool:
         """One GPU for both, no handoff: the server serves while the trainer trains."""
         return self.layout.mode == "shared" and self.shared_strategy == "co_resident"
-
-    def use_co_resident_plan(self, base_model: str) -> None:
-        """Size the server's pool so the trainer trains beside it on the shared GPU (blocking)."""
-        config = self.sglang_config
-        total = self._gpu_total_bytes()
-        if total is None and self.layout.engine == "sglang":
-            raise ConfigError(
-                "shared_strategy='co_resident' needs the GPU's memory size (nvidia-smi did not report it) to "
-                "leave room for the trainer: use shared_strategy='sleep'"
-            )
-        fraction = plan_co_resident(
-            gpu_total_bytes=total,
-            weights_bytes=model_weights_bytes(base_model),
-            mem_fraction_static=config.mem_fraction_static,
-            fraction_set_by_user="mem_fraction_static" in config.model_fields_set,
-        )
-        self.sglang_config = config.model_copy(update={"mem_fraction_static": fraction})
-        logger.info(
-            "shared mode, co-resident: server and trainer stay on the GPU (mem_fraction_static %.3f)",
-            fraction,
-        )
-
-    def add_server_env(self, env: dict[str, str]) -> None:
-        """Start the server with `env` in its environment too (the MPS daemon's client variables)."""
-        config = self.sglang_config
-        self.sglang_config = config.model_copy(update={"server_env": {**config.server_env, **env}})
 
     def use_cuda_mps(self, *, log: bool = True) -> bool:
         """Whether the co-resident server and trainer share the GPU through CUDA MPS (`cuda_mps`: "on"
@@ -246,41 +206,67 @@ class BackendSettings:
             )
         return False
 
-    def _gpu_total_bytes(self) -> int | None:
-        """The shared GPU's memory; None on the reference engine or when nvidia-smi does not list it."""
-        if self.layout.engine != "sglang" or not self.layout.inference_gpus:
-            return None
-        gpus = {gpu.index: gpu for gpu in detect_gpus().gpus}
-        gpu = gpus.get(self.layout.inference_gpus[0])
-        return gpu.memory_total_mib * 2**20 if gpu is not None else None
-
-    def gpu_ids(self, role: Literal["inference", "training"]) -> list[str]:
-        """GPU ids (indices or UUIDs, as the user's CUDA_VISIBLE_DEVICES names them) for a child's
-        CUDA_VISIBLE_DEVICES: none on CPU (hides every GPU)."""
-        if self.layout.engine == "reference":
-            return []
-        return [part for part in self.layout.cuda_visible_devices(role).split(",") if part]
-
-    def replica_gpu_ids(self) -> list[list[str]]:
-        """`gpu_ids("inference")` for each server replica."""
-        if self.layout.engine == "reference":
-            return [[] for _ in self.layout.replicas]
-        return [[p for p in self.layout.cuda_names(gpus).split(",") if p] for gpus in self.layout.replicas]
-
-    def use_shared_plan(self, plan: SharedPlan) -> Literal["kv_cache", "all"]:
-        """Take shared mode's memory plan (the server's mem_fraction_static); returns what each step
-        releases."""
-        self.sglang_config = self.sglang_config.model_copy(
-            update={"mem_fraction_static": plan.mem_fraction_static}
+    def plan(self, base_model: str) -> ServingPlan:
+        """The frozen plan for serving `base_model` (blocking: reads GPU and model sizes); call once the
+        first model's settings were applied."""
+        layout = self.layout
+        config = self.sglang_config
+        release: Literal["kv_cache", "all"] = "all"
+        if self.handoff_strategy == "sleep":
+            shared = self._shared_plan(base_model)
+            config = config.model_copy(update={"mem_fraction_static": shared.mem_fraction_static})
+            release = shared.release
+            logger.info(
+                "shared mode: each step releases the server's %s%s (mem_fraction_static %.3f): %s",
+                "KV cache; the trainer keeps its model on the GPU" if shared.trainer_resident else "weights",
+                "" if shared.trainer_resident else " and KV cache; the trainer moves to host memory",
+                shared.mem_fraction_static,
+                shared.reason,
+            )
+        elif self.co_resident:  # no handoff: the server's pool leaves the trainer room
+            total = _gpu_total_bytes(layout)
+            if total is None and layout.engine == "sglang":
+                raise ConfigError(
+                    "shared_strategy='co_resident' needs the GPU's memory size (nvidia-smi did not report it) to "
+                    "leave room for the trainer: use shared_strategy='sleep'"
+                )
+            fraction = plan_co_resident(
+                gpu_total_bytes=total,
+                weights_bytes=model_weights_bytes(base_model),
+                mem_fraction_static=config.mem_fraction_static,
+                fraction_set_by_user="mem_fraction_static" in config.model_fields_set,
+            )
+            config = config.model_copy(update={"mem_fraction_static": fraction})
+            logger.info(
+                "shared mode, co-resident: server and trainer stay on the GPU (mem_fraction_static %.3f)",
+                fraction,
+            )
+        frozen = frozen_config(config)
+        return ServingPlan(
+            layout=layout,
+            server_config=frozen,
+            replicas=_replicas(layout, frozen),
+            training_gpu_ids=tuple(_gpu_ids(layout, layout.training_gpus)),
+            handoff=self.handoff_strategy,
+            release=release,
+            cuda_mps=self.co_resident and self.use_cuda_mps(),
+            weight_sync=config.weight_sync_method,
         )
-        logger.info(
-            "shared mode: each step releases the server's %s%s (mem_fraction_static %.3f): %s",
-            "KV cache; the trainer keeps its model on the GPU" if plan.trainer_resident else "weights",
-            "" if plan.trainer_resident else " and KV cache; the trainer moves to host memory",
-            plan.mem_fraction_static,
-            plan.reason,
+
+    def _shared_plan(self, base_model: str) -> SharedPlan:
+        """What a sleep handoff releases, from the shared GPU's size and the base model's."""
+        config = self.sglang_config
+        requested = config.sleep_release
+        total = _gpu_total_bytes(self.layout)
+        if total is None and self.layout.engine == "sglang" and requested == "auto":
+            return SharedPlan("all", config.mem_fraction_static, "the GPU's memory size is unknown")
+        return plan_shared_gpu(
+            requested,
+            gpu_total_bytes=total,
+            weights_bytes=model_weights_bytes(base_model),
+            mem_fraction_static=config.mem_fraction_static,
+            fraction_set_by_user="mem_fraction_static" in config.model_fields_set,
         )
-        return plan.release
 
 
 def check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
@@ -364,3 +350,36 @@ def with_memory_saver(config: SGLangConfig) -> SGLangConfig:
             "leave it unset, or use shared_strategy='restart'"
         )
     return config.model_copy(update={"enable_memory_saver": True, "enable_weights_cpu_backup": True})
+
+
+def _replicas(layout: DeviceLayout, config: FrozenSGLangConfig) -> tuple[ReplicaPlan, ...]:
+    crowds = Counter(gpus for gpus in layout.replicas)
+    plans = []
+    for gpus in layout.replicas:
+        if layout.engine == "reference" or not gpus:
+            plans.append(ReplicaPlan(gpu_ids=(), configs=(config,)))  # without GPUs nothing is shared
+            continue
+        f = config.mem_fraction_static
+        beside = [
+            config.model_copy(update={"mem_fraction_static": round(f / (1 - k * f), 3)})
+            for k in range(1, crowds[gpus])
+        ]
+        plans.append(ReplicaPlan(gpu_ids=tuple(_gpu_ids(layout, gpus)), configs=(config, *beside)))
+    return tuple(plans)
+
+
+def _gpu_ids(layout: DeviceLayout, gpus: tuple[int, ...]) -> list[str]:
+    """GPU ids (indices or UUIDs, as the user's CUDA_VISIBLE_DEVICES names them) for a child's
+    CUDA_VISIBLE_DEVICES: none on CPU (hides every GPU)."""
+    if layout.engine == "reference":
+        return []
+    return [part for part in layout.cuda_names(gpus).split(",") if part]
+
+
+def _gpu_total_bytes(layout: DeviceLayout) -> int | None:
+    """The shared GPU's memory; None on the reference engine or when nvidia-smi does not list it."""
+    if layout.engine != "sglang" or not layout.inference_gpus:
+        return None
+    gpus = {gpu.index: gpu for gpu in detect_gpus().gpus}
+    gpu = gpus.get(layout.inference_gpus[0])
+    return gpu.memory_total_mib * 2**20 if gpu is not None else None

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import psutil
 
-from .errors import ConfigError
-from .process_tree import ManagedProcess
+from ..config import CudaMpsMode
+from ..errors import ConfigError
+from ..process_tree import ManagedProcess
 
 logger = logging.getLogger(__name__)
 
@@ -124,3 +125,17 @@ class CudaMps(ManagedProcess):
         deadline = time.monotonic() + QUIT_TIMEOUT_S
         while self.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+async def start_daemon(mode: CudaMpsMode, log_path: Path) -> CudaMps | None:
+    """A started daemon for the co-resident server and trainer. One that does not start is a ConfigError
+    with `mode` "on"; with "auto" a warning, and None: both go on without MPS."""
+    mps = CudaMps(log_path)
+    try:
+        await mps.start()
+    except ConfigError as exc:
+        if mode == "on":
+            raise
+        logger.warning("%s\nGoing on without CUDA MPS: server and trainer take turns on the GPU.", exc)
+        return None
+    return mps

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 
-from .inference import InferenceService
+from .group import ServerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -16,10 +16,10 @@ WATCHDOG_MAX_PAUSE_S = 60.0
 
 
 class ServerWatchdog:
-    """A task in the caller's event loop that calls `InferenceService.recover` every second."""
+    """A task in the caller's event loop that calls `ServerGroup.recover` every second."""
 
-    def __init__(self, service: InferenceService) -> None:
-        self._service = service
+    def __init__(self, servers: ServerGroup) -> None:
+        self._servers = servers
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
 
@@ -44,7 +44,7 @@ class ServerWatchdog:
         while not self._stopped:
             await asyncio.sleep(pause)
             try:
-                await self._service.recover()
+                await self._servers.recover()
                 pause = WATCHDOG_INTERVAL_S
             except Exception:
                 logger.exception("restarting the inference server failed")

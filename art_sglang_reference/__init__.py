@@ -1,5 +1,5 @@
 """The CPU reference engine: a small real HTTP server speaking SGLang 0.5.17's HTTP subset on
-transformers + peft, run as `python -m art_sglang.server.reference <sglang launch flags>`.
+transformers + peft, run as `python -m art_sglang_reference <sglang launch flags>`.
 
 It makes every orchestration path testable without a GPU; the contract tests (tests/contract) run the same
 assertions against it and against real SGLang, and replay SGLang's recorded answers (status codes, JSON

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from ...chat_format import template_messages, template_tools
-from ...cpu_threads import limit_threads_for_small_model
-from ...token_bounds import longest_token_bytes, min_tokens
-from ..client import KV_CACHE_TAG, WEIGHTS_TAG
+from art_sglang.chat_format import template_messages, template_tools
+from art_sglang.cpu_threads import limit_threads_for_small_model
+from art_sglang.server.sglang_api import KV_CACHE_TAG, WEIGHTS_TAG
+from art_sglang.token_bounds import longest_token_bytes, min_tokens
+
 from .adapters import BASE_KEY, AdapterRegistry, LoadedAdapter, adapter_rank
 from .cli import ServerArgs
 from .generation import FinishReason, GenerationRequest, GenerationResult, TextTracker, TokenLogprob

@@ -13,7 +13,7 @@ import os
 import socket
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 LOCK_FILE = ".lock"
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .config import SGLangConfig, TrainerConfig
-from .errors import ConfigError
+from ..config import SGLangConfig, TrainerConfig
+from ..errors import ConfigError
 
 # What a key maps to: (TrainerConfig updates, SGLangConfig updates) for its value.
 Mapper = Callable[[Any], tuple[dict[str, Any], dict[str, Any]]]

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .config import DeviceConfig
-from .errors import ConfigError
+from ..config import DeviceConfig
+from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

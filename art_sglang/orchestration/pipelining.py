@@ -12,8 +12,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 
-from .config import WeightSyncMethod
-from .shared_mode import HandoffStrategy
+from ..config import WeightSyncMethod
+from ..planning.serving_plan import HandoffStrategy
+from .weight_sync import STRATEGIES
 
 _pinned_steps: ContextVar[dict[str, int] | None] = ContextVar("art_sglang_pinned_steps", default=None)
 
@@ -49,7 +50,7 @@ def pipelining_problem(
             "with gateway=False nothing checks that a rollout's adapter is still loaded (SGLang answers an "
             "unloaded name from the base model): use gateway=True (the default)"
         )
-    if weight_sync != "lora":
+    if not STRATEGIES[weight_sync].keeps_older_steps:
         return (
             f"weight_sync_method={weight_sync!r} serves only the newest step (older steps' rollouts would "
             "change policy or be cut off mid-request): use weight_sync_method='lora' (the default)"

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .model_store import ModelStore
-from .run_lock import RunLock
-from .training.process import TrainerProcess
+from ..server.served_names import parse_served_name
+from ..storage.model_store import ModelStore
+from ..storage.run_lock import RunLock
+from ..training.process import TrainerProcess
 from .weight_sync import SyncTarget
 
 
@@ -34,8 +35,11 @@ class RegisteredModel:
 
 def checkpoint_of(models: Iterable[RegisteredModel], name: str) -> Path | None:
     """The checkpoint folder of `<model>@<step>` if that step of a registered model is on disk."""
-    model_name, _, step = name.rpartition("@")
+    parsed = parse_served_name(name)
+    if parsed is None:
+        return None
+    model_name, step = parsed
     for entry in models:
-        if entry.model.name == model_name and step.isdigit() and int(step) in entry.store.checkpoint_steps():
-            return entry.store.checkpoint_dir(int(step))
+        if entry.model.name == model_name and step in entry.store.checkpoint_steps():
+            return entry.store.checkpoint_dir(step)
     return None

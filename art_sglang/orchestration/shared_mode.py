@@ -23,10 +23,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from .inference import InferenceService
-from .server.client import KV_CACHE_TAG
-
-HandoffStrategy = Literal["none", "sleep", "restart"]
+from ..planning.serving_plan import HandoffStrategy
+from ..server.inference import InferenceService
+from ..server.sglang_api import KV_CACHE_TAG
 
 
 class Offloadable(Protocol):
@@ -73,14 +72,15 @@ class GpuHandoff:
         if self.strategy == "none":
             yield turn
             return
+        servers = self.service.servers
         async with self.service.holding():
-            serving = self.service.serving
+            serving = servers.serving
             started = time.monotonic()
             if serving:
                 if self.strategy == "sleep":
-                    await self.service.release_memory([KV_CACHE_TAG] if self.release == "kv_cache" else None)
+                    await servers.release_memory([KV_CACHE_TAG] if self.release == "kv_cache" else None)
                 else:
-                    await self.service.stop()
+                    await servers.stop()
             if trainer.is_alive():
                 seen = await trainer.reload(min_free_bytes=0.9 * self._free_after_release if serving else 0.0)
                 if serving and not self._free_after_release:
@@ -96,7 +96,7 @@ class GpuHandoff:
                 finally:
                     if serving:
                         if self.strategy == "sleep":
-                            turn.restarted_server = await self.service.resume_memory()
+                            turn.restarted_server = await servers.resume_memory()
                         else:
-                            turn.restarted_server = await self.service.start()
+                            turn.restarted_server = await servers.start()
                 turn.timings["time/gpu_resume_s"] = time.monotonic() - started

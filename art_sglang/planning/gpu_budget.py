@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .config import SleepRelease
-from .errors import ConfigError
+from ..config import SleepRelease
+from ..errors import ConfigError
 
 GIB = 2**30
 # Beyond its base weights the trainer holds the CUDA context, LoRA weights, AdamW moments and the

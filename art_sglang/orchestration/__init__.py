@@ -1,0 +1,1 @@
+"""Orchestration: a training step across the trainer and the inference servers."""

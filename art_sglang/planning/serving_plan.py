@@ -1,0 +1,54 @@
+"""`ServingPlan`: what a backend serves and trains with, made once before anything starts — the device
+layout, the final server settings of each replica, the GPU handoff and what it releases, whether CUDA MPS
+is tried, and the weight-sync method (`BackendSettings.plan` makes it). The backend assembles its parts from it; nothing changes it after
+(it and the settings inside it are frozen)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from ..config import SGLangConfig, WeightSyncMethod
+from .devices import DeviceLayout
+
+# Who holds the one GPU while the trainer works (shared_mode.GpuHandoff); "none" where they never compete.
+HandoffStrategy = Literal["none", "sleep", "restart"]
+
+
+class FrozenSGLangConfig(SGLangConfig):
+    """Server settings that can no longer be changed."""
+
+    model_config = ConfigDict(frozen=True)
+
+
+class ReplicaPlan(BaseModel):
+    """One server replica: its GPUs (as its `CUDA_VISIBLE_DEVICES` names them) and its settings."""
+
+    model_config = ConfigDict(frozen=True)
+
+    gpu_ids: tuple[str, ...]
+    # configs[k]: the settings to start with while k other replicas run on the same GPUs. SGLang sizes
+    # its memory as mem_fraction_static of the memory free when it starts: with k others each holding the
+    # share f of the GPU, f / (1 - k*f) of what they left is the same share f of the whole GPU.
+    configs: tuple[FrozenSGLangConfig, ...]
+
+
+class ServingPlan(BaseModel):
+    """The frozen plan (see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    layout: DeviceLayout
+    server_config: FrozenSGLangConfig  # a replica's settings when it is alone on its GPUs
+    replicas: tuple[ReplicaPlan, ...]
+    training_gpu_ids: tuple[str, ...]
+    handoff: HandoffStrategy
+    release: Literal["kv_cache", "all"]  # what a "sleep" handoff releases
+    cuda_mps: bool  # start a CUDA MPS daemon for the co-resident server and trainer
+    weight_sync: WeightSyncMethod
+
+
+def frozen_config(config: SGLangConfig) -> FrozenSGLangConfig:
+    """A frozen copy of `config` that knows which settings were set."""
+    return FrozenSGLangConfig.model_validate(config.model_dump(exclude_unset=True))

@@ -1,0 +1,381 @@
+"""`InferenceService`: what the inference servers of a backend hold and how clients reach it — the adapter
+table (with leases and names being unloaded), aliases served by the base slot, the base weights, the
+`AdapterGateway` in front and the publish probe. The servers themselves are its `ServerGroup`.
+
+All of it is private; callers (the backend, the weight-sync strategies, the GPU handoff) change it through
+the commands below, and the product rests on one rule, kept here and nowhere else: **a name the gateway
+routes is loaded on every server a request can reach.** A name is routed only after every server that is
+up loaded it (`add_adapter`), and stops being routed before it is unloaded (`remove_adapter`). A server
+that (re)starts is given every wanted adapter and the base weights before the group routes to it
+(`server_started`): with one server the gateway holds new requests meanwhile; with replicas the router
+leaves the restarting one out while the others serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+
+import httpx
+
+from ..errors import AdapterLoadError, ServerRequestError
+from ..planning.serving_plan import ServingPlan
+from ..process_tree import gather_all
+from ..storage.model_store import check_adapter
+from .gateway import ANY, AdapterGateway
+from .group import ServerGroup
+from .process import ServerProcess
+from .replica import Server
+from .replica_router import ReplicaRouter
+from .served_names import step_of
+
+logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 120.0
+PROBE_TOKENS = 4  # a few: an adapter that cannot serve may answer its first token and fail at the next
+
+
+class InferenceService:
+    """The adapter side of serving over the `ServerGroup` (`servers`) of `plan`: one server replica per
+    planned replica, behind SGLang's router when there are several. `env`: added to the servers'
+    environment."""
+
+    def __init__(
+        self,
+        plan: ServingPlan,
+        base_model: str,
+        *,
+        log_path: Path,
+        use_gateway: bool = True,
+        env: Mapping[str, str] | None = None,
+        drain_timeout: float = 600.0,
+    ):
+        config = plan.server_config
+        self._config = config
+        self._base_model = base_model
+        self._servers = ServerGroup(
+            plan,
+            base_model,
+            log_path=log_path,
+            own_key=use_gateway and len(plan.replicas) == 1,
+            hooks=self,
+            env=env,
+        )
+        self._gateway: AdapterGateway | None = None
+        if use_gateway:
+            # A request the dead server refuses waits for the restart (as long as a start may take).
+            self._gateway = AdapterGateway(
+                "http://127.0.0.1:0",
+                api_key=config.api_key,
+                upstream_key=self._servers.server_key,
+                unreachable_wait=config.server_timeout,
+                share_window=config.share_prefill_window_ms / 1000,
+                upstream_keep_alive=self._servers.processes[0].keep_alive,
+            )
+            self._gateway.set_prefill_sharing(config.share_prefill)
+        self._find_checkpoint: Callable[[str], Path | None] | None = None
+        self._drain_timeout = drain_timeout
+        self._adapters: dict[str, Path] = {}  # loaded (and wanted after every start), oldest first
+        self._leases: Counter[str] = Counter()  # names rollouts hold: never unloaded while held
+        # No longer routed, still loaded (on every running server) until their requests finish.
+        self._unloading: dict[str, Path] = {}
+        self._aliases: dict[str, str] = {}  # names served by the base slot (merged weights)
+        self._base_ids: list[str] = []
+        self._base_weights: Path | None = None  # merged weights the base slot holds; None = the original
+        self._holds = 0  # nested holds of the gateway; requests wait while > 0
+
+    # --- what others may read ----------------------------------------------------------------------------
+    @property
+    def servers(self) -> ServerGroup:
+        """The server process(es) and router: start, stop, recover, release and resume them there."""
+        return self._servers
+
+    @property
+    def base_model(self) -> str:
+        return self._base_model
+
+    @property
+    def process(self) -> ServerProcess:
+        """The (first) server process (read its pid, address, liveness and `config.api_key`, the key of its
+        ordinary routes)."""
+        return self._servers.processes[0]
+
+    @property
+    def processes(self) -> tuple[ServerProcess, ...]:
+        """Every server replica's process, in the order of their GPUs."""
+        return self._servers.processes
+
+    @property
+    def router(self) -> ReplicaRouter | None:
+        """SGLang's router in front of the replicas; None with one server."""
+        return self._servers.router
+
+    @property
+    def gateway(self) -> AdapterGateway | None:
+        return self._gateway
+
+    @property
+    def openai_base_url(self) -> str:
+        """What models' OpenAI clients use: the gateway when on, else the servers themselves (with /v1)."""
+        root = self._gateway.base_url if self._gateway is not None else self._servers.upstream
+        return f"{root}/v1"
+
+    @property
+    def api_key(self) -> str:
+        # The OpenAI client insists on a key; the server ignores it unless it was started with one.
+        return self._config.api_key or "default"
+
+    def client_name(self, name: str) -> str:
+        """The `model` a client sends to be served `name`: the name itself through the gateway. Without
+        the gateway, SGLang's own `<base>:<adapter>` form (a bare adapter name is answered by the base
+        model) or, for an alias, the base id."""
+        if self._gateway is not None:
+            return name
+        if name in self._aliases:
+            return self._aliases[name]
+        return f"{self._base_id()}:{name}"
+
+    def _base_id(self) -> str:
+        return self._base_ids[0] if self._base_ids else self._base_model
+
+    def serve_on_demand(self, find_checkpoint: Callable[[str], Path | None]) -> None:
+        """Load a name that is not served when a request asks for it, if `find_checkpoint(name)` finds its
+        adapter on disk (older steps); other names stay 404. Call from the backend's event loop."""
+        self._find_checkpoint = find_checkpoint
+        if self._gateway is not None:
+            self._gateway.set_loader(self._load_on_demand, asyncio.get_running_loop())
+
+    async def _load_on_demand(self, name: str) -> bool:
+        path = self._find_checkpoint(name) if self._find_checkpoint is not None else None
+        if path is None or not self._servers.serving:
+            return False
+        logger.info("loading %s on request (%s)", name, path)
+        await self.add_adapter(name, path)
+        return True
+
+    # --- what the server group tells (`GroupHooks`) ---------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def holding(self, *, drain: bool = True) -> AsyncIterator[None]:
+        """New requests wait in the gateway for the block; with `drain` it starts once the requests in
+        flight finished. Holds nest: requests flow again when the outermost block ends."""
+        self._holds += 1
+        try:
+            if self._gateway is not None:
+                await self._gateway.hold()
+                if drain and not await self._gateway.wait_idle(ANY, self._drain_timeout):
+                    logger.warning("requests still in flight after %.0f s; going on", self._drain_timeout)
+            yield
+        finally:
+            self._holds -= 1
+            if self._holds == 0 and self._gateway is not None:
+                await self._gateway.unhold()
+
+    async def server_started(self, server: Server) -> None:
+        """Give a fresh server the base weights and every wanted adapter."""
+        self._base_ids = [card.id for card in await server.client.list_models() if card.parent is None]
+        if self._base_weights is not None:
+            # A fresh process holds the original base weights; the merged ones are applied again.
+            await server.client.update_weights_from_disk(str(self._base_weights))
+        # A name being unloaded is still on the other servers, and may be routed again before it is gone.
+        for name, path in {**self._unloading, **self._adapters}.items():
+            await self._load_on_server(server, name, path)
+        logger.info("%s holds adapters: %s", server.label, ", ".join(self._adapters) or "none")
+
+    async def weights_resumed(self, server: Server) -> None:
+        """Load every adapter again after the weights came back (whether the LoRA pool survives a weights
+        release is SGLang's internal business, and reloading costs milliseconds)."""
+        for name, path in self._adapters.items():
+            with contextlib.suppress(ServerRequestError):  # already gone with the release
+                await server.client.unload_lora_adapter(name)
+            await self._load_on_server(server, name, path)
+
+    def routing_changed(self) -> None:
+        """Tell the gateway (started if it is not) what is served and where."""
+        if self._gateway is not None:
+            self._gateway.start()
+        self._publish()
+
+    # --- adapters --------------------------------------------------------------------------------------
+    async def add_adapter(self, name: str, path: Path) -> None:
+        """Load `path` as `name` (checked locally first) on every running server, then route it. No-op if
+        already loaded. A server that is down loads it when it is brought up, before it is routed to."""
+        async with self._servers.command():
+            if name in self._adapters:
+                return
+            if name not in self._unloading:  # else still on the servers: routing it again is enough
+                check_adapter(path, self._config.max_lora_rank)
+                await gather_all(*(self._load_on_server(s, name, path) for s in self._servers.up()))
+            self._adapters[name] = path
+            self._publish()
+
+    async def remove_adapter(self, name: str) -> None:
+        """Stop routing `name`, wait for its requests in flight, then unload it from the server. A leased
+        name stays (see `lease`)."""
+        async with self._servers.command():
+            if self._leases[name] > 0 or name not in self._adapters:
+                return
+            self._unloading[name] = self._adapters.pop(name)
+            self._publish()
+        try:
+            if not await self._wait_unused(name):
+                logger.warning(
+                    "requests on %s still in flight after %.0f s; unloading", name, self._drain_timeout
+                )
+            async with self._servers.command():
+                if name in self._adapters:
+                    return  # loaded again meanwhile
+                for server in self._servers.up():  # gone with the process from the others
+                    try:
+                        await server.client.unload_lora_adapter(name)
+                    except ServerRequestError as exc:
+                        logger.warning("unloading %s from the %s failed: %s", name, server.label, exc)
+        finally:
+            self._unloading.pop(name, None)
+
+    async def _wait_unused(self, name: str) -> bool:
+        """Wait until no request on `name` is in flight or `name` is routed again; False on timeout."""
+        deadline = time.monotonic() + self._drain_timeout
+        while self._gateway is not None and self._gateway.in_flight(name) > 0 and name not in self._adapters:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str, path: Path) -> AsyncIterator[None]:
+        """Keep `name` loaded and routed for the block (loading `path` first if it is not): the commands
+        that unload adapters (`remove_adapter`, `keep_newest`, `prune`) leave a leased name alone, so a
+        rollout finishes on the step it started with. Leases nest and may overlap."""
+        self._leases[name] += 1
+        try:
+            await self.add_adapter(name, path)
+            yield
+        finally:
+            self._leases[name] -= 1
+            if self._leases[name] <= 0:
+                del self._leases[name]
+
+    def leased(self) -> frozenset[str]:
+        """The names held by a lease now."""
+        return frozenset(self._leases)
+
+    async def keep_newest(self, prefix: str, keep: int) -> None:
+        """Unload the adapters whose name starts with `prefix` except the `keep` newest (highest step) and
+        the leased ones."""
+        mine = sorted((name for name in self._adapters if name.startswith(prefix)), key=step_of)
+        for name in mine[: max(len(mine) - keep, 0)]:
+            await self.remove_adapter(name)
+
+    async def prune(self, prefix: str, retain: set[str]) -> None:
+        """Unload the adapters whose name starts with `prefix` except `retain` and the leased ones."""
+        for name in [name for name in self._adapters if name.startswith(prefix) and name not in retain]:
+            await self.remove_adapter(name)
+
+    async def replace_adapters(self, prefix: str, name: str, path: Path, *, restart: bool) -> None:
+        """Make `name` the only adapter starting with `prefix`. With `restart`, by restarting the server
+        with it preloaded (requests held; a restart ends every request in flight, so the older ones need
+        not stay); else by loading it and then unloading the older ones."""
+        if not restart:
+            await self.add_adapter(name, path)
+            await self.keep_newest(prefix, 1)
+            return
+        async with self._servers.command(), self.holding():
+            for old in [n for n in self._adapters if n.startswith(prefix)]:
+                del self._adapters[old]
+            self._adapters[name] = path
+            check_adapter(path, self._config.max_lora_rank)
+            await self._servers.restart_all()
+
+    async def _load_on_server(self, server: Server, name: str, path: Path) -> None:
+        check_adapter(path, self._config.max_lora_rank)
+        try:
+            await server.client.load_lora_adapter(name, str(path))
+        except AdapterLoadError as exc:
+            raise AdapterLoadError(
+                f"the {server.label} refused adapter {name!r} from {path}: {exc}",
+                status=exc.status,
+                server_message=exc.server_message,
+            ) from exc
+
+    # --- base weights (merged adapters) ------------------------------------------------------------------
+    async def set_base_weights(self, path: Path | None) -> Path | None:
+        """Make the base slot hold the weights at `path` (None: the original model's), requests held, and
+        keep them across restarts. Returns the previous merged weights (None if the original)."""
+        async with self._servers.command():
+            previous = self._base_weights
+            if path == previous:
+                return previous
+            async with self.holding():
+                for client in self._servers.live():
+                    await client.update_weights_from_disk(str(path or self._base_model))
+                    # The prefix cache holds keys/values computed with the old weights of the same slot.
+                    await client.flush_cache()
+            self._base_weights = path
+            return previous
+
+    def serve_alias(self, name: str, prefix: str) -> None:
+        """Serve `name` with the base slot, replacing earlier aliases that start with `prefix`."""
+        self._aliases = {k: v for k, v in self._aliases.items() if not k.startswith(prefix)}
+        self._aliases[name] = self._base_id()
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._gateway is not None:
+            self._gateway.set_served(self._adapters, self._base_ids, self._aliases)
+            routed = self._servers.routed_urls()
+            self._gateway.set_upstream(self._servers.upstream, reads=routed[0] if routed else None)
+
+    # --- checks ----------------------------------------------------------------------------------------
+    async def probe(self, name: str) -> None:
+        """A short greedy chat completion with logprobs (what rollouts ask) on `name` through the client
+        path rollouts use and, with replicas, on each routed replica directly (the adapter selected as the
+        gateway selects it); raises `ServerRequestError` unless each answers 200 with finite logprobs."""
+        targets = [(self.openai_base_url, self.client_name(name), {}, self.api_key, "")]
+        if self._servers.router is not None:
+            model = self._aliases.get(name, self._base_id())
+            adapter = {} if name in self._aliases else {"lora_path": name}
+            targets += [
+                (f"{r.routed_url}/v1", model, adapter, r.api_key, f" on the {r.label}")
+                for r in self._servers.routed()
+            ]
+        async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False) as http:
+            for url, model, adapter, key, where in targets:
+                body = {"model": model, "messages": [{"role": "user", "content": "ping"}],
+                        "max_tokens": PROBE_TOKENS, "temperature": 0.0, "logprobs": True, **adapter}  # fmt: skip
+                headers = {"Authorization": f"Bearer {key}"} if key else {}
+                response = await http.post(f"{url}/chat/completions", json=body, headers=headers)
+                if response.status_code != 200:
+                    raise ServerRequestError(
+                        f"probe request on {name!r}{where} failed with HTTP {response.status_code}: "
+                        f"{response.text[:500]}",
+                        status=response.status_code,
+                        server_message=response.text,
+                    )
+                if not _finite_logprobs(response.json()):
+                    raise ServerRequestError(
+                        f"probe request on {name!r}{where} answered logprobs that are not finite numbers: "
+                        f"{response.text[:500]}",
+                        status=response.status_code,
+                        server_message=response.text,
+                    )
+
+    async def close(self) -> None:
+        """Stop the servers, the router, the gateway and the clients. Idempotent."""
+        await self._servers.close()
+        if self._gateway is not None:
+            self._gateway.close()
+
+
+def _finite_logprobs(completion: dict) -> bool:
+    """Whether every token of a chat completion has a finite logprob (JSON has no NaN or infinity; a
+    server writes them as literals, which Python reads, or as null)."""
+    content = [
+        t for choice in completion["choices"] for t in (choice.get("logprobs") or {}).get("content") or []
+    ]
+    return all(isinstance(t.get("logprob"), (int, float)) and math.isfinite(t["logprob"]) for t in content)

@@ -1,0 +1,80 @@
+"""`Replica`: one server of a `ServerGroup` — its process, its admin client once it was brought up, where
+requests reach it, its health record and the pause before its next background restart."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import SGLangConfig
+from .client import ServerClient
+from .process import ServerProcess
+
+# A replica whose restart failed is tried again after this pause, doubled per failure in a row up to the
+# maximum (the others serve meanwhile; a start that fails for good, out of memory say, must not spin).
+_RETRY_S = 5.0
+_RETRY_MAX_S = 300.0
+
+
+@dataclass(frozen=True)
+class Server:
+    """A server that is brought up, as the adapter side sees it."""
+
+    client: ServerClient
+    label: str
+    api_key: str | None  # the key of its ordinary routes
+    routed_url: str | None  # where requests reach it; None while it is not routed to
+
+
+@dataclass(eq=False)
+class Replica:
+    """One server process of the group (its record is the group's alone)."""
+
+    process: ServerProcess
+    gpus: tuple[str, ...]
+    configs: tuple[SGLangConfig, ...]  # configs[k]: its settings while k others run on its GPUs
+    client: ServerClient | None = None
+    routed_url: str | None = None  # the URL requests reach it at; None while it is not routed to
+    unanswered_since: float | None = None  # first failed health check in a row
+    failed_restarts: int = 0  # background restarts that failed in a row
+    restart_after: float = 0.0  # monotonic time before which no background restart is tried
+
+    @property
+    def up(self) -> bool:
+        """Running and brought up (holds what it must hold)."""
+        return self.client is not None and self.process.is_alive()
+
+    def view(self) -> Server:
+        assert self.client is not None
+        return Server(self.client, self.process.label, self.process.config.api_key, self.routed_url)
+
+    async def problem(self, *, probe: bool, timeout: float) -> str | None:
+        """What is wrong: the process died, or (with `probe`) it has not answered health checks for
+        `timeout` seconds."""
+        if not self.process.is_alive():
+            return "died"
+        if not probe:
+            return None
+        if self.client is not None and await self.client.health(timeout=min(timeout, 10.0)):
+            self.unanswered_since = None
+            return None
+        now = time.monotonic()
+        if self.unanswered_since is None:
+            self.unanswered_since = now
+        if now - self.unanswered_since < timeout:
+            return None
+        self.unanswered_since = None
+        return f"did not answer GET /health for {timeout:g} s"
+
+    def restart_failed(self) -> float:
+        """Count a failed background restart; returns the pause before the next try."""
+        self.failed_restarts += 1
+        pause = min(_RETRY_S * 2 ** (self.failed_restarts - 1), _RETRY_MAX_S)
+        self.restart_after = time.monotonic() + pause
+        return pause
+
+
+def replica_log(log_path: Path, n: int) -> Path:
+    """Replica n's server log: the server log itself for the first, `server-replica<n>.log` for others."""
+    return log_path if n == 0 else log_path.with_name(f"{log_path.stem}-replica{n}{log_path.suffix}")

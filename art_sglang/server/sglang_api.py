@@ -1,0 +1,21 @@
+"""Names SGLang's HTTP API defines (SGLang 0.5.17), shared by the client that talks to SGLang and by the
+reference engine that answers as SGLang does."""
+
+from __future__ import annotations
+
+# SGLang's names for the kinds of GPU memory `release_memory_occupation` can free (its own default, no
+# tags, frees both). CUDA graphs stay: a graph captured against released memory is still valid on resume.
+KV_CACHE_TAG, WEIGHTS_TAG = "kv_cache", "weights"
+MEMORY_TAGS = (KV_CACHE_TAG, WEIGHTS_TAG)
+# The routes of this API that SGLang counts as admin routes: with `--admin-api-key` set, only that key
+# opens them.
+ADMIN_ROUTES = frozenset(
+    {
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+        "/flush_cache",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/update_weights_from_disk",
+    }
+)

@@ -1,0 +1,1 @@
+"""Storage: a model's files on disk (layout, history, the run lock)."""
