@@ -29,6 +29,7 @@ import json
 import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import unquote
 
 # Paths whose body names a model; the first two can carry the sampled ids (`return_token_ids`).
@@ -66,12 +67,14 @@ class Served:
 @dataclass(frozen=True)
 class Forward:
     """Send `body` to the server as `method path?query`; `names` are the models it asks for; `read`: a
-    read-only request (model list, health)."""
+    read-only request (model list, health); `payload`: the body as parsed (inference routes), so later
+    steps need not parse it again."""
 
     path: str
     body: bytes
     names: tuple[str, ...] = ()
     read: bool = False
+    payload: Mapping[str, Any] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ def route(
         return Refuse(400, error(message, "n_with_adapter", "n"))
     if rewrite(payload, served, token_ids=path in TOKEN_ID_PATHS):
         body = json.dumps(payload).encode()
-    return Forward(canonical, body, tuple(names))
+    return Forward(canonical, body, tuple(names), payload=payload)
 
 
 def parse_object(body: bytes) -> dict | Refuse:

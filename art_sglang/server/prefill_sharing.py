@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .gateway_rules import Forward, error
 
@@ -85,17 +86,15 @@ _Held = tuple[Forward, dict[str, str], "asyncio.Future[None]"]  # a request, its
 
 def prompt_key(decision: Forward) -> str | None:
     """Equal for requests whose prompts are the same tokens; None for a request that takes no part
-    (another route, a query string, a batch of prompts, a body that is not a JSON object)."""
-    if decision.read or decision.path not in SHARED_PATHS:
+    (another route, a query string, a batch of prompts)."""
+    payload = decision.payload
+    if decision.read or decision.path not in SHARED_PATHS or payload is None:
         return None
-    try:
-        payload = json.loads(decision.body)
-    except ValueError:
+    if not _single_prompt(payload.get("prompt")):
         return None
-    if not isinstance(payload, dict) or not _single_prompt(payload.get("prompt")):
-        return None
-    prompt = {key: value for key, value in payload.items() if key not in SAMPLING_FIELDS}
-    return decision.path + json.dumps(prompt, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return decision.path + json.dumps(
+        _prompt_part(payload), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
 
 
 def _single_prompt(prompt: object) -> bool:
@@ -107,10 +106,13 @@ def _single_prompt(prompt: object) -> bool:
     )
 
 
-def prefill_body(body: bytes) -> bytes:
+def _prompt_part(payload: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in payload.items() if key not in SAMPLING_FIELDS}
+
+
+def prefill_body(payload: Mapping[str, Any]) -> bytes:
     """A request that only computes the prompt (SGLang answers `max_tokens: 0` with an empty choice)."""
-    prompt = {key: value for key, value in json.loads(body).items() if key not in SAMPLING_FIELDS}
-    return json.dumps({**prompt, "max_tokens": 0}).encode()
+    return json.dumps({**_prompt_part(payload), "max_tokens": 0}).encode()
 
 
 def bad_gateway(message: str) -> Answer:
@@ -182,7 +184,8 @@ class PrefillSharing:
     async def _prefill_then_release(self, waiting: list[_Held]) -> None:
         decision, headers, _ = waiting[0]
         try:
-            answer = await self._exchange(replace(decision, body=prefill_body(decision.body)), headers)
+            assert decision.payload is not None  # prompt_key() admitted only parsed requests
+            answer = await self._exchange(replace(decision, body=prefill_body(decision.payload)), headers)
             if answer.status == 200:
                 prompt_tokens = int(json.loads(answer.body)["usage"]["prompt_tokens"])
                 self.counters.requests_held += len(waiting)
