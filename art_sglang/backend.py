@@ -29,7 +29,7 @@ from .orchestration.step_runner import StepRunner
 from .orchestration.weight_sync import STRATEGIES
 from .planning.backend_settings import BackendSettings, check_row_length
 from .planning.cuda_mps import CudaMps, start_daemon
-from .planning.devices import DeviceLayout, EngineChoice
+from .planning.devices import DeviceLayout, EngineChoice, device_request
 from .planning.internal_config import ModelSettings
 from .planning.serving_plan import HandoffStrategy, ServingPlan
 from .process_tree import gather_all
@@ -56,12 +56,12 @@ class SGLangBackend:
     server's memory, "restart" stops it; "co_resident" keeps both on the GPU with no handoff, for
     pipelined training, their kernels side by side under a CUDA MPS daemon of the backend's own where
     `cuda_mps` allows: "auto" where the driver's MPS program is found, "on" or "off"), and the CPU
-    reference engine with none. `engine` forces
-    "sglang" or "reference". `inference_devices=[0, 1]` starts one server replica per listed GPU behind
-    SGLang's router (cache-aware routing), every adapter loaded on each replica before its name is
-    served. `gateway=False` points clients at the server directly (no refusal of
-    unloaded model names). `layout` overrides the device choice entirely (tests use it to force shared
-    mode on CPU).
+    reference engine with none. `engine` forces "sglang" or "reference". GPUs are asked for in one form,
+    `device_config`; `inference_device(s)`/`training_devices` are sugar for it (GPUs in both: ConfigError).
+    `inference_devices=[0, 1]` starts one server replica per listed GPU behind SGLang's router
+    (cache-aware routing), every adapter loaded on each replica before its name is served.
+    `gateway=False` points clients at the server directly (no refusal of unloaded model names). `layout`
+    is a finished device layout given alone (tests force shared mode on CPU with it).
     """
 
     def __init__(
@@ -86,12 +86,15 @@ class SGLangBackend:
             sglang_config or SGLangConfig(),
             self.trainer_config,
             shared_strategy=shared_strategy,
-            device_config=device_config,
+            device_config=device_request(
+                device_config,
+                "SGLangBackend's arguments",
+                inference_device=inference_device,
+                inference_devices=inference_devices,
+                training_devices=training_devices,
+            ),
             engine=engine,
-            inference_device=inference_device,
-            training_devices=training_devices,
             layout=layout,
-            inference_devices=inference_devices,
             cuda_mps=cuda_mps,
         )
         self._path = path

@@ -319,8 +319,13 @@ class DeviceConfig(BaseModel):
     def _distinct(cls, value: list[int]) -> list[int]:
         if any(d < 0 for d in value):
             raise ValueError(f"training_devices must be GPU indices >= 0, got {value}")
-        if len(set(value)) != len(value):
-            raise ValueError(f"training_devices lists a GPU twice: {value}")
+        repeated = sorted({d for d in value if value.count(d) > 1})
+        if repeated:
+            # One trainer rank per listed GPU: two ranks cannot share one GPU.
+            raise ValueError(
+                f"training_devices={value} lists GPU {','.join(map(str, repeated))} more than once: list each "
+                "training GPU once (the trainer runs one data-parallel rank per GPU)"
+            )
         return value
 
 

@@ -99,7 +99,7 @@ def test_single_adapter_pool_works_when_only_one_adapter_is_kept() -> None:
 
 def test_device_config_validation() -> None:
     assert DeviceConfig().training_devices == [1]
-    with pytest.raises(ValidationError, match="lists a GPU twice"):
+    with pytest.raises(ValidationError, match="lists GPU 1 more than once"):
         DeviceConfig(training_devices=[1, 1])
     with pytest.raises(ValidationError, match="GPU indices >= 0"):
         DeviceConfig(training_devices=[-1])
