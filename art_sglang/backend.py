@@ -34,7 +34,7 @@ from .planning.internal_config import ModelSettings
 from .planning.serving_plan import HandoffStrategy, ServingPlan
 from .process_tree import gather_all
 from .server.inference import InferenceService
-from .server.served_names import parse_served_name, served_name, served_prefix
+from .server.served_names import served_name, served_prefix, steps_of
 from .server.watchdog import ServerWatchdog
 from .storage.model_store import ModelStore, append_lines, name_problem, write_model_files
 from .storage.run_lock import RunLock
@@ -247,7 +247,7 @@ class SGLangBackend:
         entry = self._entry(model)
         async with self._lock:
             assert self._service is not None
-            keep = {*steps_to_keep, entry.step, *self._leased_steps(entry)}
+            keep = {*steps_to_keep, entry.step, *steps_of(model.name, self._service.leased())}
             doomed = [s for s in entry.store.checkpoint_steps() if s not in keep]
             for step in doomed:
                 await self._service.remove_adapter(served_name(model.name, step))
@@ -292,11 +292,6 @@ class SGLangBackend:
             gateway=self._use_gateway,
             weight_sync=self.sglang_config.weight_sync_method,
         )
-
-    def _leased_steps(self, entry: RegisteredModel) -> set[int]:
-        assert self._service is not None
-        leased = (parse_served_name(name) for name in self._service.leased())
-        return {parsed[1] for parsed in leased if parsed is not None and parsed[0] == entry.model.name}
 
     async def train(self, model: Any, trajectory_groups: Iterable[Any], **options: Any) -> LocalTrainResult:
         """One RL step on `trajectory_groups`; returns once `<name>@<new step>` answers requests.
@@ -399,8 +394,7 @@ class SGLangBackend:
                 entry.lock.release()
 
     async def _stop_service(self, *stops: Awaitable[Any]) -> None:
-        """Stop the server (and its gateway) together with `stops` (the trainers), then the MPS daemon
-        whose clients they were."""
+        """Stop the server and its gateway with `stops` (the trainers), then their CUDA MPS daemon."""
         service, mps = self._service, self._mps
         self._service = self._steps = self._watchdog = self._mps = self._plan = None
         try:
@@ -427,6 +421,10 @@ class SGLangBackend:
         """The inference service (server, gateway, loaded adapters), once a model is registered."""
         return self._service
 
+    def trainer(self, model: Any) -> TrainerProcess:
+        """The registered model's trainer worker process (its pid, whether it is alive, its config)."""
+        return self._entry(model).trainer
+
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this SGLangBackend is closed: create a new one")
@@ -440,7 +438,7 @@ class SGLangBackend:
             )
         return entry
 
-    async def _ensure_service(self, base_model: str, store: ModelStore) -> InferenceService:
+    async def _ensure_service(self, base_model: str, store: ModelStore) -> None:
         """Make the plan and assemble serving from it, once: the server's log lives with the first model
         registered (one server serves every model)."""
         if self._service is None:
@@ -455,7 +453,6 @@ class SGLangBackend:
                 self._service.serve_on_demand(lambda name: checkpoint_of(self._models.values(), name))
             self._steps = StepRunner.for_plan(plan, self._service)
             self._watchdog = ServerWatchdog(self._service.servers)
-        return self._service
 
 
 # help(SGLangBackend.train) and editors that read __signature__ show every option with its default.
