@@ -3,6 +3,8 @@ message naming the fix."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import psutil
 import pytest
 from pydantic import ValidationError
@@ -227,6 +229,8 @@ def test_the_serving_plan_cannot_be_changed():
         plan.server_config.mem_fraction_static = 0.5
     with pytest.raises(ValidationError, match="frozen"):
         plan.replicas[0].configs[0].server_env = {"X": "1"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.layout.training_gpus = (1,)  # type: ignore[misc]
 
 
 def test_cuda_mps_on_where_it_cannot_apply_is_refused(monkeypatch, tmp_path):

@@ -1,5 +1,6 @@
-"""No import circle in the packages: every import counts (at module level, inside functions and under
-TYPE_CHECKING), read from the source with `ast`, so a circle fails here before it fails at import time."""
+"""The packages' shape: no import circle (every import counts, at module level, inside functions and under
+TYPE_CHECKING, read from the source with `ast`, so a circle fails here before it fails at import time),
+and no module longer than a newcomer reads in one go."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+MAX_MODULE_LINES = 460
 
 
 def module_files(package: Path) -> dict[str, Path]:
@@ -84,6 +86,16 @@ def test_no_import_circle(package: str) -> None:
     assert len(graph) > 5  # the package was found
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize("package", ["art_sglang", "art_sglang_reference"])
+def test_no_module_over_460_lines(package: str) -> None:
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for path in (ROOT / package).rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"split these modules (at most {MAX_MODULE_LINES} lines): {long}"
 
 
 def test_a_circle_under_type_checking_or_through_a_package_is_found(tmp_path: Path) -> None:
