@@ -38,10 +38,10 @@ class BackendSettings:
         config: SGLangConfig,
         trainer_config: TrainerConfig,
         *,
-        shared_strategy: SharedStrategy,
-        device_config: DeviceConfig | None,
-        engine: EngineChoice,
-        layout: DeviceLayout | None,
+        shared_strategy: SharedStrategy = "sleep",
+        device_config: DeviceConfig | None = None,
+        engine: EngineChoice = "auto",
+        layout: DeviceLayout | None = None,
         cuda_mps: CudaMpsMode = "auto",
     ) -> None:
         """`device_config`: the GPUs asked for (`device_request` turns SGLangBackend's GPU arguments into

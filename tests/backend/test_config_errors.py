@@ -188,14 +188,7 @@ def test_gpu_uuids_reach_the_children_unchanged(tmp_path):
 
 
 def _plan(layout: DeviceLayout, base_model: str = "m") -> ServingPlan:
-    settings = BackendSettings(
-        SGLangConfig(),
-        TrainerConfig(),
-        shared_strategy="sleep",
-        device_config=None,
-        engine="auto",
-        layout=layout,
-    )
+    settings = BackendSettings(SGLangConfig(), TrainerConfig(), layout=layout)
     return settings.plan(base_model)
 
 
