@@ -300,6 +300,10 @@ def test_auto_detect_off_trusts_the_config_without_gpus_found():
             "inference_device: set the GPUs in one place",
         ),
         (
+            lambda: layout_for(discovery=visible(2), inference_device=-1),
+            "SGLangBackend's arguments: inference_device=-1: Input should be greater than or equal to 0",
+        ),
+        (
             lambda: choose_layout(discovery=NO_GPU, engine="sglang"),
             "engine='sglang' but no GPU is visible (nvidia-smi not found); check the driver and "
             "CUDA_VISIBLE_DEVICES, use engine='reference' to run on CPU, or set "

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from ..config import DeviceConfig
 from ..errors import ConfigError
@@ -236,8 +237,13 @@ def device_request(
     try:
         return DeviceConfig(**config.model_dump(include=config.model_fields_set), **named)
     except ValidationError as exc:
-        problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
-        raise ConfigError(f"{where}: {problems}") from None
+        raise ConfigError(f"{where}: {'; '.join(map(_problem, exc.errors()))}") from None
+
+
+def _problem(error: ErrorDetails) -> str:
+    """One pydantic error in words, naming its field (our validators' messages already do)."""
+    message, field = error["msg"].removeprefix("Value error, "), ".".join(map(str, error["loc"]))
+    return message if message.startswith(field) else f"{field}={error['input']!r}: {message}"
 
 
 def choose_layout(
