@@ -29,12 +29,12 @@ from .orchestration.step_runner import StepRunner
 from .orchestration.weight_sync import STRATEGIES
 from .planning.backend_settings import BackendSettings, check_row_length
 from .planning.cuda_mps import CudaMps, start_daemon
-from .planning.devices import DeviceLayout, EngineChoice
+from .planning.devices import DeviceLayout, EngineChoice, device_request
 from .planning.internal_config import ModelSettings
 from .planning.serving_plan import HandoffStrategy, ServingPlan
 from .process_tree import gather_all
 from .server.inference import InferenceService
-from .server.served_names import parse_served_name, served_name, served_prefix
+from .server.served_names import served_name, served_prefix, steps_of
 from .server.watchdog import ServerWatchdog
 from .storage.model_store import ModelStore, append_lines, name_problem, write_model_files
 from .storage.run_lock import RunLock
@@ -56,12 +56,12 @@ class SGLangBackend:
     server's memory, "restart" stops it; "co_resident" keeps both on the GPU with no handoff, for
     pipelined training, their kernels side by side under a CUDA MPS daemon of the backend's own where
     `cuda_mps` allows: "auto" where the driver's MPS program is found, "on" or "off"), and the CPU
-    reference engine with none. `engine` forces
-    "sglang" or "reference". `inference_devices=[0, 1]` starts one server replica per listed GPU behind
-    SGLang's router (cache-aware routing), every adapter loaded on each replica before its name is
-    served. `gateway=False` points clients at the server directly (no refusal of
-    unloaded model names). `layout` overrides the device choice entirely (tests use it to force shared
-    mode on CPU).
+    reference engine with none. `engine` forces "sglang" or "reference". GPUs are asked for in one form,
+    `device_config`; `inference_device(s)`/`training_devices` are sugar for it (GPUs in both: ConfigError).
+    `inference_devices=[0, 1]` starts one server replica per listed GPU behind SGLang's router
+    (cache-aware routing), every adapter loaded on each replica before its name is served.
+    `gateway=False` points clients at the server directly (no refusal of unloaded model names). `layout`
+    is a finished device layout given alone (tests force shared mode on CPU with it).
     """
 
     def __init__(
@@ -86,12 +86,15 @@ class SGLangBackend:
             sglang_config or SGLangConfig(),
             self.trainer_config,
             shared_strategy=shared_strategy,
-            device_config=device_config,
+            device_config=device_request(
+                device_config,
+                "SGLangBackend's arguments",
+                inference_device=inference_device,
+                inference_devices=inference_devices,
+                training_devices=training_devices,
+            ),
             engine=engine,
-            inference_device=inference_device,
-            training_devices=training_devices,
             layout=layout,
-            inference_devices=inference_devices,
             cuda_mps=cuda_mps,
         )
         self._path = path
@@ -244,7 +247,7 @@ class SGLangBackend:
         entry = self._entry(model)
         async with self._lock:
             assert self._service is not None
-            keep = {*steps_to_keep, entry.step, *self._leased_steps(entry)}
+            keep = {*steps_to_keep, entry.step, *steps_of(model.name, self._service.leased())}
             doomed = [s for s in entry.store.checkpoint_steps() if s not in keep]
             for step in doomed:
                 await self._service.remove_adapter(served_name(model.name, step))
@@ -289,11 +292,6 @@ class SGLangBackend:
             gateway=self._use_gateway,
             weight_sync=self.sglang_config.weight_sync_method,
         )
-
-    def _leased_steps(self, entry: RegisteredModel) -> set[int]:
-        assert self._service is not None
-        leased = (parse_served_name(name) for name in self._service.leased())
-        return {parsed[1] for parsed in leased if parsed is not None and parsed[0] == entry.model.name}
 
     async def train(self, model: Any, trajectory_groups: Iterable[Any], **options: Any) -> LocalTrainResult:
         """One RL step on `trajectory_groups`; returns once `<name>@<new step>` answers requests.
@@ -396,8 +394,7 @@ class SGLangBackend:
                 entry.lock.release()
 
     async def _stop_service(self, *stops: Awaitable[Any]) -> None:
-        """Stop the server (and its gateway) together with `stops` (the trainers), then the MPS daemon
-        whose clients they were."""
+        """Stop the server and its gateway with `stops` (the trainers), then their CUDA MPS daemon."""
         service, mps = self._service, self._mps
         self._service = self._steps = self._watchdog = self._mps = self._plan = None
         try:
@@ -424,6 +421,10 @@ class SGLangBackend:
         """The inference service (server, gateway, loaded adapters), once a model is registered."""
         return self._service
 
+    def trainer(self, model: Any) -> TrainerProcess:
+        """The registered model's trainer worker process (its pid, whether it is alive, its config)."""
+        return self._entry(model).trainer
+
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this SGLangBackend is closed: create a new one")
@@ -437,7 +438,7 @@ class SGLangBackend:
             )
         return entry
 
-    async def _ensure_service(self, base_model: str, store: ModelStore) -> InferenceService:
+    async def _ensure_service(self, base_model: str, store: ModelStore) -> None:
         """Make the plan and assemble serving from it, once: the server's log lives with the first model
         registered (one server serves every model)."""
         if self._service is None:
@@ -452,7 +453,6 @@ class SGLangBackend:
                 self._service.serve_on_demand(lambda name: checkpoint_of(self._models.values(), name))
             self._steps = StepRunner.for_plan(plan, self._service)
             self._watchdog = ServerWatchdog(self._service.servers)
-        return self._service
 
 
 # help(SGLangBackend.train) and editors that read __signature__ show every option with its default.

@@ -7,9 +7,17 @@ from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .model import Model, TrainableModel
     from .trajectories import Trajectory, TrajectoryGroup
     from .types import TrainResult, TrainSFTConfig
+
+
+class ModelRef(Protocol):
+    """What a backend is handed: an `art_sglang.Model`/`TrainableModel` or ART's (model.py imports this
+    module, so the models are named by what every backend reads of them)."""
+
+    name: str
+    project: str
+    trainable: bool
 
 
 class Backend(Protocol):
@@ -19,25 +27,25 @@ class Backend(Protocol):
     `Model.log` hands it the logged groups after writing the history row.
     """
 
-    async def register(self, model: Model) -> None: ...
+    async def register(self, model: ModelRef) -> None: ...
 
     async def _prepare_backend_for_training(
-        self, model: TrainableModel, config: Any | None
+        self, model: ModelRef, config: Any | None
     ) -> tuple[str, str]: ...  # (OpenAI base_url ending in /v1, api_key)
 
-    def _model_inference_name(self, model: Model, step: int | None = None) -> str: ...
+    def _model_inference_name(self, model: ModelRef, step: int | None = None) -> str: ...
 
-    async def _get_step(self, model: TrainableModel) -> int: ...
+    async def _get_step(self, model: ModelRef) -> int: ...
 
-    async def _delete_checkpoint_files(self, model: TrainableModel, steps_to_keep: list[int]) -> None: ...
+    async def _delete_checkpoint_files(self, model: ModelRef, steps_to_keep: list[int]) -> None: ...
 
     async def train(
-        self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], **options: Any
+        self, model: ModelRef, trajectory_groups: Iterable[TrajectoryGroup], **options: Any
     ) -> TrainResult: ...
 
     def _train_sft(
         self,
-        model: TrainableModel,
+        model: ModelRef,
         trajectories: Iterable[Trajectory],
         config: TrainSFTConfig,
         dev_config: dict[str, Any],

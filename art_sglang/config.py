@@ -1,12 +1,14 @@
-"""Configuration models. Every server flag the backend relies on lives in `SGLangConfig`, with its
-help text and validation, and `SGLangConfig.server_args` renders the command line in one place."""
+"""Configuration models. Every server flag the backend relies on is an `SGLangConfig` field marked
+`LaunchFlag`: its name, help text and validation live in that one field, and `SGLangConfig.server_args`
+renders the command line from the marked fields."""
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -61,20 +63,32 @@ def find_server_python(start: Path | None = None) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class LaunchFlag:
+    """Marks an `SGLangConfig` field as an SGLang launch flag (`Annotated[T, LaunchFlag()]`), spelled
+    `--field-name` unless `spelling` says otherwise."""
+
+    spelling: str | None = None
+
+
 class SGLangConfig(BaseModel):
     """How the inference server is launched and how new weights reach it."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
     # --- names from the product description -------------------------------------------------------
-    mem_fraction_static: float = Field(
+    mem_fraction_static: Annotated[float, LaunchFlag()] = Field(
         0.9, gt=0.0, lt=1.0, description="Fraction of the inference GPU's memory for weights and KV cache."
     )
-    disable_radix_cache: bool = Field(
+    disable_radix_cache: Annotated[bool, LaunchFlag()] = Field(
         False, description="Turn off RadixAttention prefix caching (not advised)."
     )
-    max_loras_per_batch: int = Field(4, ge=1, description="Adapters servable in one batch (LoRA pool slots).")
-    context_length: int | None = Field(None, ge=16, description="Maximum context; None = the model's own.")
+    max_loras_per_batch: Annotated[int, LaunchFlag()] = Field(
+        4, ge=1, description="Adapters servable in one batch (LoRA pool slots)."
+    )
+    context_length: Annotated[int | None, LaunchFlag()] = Field(
+        None, ge=16, description="Maximum context; None = the model's own."
+    )
     weight_sync_method: WeightSyncMethod = Field(
         "lora",
         description="How a new step reaches the server: 'lora' hot-loads the adapter, 'disk' merges it and "
@@ -87,7 +101,10 @@ class SGLangConfig(BaseModel):
         validation_alias=AliasChoices("server_timeout", "startup_timeout"),
         description=f"Seconds to wait for the server to become healthy (env {SERVER_TIMEOUT_ENV}).",
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel size of the server.")
+    # --tp-size: SGLang's short name, as launch scripts write it.
+    tensor_parallel_size: Annotated[int, LaunchFlag("--tp-size")] = Field(
+        1, ge=1, description="Tensor-parallel size of the server."
+    )
     unresponsive_timeout: float = Field(
         120.0,
         gt=0,
@@ -98,15 +115,25 @@ class SGLangConfig(BaseModel):
     # --- launch flags the backend relies on ----------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address the server binds to.")
     port: int | None = Field(None, ge=1, le=65535, description="Server port; None picks a free one.")
-    max_lora_rank: int = Field(64, ge=1, description="Largest adapter rank the server accepts.")
-    lora_target_modules: list[str] = Field(
+    max_lora_rank: Annotated[int, LaunchFlag()] = Field(
+        64, ge=1, description="Largest adapter rank the server accepts."
+    )
+    lora_target_modules: Annotated[list[str], LaunchFlag()] = Field(
         default_factory=lambda: ["all"], min_length=1, description="Modules adapters may target ('all')."
     )
-    attention_backend: str | None = Field(None, description="SGLang --attention-backend; None = its default.")
-    sampling_backend: str | None = Field(None, description="SGLang --sampling-backend; None = its default.")
-    enable_cache_report: bool = Field(True, description="Report cached prompt tokens in usage.")
-    enable_metrics: bool = Field(False, description="Expose Prometheus metrics on /metrics.")
-    enable_memory_saver: bool = Field(
+    attention_backend: Annotated[str | None, LaunchFlag()] = Field(
+        None, description="SGLang --attention-backend; None = its default."
+    )
+    sampling_backend: Annotated[str | None, LaunchFlag()] = Field(
+        None, description="SGLang --sampling-backend; None = its default."
+    )
+    enable_cache_report: Annotated[bool, LaunchFlag()] = Field(
+        True, description="Report cached prompt tokens in usage."
+    )
+    enable_metrics: Annotated[bool, LaunchFlag()] = Field(
+        False, description="Expose Prometheus metrics on /metrics."
+    )
+    enable_memory_saver: Annotated[bool, LaunchFlag()] = Field(
         False, description="Let the server release/resume GPU memory (shared mode 'sleep' turns it on)."
     )
     sleep_release: SleepRelease = Field(
@@ -116,14 +143,14 @@ class SGLangConfig(BaseModel):
         "trainer moves to host memory between steps), or 'auto' (kv_cache when both copies of the weights "
         "fit, shrinking mem_fraction_static unless it was set).",
     )
-    enable_weights_cpu_backup: bool = Field(
+    enable_weights_cpu_backup: Annotated[bool, LaunchFlag()] = Field(
         False,
         description="Keep a CPU copy of weights so releasing memory frees them too (with memory saver).",
     )
-    disable_cuda_graph: bool = Field(
+    disable_cuda_graph: Annotated[bool, LaunchFlag()] = Field(
         False, description="Skip CUDA-graph capture: faster start, slower decode."
     )
-    disable_prefill_cuda_graph: bool = Field(
+    disable_prefill_cuda_graph: Annotated[bool, LaunchFlag()] = Field(
         False,
         description="Skip only the prefill CUDA graphs SGLang captures by default (decode keeps its "
         "graphs): a shorter server start, slower prefill of small batches.",
@@ -134,13 +161,13 @@ class SGLangConfig(BaseModel):
         "admin routes get a key of their own, and behind the gateway with one server its other routes too "
         "(clients never hold those); keys reach the server in a private file, never on its command line.",
     )
-    tool_call_parser: str | None = Field(
+    tool_call_parser: Annotated[str | None, LaunchFlag()] = Field(
         "hermes",
         description="SGLang --tool-call-parser: how `<tool_call>` markup in a completion becomes "
         "`message.tool_calls` on requests with `tools` ('hermes', as ART's vLLM server; 'qwen25' for "
         "Qwen2.5's own format; None = tool calls stay in the text).",
     )
-    chat_template: str | None = Field(
+    chat_template: Annotated[str | None, LaunchFlag()] = Field(
         None, description="SGLang --chat-template: a template file (or builtin name); None = the model's."
     )
     server_python: str | None = Field(
@@ -242,47 +269,28 @@ class SGLangConfig(BaseModel):
 
     def server_args(self, model_path: str, port: int) -> list[str]:
         """Arguments after `python -m sglang.launch_server` (the reference engine takes the same): the
-        fields of LAUNCH_FLAGS in order. A switch is given when True, a None value leaves its flag out
+        `LaunchFlag` fields in field order. A switch is given when True, a None value leaves its flag out
         (the server's own default), a list gives its items."""
         args = ["--model-path", model_path, "--host", self.host, "--port", str(port), "--enable-lora"]
-        for field in LAUNCH_FLAGS:
+        for field, flag in LAUNCH_FLAGS.items():
             value = getattr(self, field)
             if isinstance(value, bool):
-                args.extend([launch_flag(field)] if value else [])
+                args.extend([flag] if value else [])
             elif isinstance(value, list):
-                args.extend([launch_flag(field), *value])
+                args.extend([flag, *value])
             elif value is not None:
-                args.extend([launch_flag(field), str(value)])
+                args.extend([flag, str(value)])
         return [*args, *self.extra_args]
 
 
-# The SGLangConfig fields that are launch flags (besides --host), in command-line order; the reference
-# engine's command line takes its help for these flags from the field descriptions.
-LAUNCH_FLAGS = (
-    "mem_fraction_static",
-    "tensor_parallel_size",
-    "max_lora_rank",
-    "lora_target_modules",
-    "max_loras_per_batch",
-    "context_length",
-    "attention_backend",
-    "sampling_backend",
-    "disable_radix_cache",
-    "enable_cache_report",
-    "enable_metrics",
-    "enable_memory_saver",
-    "enable_weights_cpu_backup",
-    "disable_cuda_graph",
-    "disable_prefill_cuda_graph",
-    "tool_call_parser",
-    "chat_template",
-)
-_FLAG_SPELLINGS = {"tensor_parallel_size": "--tp-size"}  # SGLang's short name, as launch scripts write it
-
-
-def launch_flag(field: str) -> str:
-    """SGLang's spelling of a launch flag named by its field: `max_lora_rank` → `--max-lora-rank`."""
-    return _FLAG_SPELLINGS.get(field, "--" + field.replace("_", "-"))
+# field -> flag of every SGLangConfig field marked `LaunchFlag`, in field order (the reference engine's
+# command line takes its help for these flags from the field descriptions).
+LAUNCH_FLAGS: dict[str, str] = {
+    name: marker.spelling or "--" + name.replace("_", "-")
+    for name, field in SGLangConfig.model_fields.items()
+    for marker in field.metadata
+    if isinstance(marker, LaunchFlag)
+}
 
 
 class DeviceConfig(BaseModel):
@@ -311,8 +319,13 @@ class DeviceConfig(BaseModel):
     def _distinct(cls, value: list[int]) -> list[int]:
         if any(d < 0 for d in value):
             raise ValueError(f"training_devices must be GPU indices >= 0, got {value}")
-        if len(set(value)) != len(value):
-            raise ValueError(f"training_devices lists a GPU twice: {value}")
+        repeated = sorted({d for d in value if value.count(d) > 1})
+        if repeated:
+            # One trainer rank per listed GPU: two ranks cannot share one GPU.
+            raise ValueError(
+                f"training_devices={value} lists GPU {','.join(map(str, repeated))} more than once: list each "
+                "training GPU once (the trainer runs one data-parallel rank per GPU)"
+            )
         return value
 
 

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import contextvars
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-if TYPE_CHECKING:
-    from .trajectories import Trajectory
+
+class Scored(Protocol):
+    """What the running means read of a finished rollout (a `Trajectory`, which imports this module)."""
+
+    reward: float
+    metrics: Mapping[str, float | int | bool]
 
 
 @dataclass
@@ -27,7 +31,7 @@ class GatherContext:
     counts: Counter[str] = field(default_factory=Counter)
     exceptions: int = 0
 
-    def record_trajectories(self, trajectories: Iterable[Trajectory], advance: int | None = None) -> None:
+    def record_trajectories(self, trajectories: Iterable[Scored], advance: int | None = None) -> None:
         """Add finished trajectories to the running means; advance the bar (by their number by default)."""
         finished = list(trajectories)
         for trajectory in finished:

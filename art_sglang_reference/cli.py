@@ -19,7 +19,7 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.fields import FieldInfo
 
-from art_sglang.config import LAUNCH_FLAGS, SGLangConfig, launch_flag
+from art_sglang.config import LAUNCH_FLAGS, SGLangConfig
 
 from .tool_calls import PARSERS as TOOL_CALL_PARSERS
 
@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Help for the flags SGLangConfig renders, by reference field (the names differ only for --tp-size).
 _CONFIG_HELP = {
-    launch_flag(name)[2:].replace("-", "_"): SGLangConfig.model_fields[name].description
-    for name in LAUNCH_FLAGS
+    flag[2:].replace("-", "_"): SGLangConfig.model_fields[name].description
+    for name, flag in LAUNCH_FLAGS.items()
 }
 
 

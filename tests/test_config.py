@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from art_sglang.config import DeviceConfig, SGLangConfig, TrainerConfig, find_server_python
+from art_sglang.config import LAUNCH_FLAGS, DeviceConfig, SGLangConfig, TrainerConfig, find_server_python
 
 
 def test_defaults_render_the_flags_the_backend_relies_on() -> None:
@@ -53,6 +53,15 @@ def test_optional_flags_and_extra_args_are_rendered() -> None:
     assert "--api-key" not in args and "k" not in args  # keys go to the server in a private file
 
 
+def test_launch_flags_come_from_the_marked_fields() -> None:
+    assert LAUNCH_FLAGS["max_lora_rank"] == "--max-lora-rank"
+    assert LAUNCH_FLAGS["tensor_parallel_size"] == "--tp-size"
+    for not_a_flag in ("host", "port", "api_key", "weight_sync_method", "extra_args"):
+        assert not_a_flag not in LAUNCH_FLAGS
+    args = SGLangConfig(tensor_parallel_size=2, tool_call_parser=None).server_args("m", 1)
+    assert args[args.index("--tp-size") + 1] == "2" and "--tool-call-parser" not in args
+
+
 def test_keys_cannot_be_put_on_the_command_line() -> None:
     for extra in (["--api-key", "k"], ["--admin-api-key=k"], ["--config", "mine.yaml"]):
         with pytest.raises(ValueError, match="private --config file"):
@@ -90,7 +99,7 @@ def test_single_adapter_pool_works_when_only_one_adapter_is_kept() -> None:
 
 def test_device_config_validation() -> None:
     assert DeviceConfig().training_devices == [1]
-    with pytest.raises(ValidationError, match="lists a GPU twice"):
+    with pytest.raises(ValidationError, match="lists GPU 1 more than once"):
         DeviceConfig(training_devices=[1, 1])
     with pytest.raises(ValidationError, match="GPU indices >= 0"):
         DeviceConfig(training_devices=[-1])

@@ -14,12 +14,32 @@ import pytest
 from art_sglang.config import DeviceConfig
 from art_sglang.errors import ConfigError
 from art_sglang.planning.devices import (
+    DeviceLayout,
     Discovery,
+    EngineChoice,
     apply_cuda_visible_devices,
     choose_layout,
     detect_gpus,
+    device_request,
     parse_nvidia_smi,
 )
+
+
+def layout_for(
+    config: DeviceConfig | None = None,
+    *,
+    discovery: Discovery,
+    engine: EngineChoice = "auto",
+    tensor_parallel_size: int = 1,
+    **gpus: int | list[int],
+) -> DeviceLayout:
+    """The layout SGLangBackend(device_config=config, **gpus) chooses: its GPU arguments are sugar for a
+    DeviceConfig."""
+    request = device_request(config, "SGLangBackend's arguments", **gpus)
+    return choose_layout(
+        request, engine=engine, tensor_parallel_size=tensor_parallel_size, discovery=discovery
+    )
+
 
 FOUR_GPUS = """\
 0, GPU-11111111-aaaa, NVIDIA H100 80GB HBM3, 81559, 1
@@ -201,28 +221,21 @@ def test_reference_engine_can_be_forced_with_gpus():
         ({"inference_device": 0, "training_devices": [0]}, None, (0,), (0,), "shared"),
         ({}, DeviceConfig(inference_device=3, training_devices=[1]), (3,), (1,), "split"),
         ({}, DeviceConfig(inference_device=1), (1,), (0, 2, 3), "split"),
-        (
-            {"inference_device": 0},
-            DeviceConfig(inference_device=3, training_devices=[2]),
-            (0,),
-            (2,),
-            "split",
-        ),
         ({}, DeviceConfig(auto_detect=False), (0,), (1,), "split"),
     ],
 )
 def test_explicit_settings_win_over_detection(kwargs, config, inference, training, mode):
-    layout = choose_layout(config, discovery=visible(4), **kwargs)
+    layout = layout_for(config, discovery=visible(4), **kwargs)
     assert (layout.mode, layout.inference_gpus, layout.training_gpus) == (mode, inference, training)
 
 
 def test_one_gpu_with_only_training_set_shares_it():
-    layout = choose_layout(discovery=visible(1), training_devices=[0])
+    layout = layout_for(discovery=visible(1), training_devices=[0])
     assert (layout.mode, layout.inference_gpus, layout.training_gpus) == ("shared", (0,), (0,))
 
 
 def test_children_get_the_parents_gpu_names():
-    layout = choose_layout(discovery=visible(4, "3,1,2"), inference_device=0, training_devices=[2, 1])
+    layout = layout_for(discovery=visible(4, "3,1,2"), inference_device=0, training_devices=[2, 1])
     assert layout.cuda_visible_devices("inference") == "3"
     assert layout.cuda_visible_devices("training") == "2,1"
     by_uuid = choose_layout(discovery=visible(4, "GPU-44444444,GPU-11111111"))
@@ -249,7 +262,7 @@ def test_auto_detect_off_trusts_the_config_without_gpus_found():
     ("call", "message"),
     [
         (
-            lambda: choose_layout(discovery=visible(2), inference_device=0, training_devices=[0, 1]),
+            lambda: layout_for(discovery=visible(2), inference_device=0, training_devices=[0, 1]),
             "GPU 0 is set for both inference (GPU 0) and training (GPU 0,1); in split mode they must be "
             "different GPUs: remove it from training_devices, or set training_devices=[0] for shared mode",
         ),
@@ -261,15 +274,15 @@ def test_auto_detect_off_trusts_the_config_without_gpus_found():
             "(split mode), or training_devices=[1] to share the inference GPU",
         ),
         (
-            lambda: choose_layout(discovery=visible(3), inference_device=0, training_devices=[1, 2, 1]),
+            lambda: layout_for(discovery=visible(3), inference_device=0, training_devices=[1, 2, 1]),
             "training_devices=[1, 2, 1] lists GPU 1 more than once: list each training GPU once",
         ),
         (
-            lambda: choose_layout(discovery=visible(2), inference_device=0, training_devices=[1, 5]),
+            lambda: layout_for(discovery=visible(2), inference_device=0, training_devices=[1, 5]),
             "GPU 5 does not exist: 2 GPU(s) (NVIDIA H100 80GB HBM3) visible, numbered 0..1",
         ),
         (
-            lambda: choose_layout(discovery=visible(4, "2,3"), inference_device=2, training_devices=[0]),
+            lambda: layout_for(discovery=visible(4, "2,3"), inference_device=2, training_devices=[0]),
             "GPU 2 does not exist: 2 GPU(s) (NVIDIA A100-SXM4-80GB, NVIDIA H100 80GB HBM3) visible, "
             "numbered 0..1 (4 GPU(s) in nvidia-smi); use indices in that range (they count only the GPUs "
             "CUDA_VISIBLE_DEVICES shows)",
@@ -282,17 +295,26 @@ def test_auto_detect_off_trusts_the_config_without_gpus_found():
             "GPU 3 does not exist: CUDA_VISIBLE_DEVICES='4,5' shows 2, numbered 0..1",
         ),
         (
+            lambda: layout_for(DeviceConfig(inference_device=3), discovery=visible(4), training_devices=[2]),
+            "GPUs are set twice: SGLangBackend's arguments set training_devices, and device_config sets "
+            "inference_device: set the GPUs in one place",
+        ),
+        (
+            lambda: layout_for(discovery=visible(2), inference_device=-1),
+            "SGLangBackend's arguments: inference_device=-1: Input should be greater than or equal to 0",
+        ),
+        (
             lambda: choose_layout(discovery=NO_GPU, engine="sglang"),
             "engine='sglang' but no GPU is visible (nvidia-smi not found); check the driver and "
             "CUDA_VISIBLE_DEVICES, use engine='reference' to run on CPU, or set "
             "DeviceConfig(auto_detect=False, ...) to use the given GPU indices without detection",
         ),
         (
-            lambda: choose_layout(discovery=NO_GPU, inference_device=0, training_devices=[1]),
+            lambda: layout_for(discovery=NO_GPU, inference_device=0, training_devices=[1]),
             "inference_device/training_devices were set but no GPU is visible (nvidia-smi not found)",
         ),
         (
-            lambda: choose_layout(discovery=visible(2), engine="reference", training_devices=[1]),
+            lambda: layout_for(discovery=visible(2), engine="reference", training_devices=[1]),
             "engine='reference' runs on CPU, but GPUs were set (inference_device/training_devices): "
             "drop them, or use engine='sglang'",
         ),
@@ -302,29 +324,29 @@ def test_auto_detect_off_trusts_the_config_without_gpus_found():
             "lower tensor_parallel_size",
         ),
         (
-            lambda: choose_layout(discovery=visible(4), inference_devices=[0, 1], tensor_parallel_size=2),
+            lambda: layout_for(discovery=visible(4), inference_devices=[0, 1], tensor_parallel_size=2),
             "server replicas on GPU 0,1 and GPU 1,2 (tensor_parallel_size=2) partly overlap: start replicas "
             "2 GPUs apart, or at the same GPU to share it",
         ),
         (
-            lambda: choose_layout(discovery=visible(2), inference_devices=[0, 1], training_devices=[0, 1]),
+            lambda: layout_for(discovery=visible(2), inference_devices=[0, 1], training_devices=[0, 1]),
             "inference_devices=[0, 1] starts 2 server replicas on the training GPU(s) 0,1: replicas need "
             "split mode, give training its own GPU(s) in training_devices",
         ),
         (
-            lambda: choose_layout(discovery=visible(4), inference_device=0, inference_devices=[0, 1]),
+            lambda: layout_for(discovery=visible(4), inference_device=0, inference_devices=[0, 1]),
             "both inference_device and inference_devices are set: use inference_devices alone",
         ),
         (
-            lambda: choose_layout(discovery=visible(2), inference_devices=[0, 2]),
+            lambda: layout_for(discovery=visible(2), inference_devices=[0, 2]),
             "GPU 2 does not exist: 2 GPU(s) (NVIDIA H100 80GB HBM3) visible, numbered 0..1",
         ),
         (
-            lambda: choose_layout(discovery=visible(2), inference_devices=[]),
+            lambda: layout_for(discovery=visible(2), inference_devices=[]),
             "inference_devices is empty: list the first GPU of each server replica",
         ),
         (
-            lambda: choose_layout(discovery=visible(2), engine="reference", inference_devices=[0, 0]),
+            lambda: layout_for(discovery=visible(2), engine="reference", inference_devices=[0, 0]),
             "engine='reference' runs on CPU, but GPUs were set",
         ),
     ],
@@ -364,7 +386,7 @@ def test_impossible_settings_fail_with_the_fix(call, message):
     ],
 )
 def test_inference_devices_start_one_replica_per_gpu_listed(kwargs, config, replicas, training, role_line):
-    layout = choose_layout(config, discovery=visible(4), **kwargs)
+    layout = layout_for(config, discovery=visible(4), **kwargs)
     assert (layout.mode, layout.replicas, layout.training_gpus) == ("split", replicas, training)
     assert layout.inference_gpus == tuple(sorted({g for gpus in replicas for g in gpus}))
     assert layout.describe() == f"split mode, sglang engine: {role_line} (GPUs set explicitly)"
@@ -372,16 +394,16 @@ def test_inference_devices_start_one_replica_per_gpu_listed(kwargs, config, repl
 
 
 def test_one_listed_inference_device_is_one_server():
-    layout = choose_layout(discovery=visible(2), inference_devices=[1])
+    layout = layout_for(discovery=visible(2), inference_devices=[1])
     assert (layout.replicas, layout.replica_gpus, layout.training_gpus) == (((1,),), (), (0,))
     assert "replica" not in layout.describe()
 
 
 def test_layout_line_names_each_training_rank_gpu():
-    layout = choose_layout(discovery=visible(4), inference_device=0, training_devices=[1, 2, 3])
+    layout = layout_for(discovery=visible(4), inference_device=0, training_devices=[1, 2, 3])
     assert layout.describe() == (
         "split mode, sglang engine: inference on GPU 0, training ranks 0 on GPU 1, 1 on GPU 2, 2 on GPU 3 "
         "(GPUs set explicitly)"
     )
-    one = choose_layout(discovery=visible(2), inference_device=0, training_devices=[1])
+    one = layout_for(discovery=visible(2), inference_device=0, training_devices=[1])
     assert "inference on GPU 0, training on GPU 1 (" in one.describe()

@@ -21,6 +21,12 @@ import pytest
 
 import art_sglang as art
 from art_sglang.errors import ConfigError, ModelNotRegisteredError
+from art_sglang.storage.model_store import ModelStore
+
+
+def store(model: art.Model) -> ModelStore:
+    """Where the model's files are (`<base_path>/<project>/models/<name>`, as in ART)."""
+    return ModelStore(model.base_path, model.project, model.name)
 
 
 def test_every_public_name_resolves():
@@ -135,7 +141,7 @@ class ProtocolBackend:
 
     async def _delete_checkpoint_files(self, model: art.TrainableModel, steps_to_keep: list[int]) -> None:
         self.calls.append(("delete", steps_to_keep))
-        for checkpoint in (Path(model._get_output_dir()) / "checkpoints").iterdir():
+        for checkpoint in store(model).checkpoints_dir.iterdir():
             if int(checkpoint.name) not in steps_to_keep:
                 shutil.rmtree(checkpoint)
 
@@ -259,10 +265,7 @@ async def test_log_appends_history_rows(model):
     await model.log(groups)
     await model.log(metrics={"loss": 0.25, "time/step_s": 3.0}, split="train", step=5)
     await model.log([art.Trajectory(reward=2.0)], split="test")  # bare trajectories form one group
-    rows = [
-        json.loads(line)
-        for line in (Path(model._get_output_dir()) / "history.jsonl").read_text().splitlines()
-    ]
+    rows = [json.loads(line) for line in store(model).history.read_text().splitlines()]
     assert rows[0]["step"] == 4 and "recorded_at" in rows[0]
     assert rows[0]["val/reward"] == pytest.approx(0.5)
     assert rows[0]["val/exception_rate"] == pytest.approx(0.25)
@@ -286,20 +289,20 @@ async def registered_with_checkpoints(model: art.TrainableModel, latest: int) ->
     backend = ProtocolBackend(step=latest)
     await model.register(backend)
     for step in range(latest + 1):
-        folder = Path(model._get_output_dir()) / "checkpoints" / f"{step:04d}"
+        folder = store(model).checkpoint_dir(step)
         folder.mkdir(parents=True)
         (folder / "adapter_model.safetensors").write_bytes(b"x")
     return backend
 
 
 def remaining_checkpoints(model: art.TrainableModel) -> list[int]:
-    return sorted(int(p.name) for p in (Path(model._get_output_dir()) / "checkpoints").iterdir())
+    return sorted(int(p.name) for p in store(model).checkpoints_dir.iterdir())
 
 
 async def test_delete_checkpoints_keeps_latest_and_best(model):
     backend = await registered_with_checkpoints(model, latest=5)
     write_history(
-        Path(model._get_output_dir()) / "history.jsonl",
+        store(model).history,
         [
             {"step": 1, "val/reward": 0.2},
             {"step": 2, "val/reward": 0.9},
@@ -318,7 +321,7 @@ async def test_delete_checkpoints_keeps_latest_and_best(model):
 async def test_delete_checkpoints_by_another_metric_and_ties_favour_the_later_step(model):
     await registered_with_checkpoints(model, latest=4)
     write_history(
-        Path(model._get_output_dir()) / "history.jsonl",
+        store(model).history,
         [{"step": 1, "val/solved": 1.0}, {"step": 2, "val/solved": 1.0}, {"step": 3, "val/solved": 0.0}],
     )
     await model.delete_checkpoints(best_checkpoint_metric="val/solved")
@@ -329,7 +332,7 @@ async def test_delete_checkpoints_without_history_or_metric_keeps_only_the_lates
     backend = await registered_with_checkpoints(model, latest=2)
     await model.delete_checkpoints()
     assert backend.calls[-1] == ("delete", [2]) and "not found" in caplog.text
-    write_history(Path(model._get_output_dir()) / "history.jsonl", [{"step": 1, "train/loss": 0.3}])
+    write_history(store(model).history, [{"step": 1, "train/loss": 0.3}])
     await model.delete_checkpoints()
     assert "no 'val/reward'" in caplog.text
     assert remaining_checkpoints(model) == [2]

@@ -16,7 +16,7 @@ from ..orchestration.weight_sync import STRATEGIES
 from ..storage.model_store import ModelStore, base_model_problem
 from ..training.options import TrainOptions
 from .cuda_mps import CONTROL, control_program
-from .devices import DeviceLayout, EngineChoice, choose_layout, detect_gpus
+from .devices import GPU_FIELDS, DeviceLayout, EngineChoice, choose_layout, detect_gpus, device_request
 from .gpu_budget import SharedPlan, model_weights_bytes, plan_co_resident, plan_shared_gpu
 from .internal_config import ModelSettings, internal_config_of, model_settings
 from .serving_plan import FrozenSGLangConfig, HandoffStrategy, ReplicaPlan, ServingPlan, frozen_config
@@ -38,15 +38,14 @@ class BackendSettings:
         config: SGLangConfig,
         trainer_config: TrainerConfig,
         *,
-        shared_strategy: SharedStrategy,
-        device_config: DeviceConfig | None,
-        engine: EngineChoice,
-        inference_device: int | None,
-        training_devices: list[int] | None,
-        layout: DeviceLayout | None,
-        inference_devices: list[int] | None = None,
+        shared_strategy: SharedStrategy = "sleep",
+        device_config: DeviceConfig | None = None,
+        engine: EngineChoice = "auto",
+        layout: DeviceLayout | None = None,
         cuda_mps: CudaMpsMode = "auto",
     ) -> None:
+        """`device_config`: the GPUs asked for (`device_request` turns SGLangBackend's GPU arguments into
+        one); `layout`: a finished layout instead (tests force shared mode on CPU with it)."""
         if shared_strategy not in ("sleep", "restart", "co_resident"):
             raise ConfigError(f"shared_strategy={shared_strategy!r}: use 'sleep', 'restart' or 'co_resident'")
         if cuda_mps not in ("auto", "on", "off"):
@@ -57,22 +56,19 @@ class BackendSettings:
         check_compatible(config, trainer_config)
         self.trainer_config = trainer_config
         self.shared_strategy = shared_strategy
-        # What the first model's _internal_config may still change (server flags, GPUs).
+        if layout is not None and (device_config is not None or engine not in ("auto", layout.engine)):
+            raise ConfigError(
+                "layout= is a finished device layout: give it alone, without device_config, GPU arguments "
+                "or another engine"
+            )
+        # What the first model's _internal_config may still change (server flags, GPUs if none were set).
         self._requested_config = config
         self._device_request = (device_config, engine)
-        self._devices_given = (
-            layout is not None
-            or inference_device is not None
-            or inference_devices is not None
-            or training_devices is not None
+        self._devices_given = layout is not None or (
+            device_config is not None and bool(device_config.model_fields_set & set(GPU_FIELDS))
         )
         self._initial_layout = layout or choose_layout(
-            device_config,
-            inference_device=inference_device,
-            inference_devices=inference_devices,
-            training_devices=training_devices,
-            engine=engine,
-            tensor_parallel_size=config.tensor_parallel_size,
+            device_config, engine=engine, tensor_parallel_size=config.tensor_parallel_size
         )
         self._configure(self._initial_layout, config)
         self._chosen_config = config  # the server's settings before shared mode's memory plan
@@ -139,14 +135,12 @@ class BackendSettings:
                 f"{config.tensor_parallel_size} GPU(s) (consecutive, from the first)"
             )
         device_config, engine = self._device_request
+        where = "_internal_config trainer_gpu_ids/inference_gpu_ids"
+        devices = device_request(
+            device_config, where, inference_device=inference[0], training_devices=training
+        )
         try:
-            return choose_layout(
-                device_config,
-                inference_device=inference[0],
-                training_devices=training,
-                engine=engine,
-                tensor_parallel_size=config.tensor_parallel_size,
-            )
+            return choose_layout(devices, engine=engine, tensor_parallel_size=config.tensor_parallel_size)
         except ConfigError as exc:
             raise ConfigError(f"_internal_config trainer_gpu_ids/inference_gpu_ids: {exc}") from None
 

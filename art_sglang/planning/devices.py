@@ -14,6 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
 from ..config import DeviceConfig
 from ..errors import ConfigError
 
@@ -211,47 +214,71 @@ def _list(indices: Sequence[int]) -> str:
     return ",".join(str(i) for i in indices)
 
 
+# The DeviceConfig fields that name GPUs (SGLangBackend takes the same names as arguments).
+GPU_FIELDS = ("inference_device", "inference_devices", "training_devices")
+
+
+def device_request(
+    config: DeviceConfig | None, where: str, **gpus: int | list[int] | None
+) -> DeviceConfig | None:
+    """The one form GPUs are asked for in: `config` with the GPUs that `where` (SGLangBackend's arguments,
+    a model's `_internal_config`) names as `DeviceConfig` fields, None for those it leaves unset. A GPU
+    field set in both places is a `ConfigError`, as is a value `DeviceConfig` refuses."""
+    named = {field: value for field, value in gpus.items() if value is not None}
+    if not named:
+        return config
+    config = config or DeviceConfig()
+    both = sorted(config.model_fields_set & set(GPU_FIELDS))
+    if both:
+        raise ConfigError(
+            f"GPUs are set twice: {where} set {', '.join(named)}, and device_config sets "
+            f"{', '.join(both)}: set the GPUs in one place"
+        )
+    try:
+        return DeviceConfig(**config.model_dump(include=config.model_fields_set), **named)
+    except ValidationError as exc:
+        raise ConfigError(f"{where}: {'; '.join(map(_problem, exc.errors()))}") from None
+
+
+def _problem(error: ErrorDetails) -> str:
+    """One pydantic error in words, naming its field (our validators' messages already do)."""
+    message, field = error["msg"].removeprefix("Value error, "), ".".join(map(str, error["loc"]))
+    return message if message.startswith(field) else f"{field}={error['input']!r}: {message}"
+
+
 def choose_layout(
     config: DeviceConfig | None = None,
     *,
-    inference_device: int | None = None,
-    training_devices: Sequence[int] | None = None,
     engine: EngineChoice = "auto",
-    inference_devices: Sequence[int] | None = None,
     tensor_parallel_size: int = 1,
     discovery: Discovery | None = None,
 ) -> DeviceLayout:
-    """Choose split/shared/cpu from the visible GPUs and what the user set.
+    """Choose split/shared/cpu from the visible GPUs and what `config` asks (`device_request` makes it).
 
-    `inference_device`/`inference_devices`/`training_devices` (SGLangBackend's arguments) win over
-    `config`; `config` fields the user set, or all of them with `auto_detect=False`, win over detection.
-    The server takes `tensor_parallel_size` consecutive GPUs from `inference_device`; with
-    `inference_devices` one server replica starts at each listed GPU (a GPU listed twice holds two).
-    Settings that cannot work raise `ConfigError` naming the fix.
+    `config` fields the user set, or all of them with `auto_detect=False`, win over detection. The server
+    takes `tensor_parallel_size` consecutive GPUs from `inference_device`; with `inference_devices` one
+    server replica starts at each listed GPU (a GPU listed twice holds two). Settings that cannot work
+    raise `ConfigError` naming the fix.
     """
     config = config or DeviceConfig()
     discovery = discovery or detect_gpus()
     trust_config = not config.auto_detect
-    named_gpus = (
-        inference_device is not None
-        or inference_devices is not None
-        or training_devices is not None
-        or bool({"inference_device", "inference_devices", "training_devices"} & config.model_fields_set)
-    )
-    if inference_devices is None and config.inference_devices is not None:
-        inference_devices = config.inference_devices
+    named_gpus = bool(set(GPU_FIELDS) & config.model_fields_set)
+    inference_devices = config.inference_devices
+    inference_device: int | None = None
     if inference_devices is not None:
-        if inference_device is not None or "inference_device" in config.model_fields_set:
+        if "inference_device" in config.model_fields_set:
             raise ConfigError(
                 "both inference_device and inference_devices are set: use inference_devices alone "
-                f"(inference_devices=[{inference_device if inference_device is not None else 0}] is one server)"
+                f"(inference_devices=[{config.inference_device}] is one server)"
             )
         if not inference_devices:
             raise ConfigError("inference_devices is empty: list the first GPU of each server replica")
         inference_device = inference_devices[0]
-    if inference_device is None and (trust_config or "inference_device" in config.model_fields_set):
+    elif trust_config or "inference_device" in config.model_fields_set:
         inference_device = config.inference_device
-    if training_devices is None and (trust_config or "training_devices" in config.model_fields_set):
+    training_devices = None
+    if trust_config or "training_devices" in config.model_fields_set:
         training_devices = config.training_devices
     explicit = inference_device is not None or training_devices is not None
     gpus = discovery.gpus
@@ -299,13 +326,6 @@ def choose_layout(
     serving = tuple(sorted({gpu for gpus in replicas for gpu in gpus}))
     if training is None:
         training = tuple(g.index for g in gpus if g.index not in serving) or serving
-    repeated = sorted({i for i in training if training.count(i) > 1})
-    if repeated:
-        # One trainer rank per listed GPU: two ranks cannot share one GPU.
-        raise ConfigError(
-            f"training_devices={list(training)} lists GPU {_list(repeated)} more than once: list each "
-            "training GPU once (the trainer runs one data-parallel rank per GPU)"
-        )
     if not training:
         other = next((g.index for g in gpus if g.index not in serving), serving[-1] + 1)
         raise ConfigError(

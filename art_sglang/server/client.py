@@ -128,18 +128,6 @@ class ServerClient:
         default if None); False if unreachable or too slow."""
         return await self._probe("/health", timeout)
 
-    async def health_generate(self) -> bool:
-        """Whether the server can generate a token (`GET /health_generate` is 200); False if unreachable."""
-        return await self._probe("/health_generate")
-
-    async def model_info(self) -> dict[str, Any]:
-        """`GET /get_model_info`: model path, weight version, architecture, ..."""
-        return (await self._request("GET", "/get_model_info")).json()
-
-    async def server_info(self) -> dict[str, Any]:
-        """`GET /get_server_info`: the server's launch arguments and runtime state."""
-        return (await self._request("GET", "/get_server_info")).json()
-
     async def list_models(self) -> list[ModelCard]:
         """`GET /v1/models`: the base model and every loaded adapter."""
         data = (await self._request("GET", "/v1/models")).json()

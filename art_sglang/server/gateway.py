@@ -258,7 +258,7 @@ class AdapterGateway:
                 self._start_error = exc
                 self._ready.set()
                 return
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self.port = runner.addresses[0][1]  # the port bound (a free one when asked for 0)
             self._ready.set()
             await self._stop.wait()
         finally:

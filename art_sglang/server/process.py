@@ -24,7 +24,7 @@ import httpx
 from tqdm import tqdm
 
 from art_sglang.config import KEEP_ALIVE_ENV, SGLANG_ENV_DEFAULTS, SGLangConfig
-from art_sglang.errors import ServerCrashedError, ServerStartError
+from art_sglang.errors import ServerStartError
 from art_sglang.process_tree import EXIT_GRACE_SECONDS, ManagedProcess, display_command, peek_exit_code
 
 Engine = Literal["sglang", "reference"]
@@ -254,15 +254,3 @@ class ServerProcess(ManagedProcess):
     def _release_auto_port(self) -> None:
         if self.config.port is None and self._port is not None:
             release_port(self._port)
-
-    async def restart(self) -> None:
-        """Stop and start again, on the same port when it is still free."""
-        await self.stop()
-        await self.start()
-
-    def check_alive(self) -> None:
-        """Raise `ServerCrashedError` (with the log tail) unless the server process is running."""
-        if self._popen is None:
-            raise ServerCrashedError(f"The {self.label} is not running (not started, or stopped).")
-        if not self.is_alive():
-            raise ServerCrashedError(self.describe_death("died"))

@@ -3,6 +3,8 @@ hold "@" (`model_store.name_problem`), so the last "@" separates the step."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 _SEPARATOR = "@"
 
 
@@ -26,3 +28,9 @@ def step_of(name: str) -> int:
     """The step of a served name, -1 for another form (sorts first)."""
     parsed = parse_served_name(name)
     return parsed[1] if parsed is not None else -1
+
+
+def steps_of(model: str, names: Iterable[str]) -> set[int]:
+    """The steps of `model` among served names."""
+    parsed = (parse_served_name(name) for name in names)
+    return {found[1] for found in parsed if found is not None and found[0] == model}

@@ -39,11 +39,6 @@ def has_adapter(path: Path) -> bool:
     return _all_files(path, (ADAPTER_CONFIG, ADAPTER_WEIGHTS)) and _parses_as_json(path / ADAPTER_CONFIG)
 
 
-def is_complete(path: Path) -> bool:
-    """All four files present and trainer_state.json readable (a checkpoint this trainer wrote)."""
-    return has_adapter(path) and _all_files(path, CHECKPOINT_FILES) and _parses_as_json(path / TRAINER_STATE)
-
-
 def _all_files(folder: Path, names: Iterable[str]) -> bool:
     return all((folder / name).is_file() for name in names)
 
@@ -85,11 +80,6 @@ def set_aside(path: Path) -> Path:
         target = target.with_name(f"{target.name.split('~')[0]}~{suffix}")
     os.replace(path, target)
     return target
-
-
-def latest_checkpoint(checkpoint_dir: Path) -> int | None:
-    steps = list_checkpoints(checkpoint_dir)
-    return steps[-1] if steps else None
 
 
 def remove_stale_temp_dirs(checkpoint_dir: Path) -> None:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -25,9 +25,7 @@ from .loss import ROW_MEAN_EPS, TokenInputs, sampled_token_logprobs, token_loss
 from .options import TrainOptions
 from .packing import plan_micro_batches
 from .tokenize import TokenizedSequence
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
+from .train_state import TrainState
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -45,11 +43,11 @@ class _Sums:
 
 
 class RowOptimizer:
-    """Runs the optimizer steps on the trainer's model and AdamW; keeps the KL reference adapters' weights
-    (read once per folder)."""
+    """Runs the optimizer steps on the trainer's model and AdamW (`state`); keeps the KL reference
+    adapters' weights (read once per folder)."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        self._trainer = trainer
+    def __init__(self, state: TrainState) -> None:
+        self._state = state
         self._reference_adapters: dict[str, dict[str, torch.Tensor]] = {}
 
     def optimize(
@@ -61,16 +59,16 @@ class RowOptimizer:
         progress: Progress,
     ) -> dict[str, float]:
         started = time.perf_counter()
-        cuda = self._trainer.device.type == "cuda"
+        cuda = self._state.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        self._trainer.model.train()
-        ranks = self._trainer.ranks
-        budget = self._trainer.config.micro_batch_tokens
+        self._state.model.train()
+        ranks = self._state.ranks
+        budget = self._state.config.micro_batch_tokens
         shares = [ranks.share(row, lambda s: len(s.input_ids)) for row in rows]
         if options.precalculate_logprobs:
             self._precalculate([s for share in shares for s in share])
-        max_norm = options.max_grad_norm or self._trainer.config.max_grad_norm or math.inf
+        max_norm = options.max_grad_norm or self._state.config.max_grad_norm or math.inf
         sums = _Sums()
         total = sum(len(plan_micro_batches(share, budget)) for share in shares)  # this rank's
         for row_index, (row, share) in enumerate(zip(rows, shares, strict=True)):
@@ -81,7 +79,7 @@ class RowOptimizer:
             if kl is not None:
                 (kl_sum,) = ranks.reduce([float(sum(k.sum() for k in kl))])
                 row_kl = kl_sum / (row_tokens + ROW_MEAN_EPS)
-            self._trainer.optimizer.zero_grad(set_to_none=True)
+            self._state.optimizer.zero_grad(set_to_none=True)
             row_loss = 0.0
             for index, batch in enumerate(batches):
                 row_loss += self._micro_batch(
@@ -89,8 +87,8 @@ class RowOptimizer:
                 )
                 sums.micro_batches += 1
                 progress({"phase": "train", "micro_batch": sums.micro_batches, "micro_batches": total})
-            (row_loss,) = ranks.sum_gradients(self._trainer.params, [row_loss])
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trainer.params, max_norm))
+            (row_loss,) = ranks.sum_gradients(self._state.params, [row_loss])
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self._state.params, max_norm))
             where = f"row {row_index + 1} of {len(rows)}"
             if not math.isfinite(row_loss):
                 raise TrainingError(
@@ -101,11 +99,11 @@ class RowOptimizer:
                     f"the gradient norm is not finite ({grad_norm}) in {where}; the step was not applied"
                 )
             multiplier = len(row) ** options.num_trajectories_learning_rate_multiplier_power
-            for group in self._trainer.optimizer.param_groups:
-                group.update(self._trainer.hyperparameters(options.learning_rate * multiplier))
-            self._trainer.optimizer.step()
-            self._trainer.optimizer.zero_grad(set_to_none=True)
-            if not all(bool(torch.isfinite(p).all()) for p in self._trainer.params):
+            for group in self._state.optimizer.param_groups:
+                group.update(self._state.hyperparameters(options.learning_rate * multiplier))
+            self._state.optimizer.step()
+            self._state.optimizer.zero_grad(set_to_none=True)
+            if not all(bool(torch.isfinite(p).all()) for p in self._state.params):
                 raise TrainingError(
                     f"the updated weights are not finite after {where} (learning rate "
                     f"{options.learning_rate * multiplier}); the step was not applied"
@@ -159,9 +157,7 @@ class RowOptimizer:
             old=flat([s.old_logprobs for s in batch], math.nan),
             advantages=flat([[s.advantage] * len(s.input_ids) for s in batch], 0.0),
             weights=flat([[s.weight] * len(s.input_ids) for s in batch], 0.0),
-            sequence=torch.arange(len(batch), device=self._trainer.device)[:, None].expand_as(sampled)[
-                sampled
-            ],
+            sequence=torch.arange(len(batch), device=self._state.device)[:, None].expand_as(sampled)[sampled],
             kl=kl,
             row_kl=row_kl,
             original=(
@@ -181,11 +177,10 @@ class RowOptimizer:
 
     def _tensors(self, batch: list[TokenizedSequence]) -> dict[str, Any]:
         width = max(len(s.input_ids) for s in batch)
-        pad = self._trainer.loaded.tokenizer.pad_token_id
         return {
             "width": width,
             "input_ids": self._padded(
-                [s.input_ids for s in batch], pad if pad is not None else 0, torch.long, width
+                [s.input_ids for s in batch], self._state.pad_token_id, torch.long, width
             ),
             "attention": self._padded([[1] * len(s.input_ids) for s in batch], 0, torch.long, width),
             "mask": self._padded([s.sampled_mask for s in batch], 0, torch.long, width),
@@ -193,11 +188,11 @@ class RowOptimizer:
 
     def _padded(self, rows: list[list[Any]], fill: Any, dtype: torch.dtype, width: int) -> torch.Tensor:
         return torch.tensor(
-            [r + [fill] * (width - len(r)) for r in rows], dtype=dtype, device=self._trainer.device
+            [r + [fill] * (width - len(r)) for r in rows], dtype=dtype, device=self._state.device
         )
 
     def _logprobs(self, tensors: dict[str, Any]) -> torch.Tensor:
-        logits = self._trainer.model(
+        logits = self._state.model(
             input_ids=tensors["input_ids"], attention_mask=tensors["attention"], use_cache=False
         ).logits
         return sampled_token_logprobs(logits, tensors["input_ids"], tensors["mask"])
@@ -218,7 +213,7 @@ class RowOptimizer:
         """The KL reference in place of the policy: the base model (adapter disabled) or another adapter's
         weights swapped in (and the policy's swapped back)."""
         if path is None:
-            with self._trainer.model.disable_adapter():
+            with self._state.model.disable_adapter():
                 yield
             return
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
@@ -227,20 +222,20 @@ class RowOptimizer:
         key = str(path.resolve())
         if key not in self._reference_adapters:
             self._reference_adapters[key] = load_file(
-                str(path / ckpt.ADAPTER_WEIGHTS), device=str(self._trainer.device)
+                str(path / ckpt.ADAPTER_WEIGHTS), device=str(self._state.device)
             )
-        policy = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self._trainer.model).items()}
-        set_peft_model_state_dict(self._trainer.model, self._reference_adapters[key])
+        policy = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self._state.model).items()}
+        set_peft_model_state_dict(self._state.model, self._reference_adapters[key])
         try:
             yield
         finally:
-            set_peft_model_state_dict(self._trainer.model, policy)
+            set_peft_model_state_dict(self._state.model, policy)
 
     @torch.no_grad()
     def _precalculate(self, sequences: list[TokenizedSequence]) -> None:
         """precalculate_logprobs: the policy's own logprobs before the step become the old logprobs; the
         sampler's are kept for truncated importance sampling. Each rank needs them for its own share only."""
-        for batch in plan_micro_batches(sequences, self._trainer.config.micro_batch_tokens):
+        for batch in plan_micro_batches(sequences, self._state.config.micro_batch_tokens):
             values = iter(self._logprobs(self._tensors(batch)).tolist())
             for s in batch:
                 s.sampler_logprobs = list(s.old_logprobs)

@@ -27,7 +27,8 @@ from ..errors import ConfigError, TrainingInputError
 from .validation import WireGroup, is_choice
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from .tokenize import ChatTokenizer
+    from .train_state import TrainState
 
 DEFAULT_BATCH_SIZE = 2  # ART LocalBackend's "auto"
 MAX_GRAD_NORM = 1.0
@@ -108,10 +109,13 @@ def as_target(trajectory: WireGroup) -> WireGroup:
 
 
 def run_sft(
-    trainer: Trainer, batches: list[SFTBatch], progress: Callable[[dict[str, Any]], None]
+    state: TrainState,
+    chat: ChatTokenizer,
+    batches: list[SFTBatch],
+    progress: Callable[[dict[str, Any]], None],
 ) -> dict[str, float]:
-    """Train the batches (one optimizer step each), reporting each batch's metrics through `progress`;
-    returns the call's summary."""
+    """Train the batches (one optimizer step each on `state`, tokenized by `chat`), reporting each batch's
+    metrics through `progress`; returns the call's summary."""
     import torch
 
     from .loss import sampled_token_logprobs
@@ -122,10 +126,10 @@ def run_sft(
     for index, batch in enumerate(batches):
         sequences, dropped = [], 0
         for position, trajectory in enumerate(batch.trajectories):
-            tokenized = trainer.chat.tokenize_trajectory(
+            tokenized = chat.tokenize_trajectory(
                 as_target(trajectory), group=index, index=position, stats=stats
             )
-            if any(len(s.input_ids) > trainer.config.max_seq_length for s in tokenized):
+            if any(len(s.input_ids) > state.config.max_seq_length for s in tokenized):
                 dropped += 1
                 continue
             sequences += [s for s in tokenized if s.num_sampled > 0]
@@ -135,7 +139,7 @@ def run_sft(
     if dropped_total:
         print(
             f"WARNING: dropped {dropped_total} SFT trajectories longer than max_seq_length="
-            f"{trainer.config.max_seq_length}",
+            f"{state.config.max_seq_length}",
             flush=True,
         )
     common = {
@@ -144,27 +148,27 @@ def run_sft(
         "data/step_num_dropped_trajectories": float(dropped_total),
         GRADIENT_STEPS: float(len(batches)),
     }
-    trainer.model.train()
+    state.model.train()
     losses = []
     for sequences, _, rate in prepared:
         started = time.perf_counter()
-        for group in trainer.optimizer.param_groups:
+        for group in state.optimizer.param_groups:
             group["lr"] = rate
         batch_tokens = sum(s.num_sampled for s in sequences)
         batch_loss, grad_norm = 0.0, 0.0
         if batch_tokens:
-            trainer.optimizer.zero_grad(set_to_none=True)
-            for sequence in trainer.ranks.share(sequences, lambda s: len(s.input_ids)):
-                input_ids = torch.tensor([sequence.input_ids], device=trainer.device)
-                mask = torch.tensor([sequence.sampled_mask], device=trainer.device)
-                logits = trainer.model(input_ids=input_ids, use_cache=False).logits
+            state.optimizer.zero_grad(set_to_none=True)
+            for sequence in state.ranks.share(sequences, lambda s: len(s.input_ids)):
+                input_ids = torch.tensor([sequence.input_ids], device=state.device)
+                mask = torch.tensor([sequence.sampled_mask], device=state.device)
+                logits = state.model(input_ids=input_ids, use_cache=False).logits
                 loss = -sampled_token_logprobs(logits, input_ids, mask).sum() / batch_tokens
                 loss.backward()
                 batch_loss += float(loss.detach())
-            (batch_loss,) = trainer.ranks.sum_gradients(trainer.params, [batch_loss])
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainer.params, MAX_GRAD_NORM))
-            trainer.optimizer.step()
-            trainer.optimizer.zero_grad(set_to_none=True)
+            (batch_loss,) = state.ranks.sum_gradients(state.params, [batch_loss])
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(state.params, MAX_GRAD_NORM))
+            state.optimizer.step()
+            state.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - started
         losses.append(batch_loss)
         progress(

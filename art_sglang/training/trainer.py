@@ -43,6 +43,7 @@ from .ranks import Ranks
 from .row_optimizer import Progress, RowOptimizer
 from .sft import SFTBatch, run_sft
 from .tokenize import ChatTokenizer, TokenizedSequence, tokenize_groups
+from .train_state import TrainState, adamw_settings
 from .validation import WireGroup, validate_groups
 
 logger = logging.getLogger(__name__)
@@ -76,24 +77,20 @@ class Trainer:
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # The learning rate is set per row; AdamW's moments persist across calls and checkpoints.
-        self.optimizer = torch.optim.AdamW(self.params, **self.hyperparameters(5e-6))
+        self.optimizer = torch.optim.AdamW(self.params, **adamw_settings(config, 5e-6))
         self.step = 0
         self.resumed = False
-        self._rows = RowOptimizer(self)
+        pad = self.loaded.tokenizer.pad_token_id
+        self.state = TrainState(
+            self.model, self.params, self.optimizer, self.ranks, config, self.device, pad or 0
+        )
+        self._rows = RowOptimizer(self.state)
         self.notes: list[str] = []  # what resume did differently (set aside, fresh optimizer), for the log
         self.last_mode: str | None = None  # "rl" or "sft": switching clears AdamW's moments, as ART does
 
     @property
     def device(self) -> torch.device:
         return self.loaded.device
-
-    def hyperparameters(self, learning_rate: float) -> dict[str, Any]:
-        return {
-            "lr": learning_rate,
-            "betas": (self.config.adam_beta1, self.config.adam_beta2),
-            "eps": self.config.adam_epsilon,
-            "weight_decay": self.config.weight_decay,
-        }
 
     # --- checkpoints ---------------------------------------------------------------------------------
     def resume_or_init(self) -> int:
@@ -230,7 +227,7 @@ class Trainer:
         self.enter_mode("sft")
         self.ranks.align_rng()
         try:
-            metrics = run_sft(self, batches, progress)
+            metrics = run_sft(self.state, self.chat, batches, progress)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
             raise

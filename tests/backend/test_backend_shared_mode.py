@@ -72,8 +72,8 @@ async def test_training_takes_the_server_away_and_gives_it_back(shared) -> None:
     groups = await sample_groups(model, seed=1)
 
     # Observe the server from inside the trainer's turn (the real trainer still does the work).
-    entry = backend._models[(model.project, model.name)]
-    real_train = entry.trainer.train
+    trainer = backend.trainer(model)
+    real_train = trainer.train
     seen: dict[str, Any] = {}
 
     async def observed_train(*args: Any, **kwargs: Any):
@@ -84,11 +84,11 @@ async def test_training_takes_the_server_away_and_gives_it_back(shared) -> None:
         seen["done_while_training"] = seen["waiting"].done()
         return await real_train(*args, **kwargs)
 
-    entry.trainer.train = observed_train  # type: ignore[method-assign]
+    trainer.train = observed_train  # type: ignore[method-assign]
     try:
         result = await backend.train(model, groups, learning_rate=1e-3, allow_training_without_logprobs=True)
     finally:
-        del entry.trainer.train
+        del trainer.train
     if strategy == "sleep":
         assert seen["alive"] and seen["released"] is True
         # "kv_cache" keeps the base weights on the server; "all" releases them too.

@@ -3,11 +3,14 @@ message naming the fix."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import psutil
 import pytest
 from pydantic import ValidationError
 
-from art_sglang import ConfigError, SGLangBackend, SGLangConfig, TrainerConfig
+import art_sglang as art
+from art_sglang import ConfigError, DeviceConfig, SGLangBackend, SGLangConfig, TrainerConfig
 from art_sglang.planning.backend_settings import BackendSettings
 from art_sglang.planning.devices import DeviceLayout
 from art_sglang.planning.serving_plan import ServingPlan
@@ -60,6 +63,30 @@ def test_bad_strategy_and_engine_names():
 def test_gpus_with_the_cpu_engine_are_refused():
     with pytest.raises(ConfigError, match="engine='reference' runs on CPU"):
         SGLangBackend(engine="reference", inference_device=0, training_devices=[1])
+
+
+def test_gpus_given_in_two_forms_are_refused():
+    # The GPU arguments are sugar for a DeviceConfig: naming GPUs in both is a clash, not a merge.
+    with pytest.raises(ConfigError, match=r"GPUs are set twice: .*training_devices.*inference_device"):
+        SGLangBackend(device_config=DeviceConfig(inference_device=0), training_devices=[1])
+    for others in ({"device_config": DeviceConfig()}, {"training_devices": [0]}, {"engine": "sglang"}):
+        with pytest.raises(ConfigError, match="layout= is a finished device layout: give it alone"):
+            SGLangBackend(layout=CPU_SHARED, **others)  # type: ignore[arg-type]
+    assert SGLangBackend(layout=CPU_SHARED, engine="reference").layout == CPU_SHARED
+
+
+async def test_gpus_in_internal_config_and_device_config_are_refused(tmp_path, tiny_model_path):
+    devices = DeviceConfig(inference_device=0, training_devices=[0], auto_detect=False)
+    async with SGLangBackend(path=str(tmp_path), device_config=devices) as backend:
+        model = art.TrainableModel(
+            name="m",
+            project="p",
+            base_model=str(tiny_model_path),
+            _internal_config={"trainer_gpu_ids": [0], "inference_gpu_ids": [0]},
+        )
+        with pytest.raises(ConfigError, match="SGLangBackend was given its devices too"):
+            await model.register(backend)
+        assert backend.inference is None
 
 
 def test_sleep_turns_on_the_memory_saver_and_refuses_it_switched_off():
@@ -161,10 +188,7 @@ def test_gpu_uuids_reach_the_children_unchanged(tmp_path):
 
 
 def _plan(layout: DeviceLayout, base_model: str = "m") -> ServingPlan:
-    settings = BackendSettings(
-        SGLangConfig(), TrainerConfig(), shared_strategy="sleep", device_config=None, engine="auto",
-        inference_device=None, training_devices=None, layout=layout,
-    )  # fmt: skip
+    settings = BackendSettings(SGLangConfig(), TrainerConfig(), layout=layout)
     return settings.plan(base_model)
 
 
@@ -198,6 +222,8 @@ def test_the_serving_plan_cannot_be_changed():
         plan.server_config.mem_fraction_static = 0.5
     with pytest.raises(ValidationError, match="frozen"):
         plan.replicas[0].configs[0].server_env = {"X": "1"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.layout.training_gpus = (1,)  # type: ignore[misc]
 
 
 def test_cuda_mps_on_where_it_cannot_apply_is_refused(monkeypatch, tmp_path):

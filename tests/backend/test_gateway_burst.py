@@ -70,10 +70,7 @@ async def test_bursts_with_hot_loads_between_lose_no_request(
     if engine == "sglang":  # the server on the first visible GPU, no trainer
         cuda_ids = tuple(g.cuda_id for g in detect_gpus().gpus)
         layout = DeviceLayout("split", "sglang", (0,), (), "burst test: one GPU", cuda_ids=cuda_ids)
-    settings = BackendSettings(
-        config, TrainerConfig(), shared_strategy="sleep", device_config=None, engine=engine,
-        inference_device=None, training_devices=None, layout=layout,
-    )  # fmt: skip
+    settings = BackendSettings(config, TrainerConfig(), engine=engine, layout=layout)
     service = InferenceService(
         settings.plan(str(tiny_model_path)), str(tiny_model_path), log_path=tmp_path / "server.log"
     )

@@ -26,10 +26,7 @@ async def _health_lines(log: Path, at_least: int) -> int:
 
 
 async def test_the_step_path_only_looks_for_a_dead_server(tiny_model_path: Path, tmp_path: Path) -> None:
-    settings = BackendSettings(
-        SGLangConfig(), TrainerConfig(), shared_strategy="sleep", device_config=None, engine="reference",
-        inference_device=None, training_devices=None, layout=None,
-    )  # fmt: skip
+    settings = BackendSettings(SGLangConfig(), TrainerConfig(), engine="reference")
     plan = settings.plan(str(tiny_model_path))
     service = InferenceService(plan, str(tiny_model_path), log_path=tmp_path / "server.log")
     servers = service.servers

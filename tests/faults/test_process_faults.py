@@ -54,8 +54,8 @@ async def test_server_killed_during_train_only_fails_requests_in_flight(faulty) 
     assert service is not None
     gateway = _gateway(model)
     groups = await sample_groups(model, seed=1)
-    entry = backend._models[(model.project, model.name)]
-    real_train = entry.trainer.train
+    trainer = backend.trainer(model)
+    real_train = trainer.train
     killed: dict[str, Any] = {}
 
     async def train_while_the_server_dies(*args: Any, **kwargs: Any):
@@ -82,11 +82,11 @@ async def test_server_killed_during_train_only_fails_requests_in_flight(faulty) 
             results.append((began, status))
 
     workers = [asyncio.create_task(rollouts()) for _ in range(4)]
-    entry.trainer.train = train_while_the_server_dies  # type: ignore[method-assign]
+    trainer.train = train_while_the_server_dies  # type: ignore[method-assign]
     try:
         result = await backend.train(model, groups, **TRAIN)
     finally:
-        del entry.trainer.train
+        del trainer.train
         await asyncio.sleep(0.5)
         stop.set()
         await asyncio.gather(*workers)
@@ -107,7 +107,7 @@ async def test_a_checkpoint_the_dead_trainer_never_reported_is_served(faulty) ->
     groups = await sample_groups(model, seed=2)
     # The trainer renamed checkpoint step+1 into place and died before reporting it.
     shutil.copytree(store.checkpoint_dir(step), store.checkpoint_dir(step + 1))
-    trainer = backend._models[(model.project, model.name)].trainer
+    trainer = backend.trainer(model)
     assert trainer.pid is not None
     os.kill(trainer.pid, signal.SIGKILL)
     while trainer.is_alive():
@@ -140,7 +140,7 @@ async def test_a_stopped_trainer_is_an_error_not_a_hang(faulty) -> None:
     backend, model, _ = faulty
     name = model.get_inference_name()
     groups = await sample_groups(model, seed=3)
-    trainer = backend._models[(model.project, model.name)].trainer
+    trainer = backend.trainer(model)
     pid = trainer.pid
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)

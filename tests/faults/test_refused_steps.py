@@ -76,7 +76,7 @@ async def test_a_step_whose_adapter_cannot_serve_is_refused(refusing) -> None:
 
 async def test_a_trainer_hung_after_saving_a_step_is_noticed_from_its_step_times(refusing) -> None:
     backend, model, store = refusing
-    trainer = backend._models[(model.project, model.name)].trainer
+    trainer = backend.trainer(model)
     step = await model.get_step()
     assert step >= 1 and trainer.pid is not None
     longest = max(row["time/train_s"] for row in read_rows(store.history) if "time/train_s" in row)

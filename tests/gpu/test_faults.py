@@ -135,8 +135,8 @@ async def test_a_first_step_moves_the_adapter_away_from_the_base_model(run: Run)
 async def test_server_killed_during_train_recovers_with_the_right_adapter(run: Run) -> None:
     backend, model = run.backend, run.model
     groups = await make_groups(model.openai_client(), "agent@1")
-    entry = backend._models[(model.project, model.name)]
-    real_train = entry.trainer.train
+    trainer = backend.trainer(model)
+    real_train = trainer.train
     killed: dict[str, Any] = {}
 
     async def train_while_the_server_dies(*args: Any, **kwargs: Any):
@@ -162,12 +162,12 @@ async def test_server_killed_during_train_recovers_with_the_right_adapter(run: R
 
     workers = [asyncio.create_task(rollouts()) for _ in range(ROLLOUT_WORKERS)]
     await asyncio.sleep(1.0)  # rollouts in flight when the server dies
-    entry.trainer.train = train_while_the_server_dies  # type: ignore[method-assign]
+    trainer.train = train_while_the_server_dies  # type: ignore[method-assign]
     started = time.monotonic()
     try:
         result = await backend.train(model, groups, learning_rate=LEARNING_RATE)
     finally:
-        del entry.trainer.train
+        del trainer.train
         returned = time.monotonic()
         await asyncio.sleep(1.0)
         stop.set()

@@ -15,12 +15,12 @@ def fill(folder: Path) -> None:
 
 
 def test_write_list_latest(tmp_path: Path) -> None:
-    assert ckpt.list_checkpoints(tmp_path / "none") == [] and ckpt.latest_checkpoint(tmp_path) is None
+    assert ckpt.list_checkpoints(tmp_path / "none") == [] and ckpt.list_checkpoints(tmp_path) == []
     for step in (0, 2, 10):
         path = ckpt.write_checkpoint(tmp_path, step, fill)
-        assert path == tmp_path / f"{step:04d}" and ckpt.is_complete(path)
+        assert path == tmp_path / f"{step:04d}"
+        assert sorted(f.name for f in path.iterdir()) == sorted(ckpt.CHECKPOINT_FILES)
     assert ckpt.list_checkpoints(tmp_path) == [0, 2, 10]
-    assert ckpt.latest_checkpoint(tmp_path) == 10
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0000", "0002", "0010"]  # no temp left
 
 
@@ -38,7 +38,6 @@ def test_partial_and_temp_folders_are_not_checkpoints(tmp_path: Path) -> None:
     (broken / ckpt.TRAINER_STATE).write_text("{trunc")
     # 0007's adapter is intact (it can be served); resume sets it aside for its trainer state.
     assert ckpt.list_checkpoints(tmp_path) == [1, 7]
-    assert not ckpt.is_complete(broken)
     ckpt.remove_stale_temp_dirs(tmp_path)
     assert not temp.exists()
     # A folder without an adapter at the target step is set aside, not deleted, by the complete write.
@@ -53,7 +52,7 @@ def test_adapter_only_folder_as_art_writes_it_is_a_checkpoint_and_never_replaced
     art_step.mkdir()
     for name in (ckpt.ADAPTER_CONFIG, ckpt.ADAPTER_WEIGHTS):
         (art_step / name).write_text("{}")
-    assert ckpt.list_checkpoints(tmp_path) == [3] and not ckpt.is_complete(art_step)
+    assert ckpt.list_checkpoints(tmp_path) == [3]
     with pytest.raises(FileExistsError):
         ckpt.write_checkpoint(tmp_path, 3, fill)
     assert sorted(f.name for f in art_step.iterdir()) == [ckpt.ADAPTER_CONFIG, ckpt.ADAPTER_WEIGHTS]

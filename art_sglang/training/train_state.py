@@ -1,0 +1,41 @@
+"""`TrainState`: what the optimizer steps of a call work on (row_optimizer.py for RL, sft.py for SFT) —
+the model, its trainable parameters and AdamW, the ranks and the trainer's settings — handed to them by
+the `Trainer` that owns it, so they need not know the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import TrainerConfig
+    from .ranks import Ranks
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """The trainer's model and optimizer as the optimizer steps see them (the objects, not copies)."""
+
+    model: Any  # a peft PeftModel (Unsloth returns one too)
+    params: list[torch.Tensor]  # the trainable ones (the adapter's)
+    optimizer: torch.optim.Optimizer
+    ranks: Ranks
+    config: TrainerConfig
+    device: torch.device
+    pad_token_id: int  # fills the rows of a micro-batch to one width
+
+    def hyperparameters(self, learning_rate: float) -> dict[str, Any]:
+        """AdamW's settings for a step at `learning_rate`."""
+        return adamw_settings(self.config, learning_rate)
+
+
+def adamw_settings(config: TrainerConfig, learning_rate: float) -> dict[str, Any]:
+    """AdamW's settings from the trainer's config (the learning rate is set per step)."""
+    return {
+        "lr": learning_rate,
+        "betas": (config.adam_beta1, config.adam_beta2),
+        "eps": config.adam_epsilon,
+        "weight_decay": config.weight_decay,
+    }
