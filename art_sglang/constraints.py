@@ -22,6 +22,7 @@ importance ratio of a constrained token is off from the first step. So:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -36,6 +37,11 @@ MAX_BIAS = 100.0  # OpenAI's bounds of a logit_bias value
 MASK_BIAS = 100.0  # what the gateway adds to each allowed id, in SGLang's logit_bias
 GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema")
 GrammarKind = Literal["regex", "ebnf", "json_schema"]
+
+
+def grammars_available() -> bool:
+    """Whether xgrammar is installed, so grammars can be replayed (grammars.py) and sampled (reference)."""
+    return importlib.util.find_spec("xgrammar") is not None
 
 
 class ConstraintError(ValueError):

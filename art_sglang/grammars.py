@@ -3,14 +3,14 @@ grammar backend: which tokens a grammar allows next and how it advances over a s
 replays a rollout's grammar over its sampled ids with it; the reference engine samples under it.
 
 xgrammar is optional (`pip install 'art-sglang[grammars]'`): without it `available()` is False, the
-trainer refuses grammar-constrained rollouts and the reference engine answers grammar requests with 400.
+trainer refuses grammar-constrained rollouts and the reference engine answers grammar requests with 400
+(`constraints.grammars_available()`, which needs no torch).
 The vocabulary is the model's (SGLang builds xgrammar's tokenizer info with the model config's vocab size
 and the model's end-of-sequence ids as stop tokens, which end a grammar once it is complete).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +24,6 @@ BITS = 32  # xgrammar's token bitmask packs 32 tokens in each int32
 
 class GrammarError(ValueError):
     """The grammar does not compile, or a token it does not allow was given to it."""
-
-
-def available() -> bool:
-    return importlib.util.find_spec("xgrammar") is not None
 
 
 class GrammarCompiler:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from art_sglang import grammars
-from art_sglang.constraints import GRAMMAR_FIELDS, constraint_of
+from art_sglang.constraints import GRAMMAR_FIELDS, constraint_of, grammars_available
 
 from .generation import GenerationRequest
 
@@ -53,7 +53,7 @@ def constrain(engine: ReferenceEngine, fields: Mapping[str, Any], requests: list
     for request in requests:
         request.sampling.logit_bias = dict(constraint.logit_bias)
         if constraint.grammar is not None:
-            if not grammars.available():
+            if not grammars_available():
                 raise ValueError(
                     f"a {constraint.grammar.kind} grammar needs xgrammar on the reference engine: "
                     "pip install 'art-sglang[grammars]'"

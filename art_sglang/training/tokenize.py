@@ -49,7 +49,7 @@ from typing import Any
 
 from .. import grammars
 from ..chat_format import template_tool_calls, template_tools
-from ..constraints import carried
+from ..constraints import carried, grammars_available
 from ..errors import TrainingInputError
 from ..grammars import TokenConstraint
 from ..token_bounds import longest_token_bytes, min_tokens
@@ -297,7 +297,7 @@ class ChatTokenizer:
         stats.constrained += 1
         base = constraint.without_grammar()
         eot_step = base if base is not None and eot is not None and base.allows(eot) else None
-        if constraint.grammar is None or not grammars.available():
+        if constraint.grammar is None or not grammars_available():
             return [base] * len(ids) + [eot_step]
         matcher = self._grammar_compiler().matcher(constraint.grammar)
         try:

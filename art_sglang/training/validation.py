@@ -19,8 +19,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .. import grammars
-from ..constraints import ALLOWED_FIELD, carried
+from ..constraints import ALLOWED_FIELD, carried, grammars_available
 from ..errors import TrainingInputError
 
 if TYPE_CHECKING:
@@ -193,7 +192,7 @@ def _validate_constraint(choice: WireGroup, where: str, train_unconstrained: boo
         return
     ids = sampled_ids(choice)
     problem = None
-    if constraint.grammar is not None and not grammars.available():
+    if constraint.grammar is not None and not grammars_available():
         problem = (
             f"it was sampled under a {constraint.grammar.kind} grammar, which this trainer replays only with "
             "xgrammar (pip install 'art-sglang[grammars]' where train() runs); without it its logprobs would "

@@ -17,8 +17,7 @@ from backend_helpers import server_with_adapter
 from openai import AsyncOpenAI
 from openai.types.chat.chat_completion import Choice
 
-from art_sglang import grammars
-from art_sglang.constraints import CONSTRAINT_FIELD
+from art_sglang.constraints import CONSTRAINT_FIELD, grammars_available
 from art_sglang.server.gateway import AdapterGateway
 from art_sglang.server.process import ServerProcess
 from art_sglang.training.loss import sampled_token_logprobs
@@ -125,7 +124,7 @@ async def test_a_logit_bias_is_honoured_and_trained_under(client, policy, chat_t
     assert all(unconstrained[i] < engine[i] - 1.0 for i in favoured_at)
 
 
-@pytest.mark.skipif(not grammars.available(), reason="needs xgrammar (the grammars extra)")
+@pytest.mark.skipif(not grammars_available(), reason="needs xgrammar (the grammars extra)")
 @pytest.mark.parametrize(
     ("extra", "pattern"),
     [
@@ -166,5 +165,5 @@ async def test_the_engine_refuses_a_grammar_that_does_not_compile(server) -> Non
     async with httpx.AsyncClient(base_url=server.base_url, timeout=60, trust_env=False) as http:
         response = await http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400
-    expected = "does not compile" if grammars.available() else "needs xgrammar"
+    expected = "does not compile" if grammars_available() else "needs xgrammar"
     assert expected in response.text
