@@ -148,7 +148,9 @@ def route(
         return constraint
     if rewrite(payload, served, token_ids=path in TOKEN_ID_PATHS) or constraint is not None:
         body = json.dumps(payload).encode()
-    return Forward(canonical, body, tuple(names), payload=payload, constraint=constraint)
+    # A stream (allowed on untrained models only) is relayed as it comes: it has no choices to annotate.
+    carried = None if payload.get("stream") else constraint
+    return Forward(canonical, body, tuple(names), payload=payload, constraint=carried)
 
 
 def parse_object(body: bytes) -> dict | Refuse:

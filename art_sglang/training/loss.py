@@ -124,15 +124,16 @@ def constrain_rows(rows: torch.Tensor, constraints: Sequence[TokenConstraint | N
     """The logits `rows` (one per sampled token, float32) with each token's sampling constraint applied as
     SGLang applied it before taking the logprob (constraints.py): its bias added, every token outside its
     allowed set or outside its grammar step's mask at -inf."""
-    plain: dict[SamplingConstraint, list[int]] = {}
+    # Grouped by object (a Choice's tokens share one): hashing a large allowed set per token would cost.
+    plain: dict[int, tuple[SamplingConstraint, list[int]]] = {}
     steps: list[int] = []
     for index, constraint in enumerate(constraints):
         if isinstance(constraint, GrammarStep):
             steps.append(index)
             constraint = constraint.base
         if constraint is not None:
-            plain.setdefault(constraint, []).append(index)
-    for constraint, where in plain.items():
+            plain.setdefault(id(constraint), (constraint, []))[1].append(index)
+    for constraint, where in plain.values():
         rows = _apply_constraint(rows, constraint, where)
     if steps:
         index = torch.tensor(steps, device=rows.device)

@@ -205,7 +205,8 @@ def _validate_constraint(choice: WireGroup, where: str, train_unconstrained: boo
             f"{where}: a constrained Choice ({constraint.describe()}) cannot be trained as sampled: {problem}. "
             "Pass train_unconstrained=True to train it without its constraint."
         )
-    outside = next((i for i in ids or () if not constraint.allows(i)), None)
+    allowed = set(constraint.allowed_token_ids) if constraint.allowed_token_ids is not None else None
+    outside = next((i for i in ids or () if allowed is not None and i not in allowed), None)
     if outside is not None:
         raise TrainingInputError(
             f"{where}: token {outside} of its token_ids is not in the {ALLOWED_FIELD} it was sampled with"
