@@ -299,8 +299,8 @@ class ChatTokenizer:
         eot_step = base if base is not None and eot is not None and base.allows(eot) else None
         if constraint.grammar is None or not grammars_available():
             return [base] * len(ids) + [eot_step]
-        matcher = self._grammar_compiler().matcher(constraint.grammar)
         try:
+            matcher = self._grammar_compiler().matcher(constraint.grammar)
             steps: list[TokenConstraint | None] = list(grammars.replay(matcher, ids, base))
         except grammars.GrammarError as exc:
             raise TrainingInputError(f"a {constraint.grammar.kind}-constrained choice: {exc}") from exc
