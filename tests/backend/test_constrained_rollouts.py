@@ -158,12 +158,17 @@ async def test_a_malformed_constraint_is_a_400(client, extra: dict, message: str
         await sample(client, max_tokens=2, **extra)
 
 
-async def test_the_engine_refuses_a_grammar_that_does_not_compile(server) -> None:
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"regex": "[0-9"}, "does not compile" if grammars_available() else "needs xgrammar"),
+        ({"logit_bias": {"99999": 1.0}}, "outside the vocabulary"),
+    ],
+)
+async def test_the_engine_refuses_what_it_cannot_sample_under(server, extra: dict, message: str) -> None:
     import httpx
 
-    body = {"model": "default", "messages": MESSAGES, "max_tokens": 2, "regex": "[0-9"}
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 2, **extra}
     async with httpx.AsyncClient(base_url=server.base_url, timeout=60, trust_env=False) as http:
         response = await http.post("/v1/chat/completions", json=body)
-    assert response.status_code == 400
-    expected = "does not compile" if grammars_available() else "needs xgrammar"
-    assert expected in response.text
+    assert response.status_code == 400 and message in response.text
