@@ -16,8 +16,9 @@ importance ratio of a constrained token is off from the first step. So:
   far its logit exceeds the allowed ones'), which is below float32's resolution for any real model; the
   trainer applies the exact mask.
 - The trainer (`training/loss.py`) adds the bias and masks to the allowed set on the logits of each
-  constrained sampled token before its log-softmax. A grammar is not replayed by this trainer: such a
-  rollout is refused, naming the grammar, unless the user trains with `train_unconstrained=True`.
+  constrained sampled token before its log-softmax; a grammar is replayed over the sampled ids with
+  xgrammar (grammars.py, optional). What it cannot reproduce (a grammar without xgrammar) is refused,
+  naming it, unless the user trains with `train_unconstrained=True`.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class Grammar(BaseModel):
 
 class SamplingConstraint(BaseModel):
     """What a choice was sampled under: `logit_bias` (token id → bias added to its logit), the
-    `allowed_token_ids` (every other token masked), a `grammar`. Hashable, so equal constraints share work."""
+    `allowed_token_ids` (every other token masked), a `grammar`."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -109,6 +110,11 @@ def constraint_of(payload: Mapping[str, Any]) -> SamplingConstraint | None:
             f"Use logit_bias, {ALLOWED_FIELD} or a regex/ebnf/json_schema grammar.",
             "custom_logit_processor",
         )
+    if payload.get("structural_tag") is not None:
+        raise ConstraintError(
+            "structural_tag is not supported: the trainer could not reproduce its constraint on the logprobs",
+            "structural_tag",
+        )
     bias = _logit_bias(payload.get("logit_bias"))
     allowed = _allowed(payload.get(ALLOWED_FIELD))
     if allowed is not None:
@@ -128,7 +134,7 @@ def constraint_of(payload: Mapping[str, Any]) -> SamplingConstraint | None:
 
 
 def _token_id(value: Any, where: str) -> int:
-    if isinstance(value, str) and value.isdigit():
+    if isinstance(value, str) and value.isascii() and value.isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConstraintError(f"{where} takes token ids (non-negative integers), got {value!r}", where)
@@ -170,10 +176,8 @@ def _grammar(payload: Mapping[str, Any]) -> Grammar | None:
         source = payload.get(kind)
         if source is None:
             continue
-        if kind == "json_schema" and isinstance(source, dict):
-            source = json.dumps(source)
         if not isinstance(source, str) or not source:
-            raise ConstraintError(f"{kind} must be a non-empty string", kind)
+            raise ConstraintError(f"{kind} must be a non-empty string (as SGLang takes it)", kind)
         found.append(Grammar(kind=kind, source=source))
     response_format = payload.get("response_format")
     if response_format is not None:

@@ -24,7 +24,7 @@ from .generation import GenerationRequest
 if TYPE_CHECKING:
     from .engine import ReferenceEngine
 
-_FIELDS = ("logit_bias", "custom_logit_processor", "response_format", *GRAMMAR_FIELDS)
+_FIELDS = ("logit_bias", "custom_logit_processor", "response_format", "structural_tag", *GRAMMAR_FIELDS)
 
 
 class StructuredGrammar:
