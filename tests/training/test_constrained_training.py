@@ -14,14 +14,14 @@ from openai.types.chat.chat_completion import Choice
 
 from art_sglang import grammars
 from art_sglang.config import TrainerConfig
-from art_sglang.constraints import CONSTRAINT_FIELD, Grammar, SamplingConstraint
+from art_sglang.constraints import CONSTRAINT_FIELD, Grammar, SamplingConstraint, carried
 from art_sglang.errors import TrainingInputError
 from art_sglang.training.loss import constrain_rows
 from art_sglang.training.options import TrainOptions
 from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats
 from art_sglang.training.trainer import Trainer
 from art_sglang.training.validation import groups_to_wire, validate_groups
-from art_sglang.trajectories import Trajectory, TrajectoryGroup
+from art_sglang.trajectories import Trajectory, TrajectoryGroup, coerce_groups
 
 
 def constrained_choice(
@@ -145,3 +145,24 @@ def test_a_grammar_without_xgrammar_is_refused_naming_it_unless_trained_unconstr
     )
     sampled = [c for c, m in zip(sequence.constraints or [], sequence.sampled_mask, strict=True) if m]
     assert sampled == [SamplingConstraint(logit_bias=((5, 2.0),))] * 2
+
+
+def test_the_constraint_survives_the_json_round_trip_of_arts_objects(tokenizer: Any) -> None:
+    # ART's (openpipe-art) groups reach train() through their JSON form (trajectories.coerce_groups).
+    choice = constrained_choice(tokenizer, [5, 6], [-1.0, -1.0], {"allowed_token_ids": [5, 6, 7]})
+    group = TrajectoryGroup([Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, choice])])
+    [again] = coerce_groups([_Foreign(group.model_dump(mode="json"))])
+    [wire] = groups_to_wire([again])
+    carried_back = carried(wire["trajectories"][0]["messages_and_choices"][1], "choice")
+    assert carried_back == SamplingConstraint(allowed_token_ids=(5, 6, 7))
+
+
+class _Foreign:
+    """Stands in for another library's group: what coerce_groups reads is `trajectories` and `model_dump`."""
+
+    def __init__(self, dumped: dict[str, Any]) -> None:
+        self._dumped = dumped
+        self.trajectories = dumped["trajectories"]
+
+    def model_dump(self) -> dict[str, Any]:
+        return self._dumped
