@@ -308,7 +308,7 @@ class SGLangBackend:
         train_options = TrainOptions.from_keywords(options)
         groups = groups_to_wire(coerce_groups(trajectory_groups))
         # Checked here, before the GPU handoff, so bad input never takes the server away.
-        validate_groups(groups, allow_training_without_logprobs=train_options.allow_training_without_logprobs)
+        validate_groups(groups, **train_options.input_rules())
         entry = self._entry(model)
         check_row_length(train_options, entry.trainer.config)
         if entry.pipelined and (problem := self._pipelining_problem()) is not None:

@@ -53,6 +53,10 @@ class CallGrammar:
         if self.state is not None:
             self.state = self._advance(self.state, text)
 
+    def advance(self, token: int) -> None:
+        """Move past a chosen token."""
+        self.accept(self._token_texts[token])
+
     def _advance(self, state: State, text: str) -> State | None:
         for char in text:
             next_state = self._step(state, char)

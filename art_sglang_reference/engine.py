@@ -28,6 +28,7 @@ from art_sglang.token_bounds import longest_token_bytes, min_tokens
 
 from .adapters import BASE_KEY, AdapterRegistry, LoadedAdapter, adapter_rank
 from .cli import ServerArgs
+from .constrained import biased
 from .generation import FinishReason, GenerationRequest, GenerationResult, TextTracker, TokenLogprob
 from .prefix_cache import PrefixCache
 from .sampling import choose_token, logprobs_of
@@ -273,6 +274,8 @@ class ReferenceEngine:
             next_logits = logits[-1]
             finish = FinishReason("length", length=0)
             while len(output_ids) < max_new:
+                if options.logit_bias:
+                    next_logits = biased(next_logits, options.logit_bias)
                 if request.grammar is not None:
                     # Masked before the logprobs, as SGLang applies a grammar's mask to the logits.
                     allowed = request.grammar.mask(stop_ids)
@@ -283,7 +286,7 @@ class ReferenceEngine:
                 logprobs = logprobs_of(next_logits, options)
                 token = choose_token(logprobs, options, generator)
                 if request.grammar is not None:
-                    request.grammar.accept(self.token_text(token))
+                    request.grammar.advance(token)
                 entry = self._logprob_entry(logprobs, token, request.top_logprobs)
                 output_ids.append(token)
                 output_logprobs.append(entry)

@@ -6,11 +6,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .adapters import LoadedAdapter
 from .call_grammar import CallGrammar
 from .sampling import SamplingOptions
+
+if TYPE_CHECKING:
+    from .constrained import StructuredGrammar
 
 
 @dataclass
@@ -47,7 +50,8 @@ class GenerationRequest:
     input_logprob_start: int | None = None  # None: no prompt logprobs
     on_delta: DeltaCallback | None = None  # streamed text pieces (and the token they came with)
     abort: threading.Event | None = None
-    grammar: CallGrammar | None = None  # tokens that leave it are masked (tool_choice "required"/named)
+    # Tokens that leave it are masked: tool_choice "required"/named, or a regex/ebnf/json_schema grammar.
+    grammar: CallGrammar | StructuredGrammar | None = None
 
 
 @dataclass

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import tool_calls
 from .call_grammar import CallGrammar
+from .constrained import constrain
 from .engine import ReferenceEngine
 from .generation import GenerationRequest, GenerationResult
 from .http_common import (
@@ -88,8 +89,8 @@ def requested_adapter(model: str, lora_path: str | None) -> str | None:
 def _choices(
     engine: ReferenceEngine, prompt_ids: list[int], sampling: SamplingOptions, body: Any, top: int
 ) -> list[GenerationRequest]:
-    """n requests for one prompt; a seeded request gives choice i the seed `seed + i`. An adapter that is
-    not loaded is reloaded or refused here, before anything streams."""
+    """n requests for one prompt, under the body's sampling constraint; a seeded request gives choice i the
+    seed `seed + i`. An adapter that is not loaded is reloaded or refused here, before anything streams."""
     adapter = requested_adapter(body.model, body.lora_path)
     engine.resolve_adapter(adapter)
     requests = []
@@ -98,6 +99,7 @@ def _choices(
         if sampling.seed is not None:
             options.seed = sampling.seed + i
         requests.append(GenerationRequest(prompt_ids, options, adapter_name=adapter, top_logprobs=top))
+    constrain(engine, body.model_extra or {}, requests)
     return requests
 
 

@@ -26,6 +26,7 @@ class SamplingOptions:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits before temperature
 
     def verify(self) -> None:
         """Reject values SGLang rejects, with SGLang's messages."""

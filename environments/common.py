@@ -85,7 +85,9 @@ async def complete(
 ) -> Any:
     """One chat completion on the model's current step with what training needs: logprobs, and the ids
     the server sampled, so the trainer trains on exactly them (the gateway asks for them on its own;
-    asking here too keeps a rollout without the gateway exact). `options` go to the request as given."""
+    asking here too keeps a rollout without the gateway exact). `options` go to the request as given,
+    `extra_body` merged with ours."""
+    extra_body = {"return_token_ids": True, **options.pop("extra_body", {})}
     return await model.openai_client().chat.completions.create(
         model=model.get_inference_name(),
         messages=messages,
@@ -93,7 +95,7 @@ async def complete(
         temperature=temperature,
         logprobs=True,
         seed=seed,
-        extra_body={"return_token_ids": True},
+        extra_body=extra_body,
         **options,
     )
 

@@ -16,6 +16,8 @@ server) plus what the backend needs to take the server away safely:
   checkpoint is on disk); the request goes on if it returns True, else it is answered 404.
 - Bodies over `max_body_bytes` are refused with 413 before they are read to the end; malformed JSON is a
   400 from the gateway.
+- A request with a sampling constraint is answered whole, each choice carrying the constraint
+  (`gateway_rules.with_constraint`).
 - With `share_window` set, requests that follow another with the same prompt wait until one prefill-only
   request computed it (`prefill_sharing`), so the server does not compute it once per request.
 
@@ -36,7 +38,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import aiohttp
 from aiohttp import web
 
-from .gateway_rules import Forward, Refuse, Served, error, route
+from .gateway_rules import Forward, Refuse, Served, error, route, with_constraint
 from .prefill_sharing import Answer, PrefillCounters, PrefillSharing, bad_gateway, prompt_key
 
 logger = logging.getLogger(__name__)
@@ -325,6 +327,12 @@ class AdapterGateway:
         return headers
 
     async def _forward(self, request: web.Request, decision: Forward) -> web.StreamResponse:
+        if decision.constraint is not None:
+            # Read whole, so each choice can carry its constraint to training.
+            answer = await self._exchange(decision, self._upstream_headers(request))
+            if answer.status == 200:
+                answer = Answer(answer.status, with_constraint(answer.body, decision.constraint))
+            return _answer(answer)
         upstream = await self._send(request.method, decision, self._upstream_headers(request))
         if isinstance(upstream, Answer):
             return _answer(upstream)

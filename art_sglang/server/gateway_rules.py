@@ -17,6 +17,10 @@ success. So:
   echoes the name the client sent), an alias (merged weights) is rewritten to the base id, the base
   model's ids pass, and any other name is a 404 in OpenAI's error shape listing the loaded adapters.
 - `n > 1` on an adapter is a 400: SGLang 0.5.17 then never releases the adapter (it cannot be unloaded).
+- Sampling constraints (constraints.py): malformed ones are a 400, `custom_logit_processor` always (it is
+  dill-deserialized Python); `allowed_token_ids` is forwarded as SGLang's `logit_bias`; the canonical
+  constraint goes in `Forward.constraint`, which the gateway attaches to each returned choice. A streamed
+  constrained request on a trained model is a 400: its chunks could not carry the constraint to training.
 - A non-streaming chat or text completion on an adapter (or an alias) also gets `return_token_ids: true`
   unless the client set the field itself, so each Choice carries the ids the server sampled and the
   trainer trains on exactly those instead of re-tokenizing the text. (SGLang 0.5.17's stream chunks are
@@ -31,6 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
+
+from ..constraints import ALLOWED_FIELD, CONSTRAINT_FIELD, ConstraintError, SamplingConstraint, constraint_of
 
 # Paths whose body names a model; the first two can carry the sampled ids (`return_token_ids`).
 INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
@@ -68,13 +74,14 @@ class Served:
 class Forward:
     """Send `body` to the server as `method path?query`; `names` are the models it asks for; `read`: a
     read-only request (model list, health); `payload`: the body as parsed (inference routes), so later
-    steps need not parse it again."""
+    steps need not parse it again; `constraint`: the sampling constraint to attach to each choice."""
 
     path: str
     body: bytes
     names: tuple[str, ...] = ()
     read: bool = False
     payload: Mapping[str, Any] | None = field(default=None, compare=False)
+    constraint: SamplingConstraint | None = None
 
 
 @dataclass(frozen=True)
@@ -136,9 +143,14 @@ def route(
             "prompt once."
         )
         return Refuse(400, error(message, "n_with_adapter", "n"))
-    if rewrite(payload, served, token_ids=path in TOKEN_ID_PATHS):
+    constraint = constrain(payload, served, completions=path in TOKEN_ID_PATHS)
+    if isinstance(constraint, Refuse):
+        return constraint
+    if rewrite(payload, served, token_ids=path in TOKEN_ID_PATHS) or constraint is not None:
         body = json.dumps(payload).encode()
-    return Forward(canonical, body, tuple(names), payload=payload)
+    # A stream (allowed on untrained models only) is relayed as it comes: it has no choices to annotate.
+    carried = None if payload.get("stream") else constraint
+    return Forward(canonical, body, tuple(names), payload=payload, constraint=carried)
 
 
 def parse_object(body: bytes) -> dict | Refuse:
@@ -165,6 +177,32 @@ def requested_names(payload: dict) -> list[str]:
         elif isinstance(value, list):
             names.extend(item for item in value if isinstance(item, str))
     return names
+
+
+def constrain(payload: dict, served: Served, *, completions: bool) -> SamplingConstraint | Refuse | None:
+    """The request's sampling constraint, with `payload` rewritten to what SGLang samples it by; a 400 for
+    a malformed one. /generate is only checked for a custom logit processor (its answers are not Choices,
+    so no constraint travels from them to training)."""
+    if not completions:
+        payload = {"custom_logit_processor": payload.get("custom_logit_processor")}
+    try:
+        constraint = constraint_of(payload)
+    except ConstraintError as exc:
+        return Refuse(400, error(str(exc), "invalid_constraint", exc.param))
+    if constraint is None or not completions:
+        return None
+    if payload.get("stream") and any(served.is_trained(name) for name in requested_names(payload)):
+        message = (
+            f"a streamed request with a sampling constraint ({constraint.describe()}) is refused on a trained "
+            "model: the stream cannot carry the constraint to the trainer, which must compute the sampled "
+            "tokens' logprobs under it. Send it without stream."
+        )
+        return Refuse(400, error(message, "stream_with_constraint", "stream"))
+    payload.pop(ALLOWED_FIELD, None)
+    bias = constraint.forwarded_bias()
+    if bias:
+        payload["logit_bias"] = bias
+    return constraint
 
 
 def rewrite(payload: dict, served: Served, *, token_ids: bool) -> bool:
@@ -204,3 +242,19 @@ def rewrite(payload: dict, served: Served, *, token_ids: bool) -> bool:
 def error(message: str, code: str, param: str | None = None) -> dict:
     # OpenAI's error shape, so the openai client raises NotFoundError/APIStatusError with this message.
     return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+
+
+def with_constraint(body: bytes, constraint: SamplingConstraint) -> bytes:
+    """A completion's JSON body with `constraint` on each choice (`art_constraint`); other bodies as they are."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return body
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    if not isinstance(choices, list):
+        return body
+    carried = constraint.model_dump(mode="json")
+    for choice in choices:
+        if isinstance(choice, dict):
+            choice[CONSTRAINT_FIELD] = carried
+    return json.dumps(payload).encode()

@@ -16,10 +16,14 @@ Per token, with r = exp(new − old) (old = new, detached, where the sampler gav
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ..constraints import SamplingConstraint
+from ..errors import TrainingInputError
+from ..grammars import BITS, GrammarStep, TokenConstraint, unpack
 from .options import TrainOptions
 
 SEQUENCE_MEAN_EPS = 1e-8  # as art.utils.group_aggregate
@@ -99,10 +103,65 @@ def _sequence_mean(values: torch.Tensor, sequence: torch.Tensor) -> torch.Tensor
     return (sums / (counts + SEQUENCE_MEAN_EPS))[sequence]
 
 
-def sampled_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Logprobs of the tokens where `mask` is 1, flat in row-major order. Logits at t predict token t+1;
-    only the selected rows are upcast to float32 (the full-vocab float copy would not fit on a GPU)."""
+def sampled_token_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    constraints: Sequence[TokenConstraint | None] | None = None,
+) -> torch.Tensor:
+    """Logprobs of the tokens where `mask` is 1, flat in row-major order, each under its sampling
+    constraint when `constraints` (same order) gives one. Logits at t predict token t+1; only the selected
+    rows are upcast to float32 (the full-vocab float copy would not fit on a GPU)."""
     select = mask[:, 1:].bool()
     rows = logits[:, :-1][select].float()
+    if constraints is not None and any(c is not None for c in constraints):
+        rows = constrain_rows(rows, constraints)
     targets = input_ids[:, 1:][select]
     return rows.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+
+
+def constrain_rows(rows: torch.Tensor, constraints: Sequence[TokenConstraint | None]) -> torch.Tensor:
+    """The logits `rows` (one per sampled token, float32) with each token's sampling constraint applied as
+    SGLang applied it before taking the logprob (constraints.py): its bias added, every token outside its
+    allowed set or outside its grammar step's mask at -inf."""
+    # Grouped by object (a Choice's tokens share one): hashing a large allowed set per token would cost.
+    plain: dict[int, tuple[SamplingConstraint, list[int]]] = {}
+    steps: list[int] = []
+    for index, constraint in enumerate(constraints):
+        if isinstance(constraint, GrammarStep):
+            steps.append(index)
+            constraint = constraint.base
+        if constraint is not None:
+            plain.setdefault(id(constraint), (constraint, []))[1].append(index)
+    for constraint, where in plain.values():
+        rows = _apply_constraint(rows, constraint, where)
+    if steps:
+        index = torch.tensor(steps, device=rows.device)
+        packed = torch.stack([constraints[i].bitmask for i in steps]).to(rows.device)  # type: ignore[union-attr]
+        bits = unpack(packed, min(rows.shape[-1], packed.shape[-1] * BITS))
+        allowed = torch.zeros(len(steps), rows.shape[-1], dtype=torch.bool, device=rows.device)
+        allowed[:, : bits.shape[-1]] = bits  # tokens past the grammar's vocabulary are never allowed
+        rows = rows.index_copy(0, index, rows.index_select(0, index).masked_fill(~allowed, float("-inf")))
+    return rows
+
+
+def _apply_constraint(rows: torch.Tensor, constraint: SamplingConstraint, where: list[int]) -> torch.Tensor:
+    vocab = rows.shape[-1]
+    ids = [t for t, _ in constraint.logit_bias] + list(constraint.allowed_token_ids or ())
+    if ids and max(ids) >= vocab:
+        raise TrainingInputError(
+            f"a rollout's constraint ({constraint.describe()}) names token {max(ids)}, outside the "
+            f"model's vocabulary (0..{vocab - 1})"
+        )
+    index = torch.tensor(where, device=rows.device)
+    picked = rows.index_select(0, index)
+    if constraint.logit_bias:
+        tokens, values = zip(*constraint.logit_bias, strict=True)
+        bias = torch.zeros(vocab, dtype=rows.dtype, device=rows.device)
+        bias[list(tokens)] = torch.tensor(values, dtype=rows.dtype, device=rows.device)
+        picked = picked + bias
+    if constraint.allowed_token_ids is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool, device=rows.device)
+        keep[list(constraint.allowed_token_ids)] = True
+        picked = picked.masked_fill(~keep, float("-inf"))
+    return rows.index_copy(0, index, picked)

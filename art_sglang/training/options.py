@@ -90,6 +90,11 @@ class TrainOptions(BaseModel):
     allow_training_without_logprobs: bool = Field(
         False, description="Train Choices without sampler logprobs (ratio 1 for their tokens)."
     )
+    train_unconstrained: bool = Field(
+        False,
+        description="Train Choices whose sampling constraint the trainer cannot reproduce (a grammar, or "
+        "a constrained Choice without token_ids) as if unconstrained; False refuses them.",
+    )
     plot_tensors: bool = _refused(False, "see the metrics in TrainResult and history.jsonl")
     truncated_importance_sampling: float | None = Field(
         None, gt=0, description="Multiply each token's loss by min(ratio, this), detached."
@@ -155,6 +160,13 @@ class TrainOptions(BaseModel):
     @property
     def scales_rewards(self) -> bool:
         return self.scale_rewards and self.normalize_advantages
+
+    def input_rules(self) -> dict[str, bool]:
+        """The keywords of `validate_groups` these options set."""
+        return {
+            "allow_training_without_logprobs": self.allow_training_without_logprobs,
+            "train_unconstrained": self.train_unconstrained,
+        }
 
     @classmethod
     def from_keywords(cls, options: dict[str, Any]) -> TrainOptions:

@@ -24,7 +24,7 @@ from . import checkpoints as ckpt
 from .loss import ROW_MEAN_EPS, TokenInputs, sampled_token_logprobs, token_loss
 from .options import TrainOptions
 from .packing import plan_micro_batches
-from .tokenize import TokenizedSequence
+from .tokenize import TokenizedSequence, sampled_constraints
 from .train_state import TrainState
 
 Progress = Callable[[dict[str, Any]], None]
@@ -184,6 +184,7 @@ class RowOptimizer:
             ),
             "attention": self._padded([[1] * len(s.input_ids) for s in batch], 0, torch.long, width),
             "mask": self._padded([s.sampled_mask for s in batch], 0, torch.long, width),
+            "constraints": sampled_constraints(batch),
         }
 
     def _padded(self, rows: list[list[Any]], fill: Any, dtype: torch.dtype, width: int) -> torch.Tensor:
@@ -195,7 +196,7 @@ class RowOptimizer:
         logits = self._state.model(
             input_ids=tensors["input_ids"], attention_mask=tensors["attention"], use_cache=False
         ).logits
-        return sampled_token_logprobs(logits, tensors["input_ids"], tensors["mask"])
+        return sampled_token_logprobs(logits, tensors["input_ids"], tensors["mask"], tensors["constraints"])
 
     @torch.no_grad()
     def _row_kl(self, batches: list[list[TokenizedSequence]], reference: Path | None) -> list[torch.Tensor]:

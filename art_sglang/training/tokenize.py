@@ -20,6 +20,11 @@ already end with one) and the trailer. Its logprob entries align 1:1 with the id
 the end-of-turn token's (validation.py has checked the count). Counted in `tokenize/exact_ids`. Choices
 without ids (servers that do not return them) take the re-tokenization path below.
 
+Constraints: a Choice carrying `art_constraint` (constraints.py; only with its ids, validation.py checks)
+marks each of its sampled tokens with the constraint, which the trainer applies to their logits. A grammar
+is replayed over the ids with xgrammar (grammars.py): each token gets the mask of its position. Without
+xgrammar a grammar reaches here only when the user trains without it (`train_unconstrained`): dropped.
+
 Sampler logprobs of a choice without ids (validation.py has already checked that they spell the content). Let N be the number
 of entries that spell the content and M the number of re-tokenized content tokens:
 - N == M: the entries are the old logprobs of the content tokens; a trailing stop-token entry, when
@@ -42,8 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import grammars
 from ..chat_format import template_tool_calls, template_tools
+from ..constraints import carried, grammars_available
 from ..errors import TrainingInputError
+from ..grammars import TokenConstraint
 from ..token_bounds import longest_token_bytes, min_tokens
 from .validation import (
     WireGroup,
@@ -72,10 +80,25 @@ class TokenizedSequence:
     advantage: float = 0.0
     weight: float = 0.0  # the trajectory's token weight (advantages.py)
     sampler_logprobs: list[float] | None = None  # set when old_logprobs were precalculated
+    # Per token, the sampling constraint it was drawn under (constraints.py); None: no token has one.
+    constraints: list[TokenConstraint | None] | None = None
 
     @property
     def num_sampled(self) -> int:
         return sum(self.sampled_mask)
+
+
+def sampled_constraints(batch: list[TokenizedSequence]) -> list[TokenConstraint | None] | None:
+    """The constraint of each sampled token after the first position (the tokens a forward pass scores),
+    in the batch's row-major order; None when no token of the batch has one."""
+    if all(s.constraints is None for s in batch):
+        return None
+    return [
+        s.constraints[t] if s.constraints is not None else None
+        for s in batch
+        for t in range(1, len(s.input_ids))
+        if s.sampled_mask[t]
+    ]
 
 
 @dataclass
@@ -84,6 +107,7 @@ class TokenizeStats:
     no_logprobs: int = 0
     choices: int = 0
     exact_ids: int = 0
+    constrained: int = 0
     too_long_skipped: int = 0
 
     def metrics(self) -> dict[str, float]:
@@ -91,6 +115,7 @@ class TokenizeStats:
             "tokenize/too_long_skipped": float(self.too_long_skipped),
             "tokenize/choices": float(self.choices),
             "tokenize/exact_ids": float(self.exact_ids),
+            "tokenize/constrained": float(self.constrained),
             "tokenize/retokenized": float(self.choices - self.exact_ids),
             "tokenize/logprob_mismatch": float(self.logprob_mismatch),
             "tokenize/no_logprobs": float(self.no_logprobs),
@@ -102,12 +127,31 @@ class _Builder:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    constraints: list[TokenConstraint | None] = field(default_factory=list)
     rendered: str = ""
 
-    def add(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
+    def add(
+        self,
+        ids: list[int],
+        sampled: bool,
+        logprobs: list[float] | None = None,
+        constraints: list[TokenConstraint | None] | None = None,
+    ) -> None:
         self.ids += ids
         self.mask += [int(sampled)] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [NAN] * len(ids)
+        self.constraints += constraints if constraints is not None and sampled else [None] * len(ids)
+
+    def sequence(self, group: int, index: int) -> TokenizedSequence:
+        constrained = any(c is not None for c in self.constraints)
+        return TokenizedSequence(
+            self.ids,
+            self.mask,
+            self.logprobs,
+            group,
+            index,
+            constraints=self.constraints if constrained else None,
+        )
 
 
 class ChatTokenizer:
@@ -119,8 +163,12 @@ class ChatTokenizer:
         *,
         end_of_turn_ids: list[int] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # The model's vocabulary (SGLang builds its grammar masks over it); None: the tokenizer's.
+        self.vocab_size = vocab_size
+        self._grammars: grammars.GrammarCompiler | None = None
         ids = end_of_turn_ids if end_of_turn_ids is not None else [tokenizer.eos_token_id]
         self.end_of_turn = {tokenizer.convert_ids_to_tokens(i): i for i in ids if i is not None}
         # The chat_template_kwargs rollouts send with every request, so training renders what sampling saw.
@@ -130,16 +178,20 @@ class ChatTokenizer:
     def for_model(
         cls, tokenizer: Any, model_path: str | Path, *, template_kwargs: dict[str, Any] | None = None
     ) -> ChatTokenizer:
-        """End-of-turn tokens = the tokenizer's EOS plus generation_config.json's eos_token_id(s)."""
+        """End-of-turn tokens = the tokenizer's EOS plus generation_config.json's eos_token_id(s); the
+        vocabulary size is config.json's."""
         ids = [tokenizer.eos_token_id]
         config = Path(model_path) / "generation_config.json"
         if config.exists():
             extra = json.loads(config.read_text()).get("eos_token_id")
             ids += extra if isinstance(extra, list) else [extra]
+        model_config = Path(model_path) / "config.json"
+        vocab = json.loads(model_config.read_text()).get("vocab_size") if model_config.exists() else None
         return cls(
             tokenizer,
             end_of_turn_ids=list(dict.fromkeys(i for i in ids if i is not None)),
             template_kwargs=template_kwargs,
+            vocab_size=vocab if isinstance(vocab, int) else None,
         )
 
     def tokenize_trajectory(
@@ -179,7 +231,7 @@ class ChatTokenizer:
             current.rendered = full if completion is not None else ""
         if current.ids:
             done.append(current)
-        return [TokenizedSequence(b.ids, b.mask, b.logprobs, group, index) for b in done]
+        return [b.sequence(group, index) for b in done]
 
     def _add_choice(
         self, builder: _Builder, choice: WireGroup, completion: str | None, stats: TokenizeStats
@@ -220,16 +272,49 @@ class ChatTokenizer:
     ) -> None:
         """The sampled ids as they are, their logprob entries 1:1 (a further entry is the stop token's)."""
         stats.exact_ids += 1
+        steps = self._constraint_steps(choice, ids, eot, stats)
         entries = logprob_entries(choice)
         if entries is None:
             stats.no_logprobs += 1
         lps = [float(e["logprob"]) for e in entries] if entries is not None else [NAN] * (len(ids) + 1)
-        builder.add(ids, sampled=True, logprobs=lps[: len(ids)])
+        builder.add(ids, sampled=True, logprobs=lps[: len(ids)], constraints=steps[: len(ids)])
         if eot is not None and not (ids and ids[-1] in self.end_of_turn.values()):
             stopped = choice.get("finish_reason") in _STOPPED
             eot_lp = lps[len(ids)] if stopped and len(lps) > len(ids) else NAN
-            builder.add([eot], sampled=stopped, logprobs=[eot_lp])
+            builder.add([eot], sampled=stopped, logprobs=[eot_lp], constraints=steps[len(ids) :])
         builder.add(self._encode(trailer), sampled=False)
+
+    def _constraint_steps(
+        self, choice: WireGroup, ids: list[int], eot: int | None, stats: TokenizeStats
+    ) -> list[TokenConstraint | None]:
+        """The constraint of each sampled id and of a further end-of-turn token. A constraint that does not
+        allow that token means the server stopped on something else: it is trained unconstrained. A grammar
+        is replayed when xgrammar is installed; otherwise validation refused it unless the user trains
+        without it, and it is dropped."""
+        constraint = carried(choice, "choice")
+        if constraint is None:
+            return [None] * (len(ids) + 1)
+        stats.constrained += 1
+        base = constraint.without_grammar()
+        eot_step = base if base is not None and eot is not None and base.allows(eot) else None
+        if constraint.grammar is None or not grammars_available():
+            return [base] * len(ids) + [eot_step]
+        try:
+            matcher = self._grammar_compiler().matcher(constraint.grammar)
+            steps: list[TokenConstraint | None] = list(grammars.replay(matcher, ids, base))
+        except grammars.GrammarError as exc:
+            raise TrainingInputError(f"a {constraint.grammar.kind}-constrained choice: {exc}") from exc
+        end = matcher.bitmask()
+        steps.append(
+            grammars.GrammarStep(end, base) if eot is not None and grammars.allows(end, eot) else None
+        )
+        return steps
+
+    def _grammar_compiler(self) -> grammars.GrammarCompiler:
+        if self._grammars is None:
+            vocab = self.vocab_size or len(self.tokenizer)
+            self._grammars = grammars.GrammarCompiler(self.tokenizer, vocab, self.end_of_turn.values())
+        return self._grammars
 
     @staticmethod
     def _entry_count(choice: WireGroup, entries: list[dict[str, Any]], tokens: int) -> int | None:

@@ -238,7 +238,7 @@ class Trainer:
         started = time.perf_counter()
         self.enter_mode("rl")
         self.ranks.align_rng()
-        validate_groups(groups, allow_training_without_logprobs=options.allow_training_without_logprobs)
+        validate_groups(groups, **options.input_rules())
         reference = self._reference_path(options)
         tokenized, stats = tokenize_groups(self.chat, groups, max_seq_length=self.config.max_seq_length)
         self._check_token_ids(tokenized)

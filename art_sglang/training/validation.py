@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..constraints import ALLOWED_FIELD, carried, grammars_available
 from ..errors import TrainingInputError
 
 if TYPE_CHECKING:
@@ -102,11 +103,14 @@ def content_entry_count(choice: WireGroup, entries: list[dict[str, Any]]) -> int
     return None
 
 
-def validate_groups(groups: list[WireGroup], *, allow_training_without_logprobs: bool) -> None:
+def validate_groups(
+    groups: list[WireGroup], *, allow_training_without_logprobs: bool, train_unconstrained: bool = False
+) -> None:
     """Raise TrainingInputError, naming the group and trajectory index, for input that cannot be trained:
     no groups, an empty group, a reward that is not a finite number, no sampled Choice in any trajectory,
     a Choice without logprobs (unless allowed), implausible logprobs, logprobs that do not match the
-    Choice's text. A trajectory without a Choice is context (its reward counts in its group's mean)."""
+    Choice's text, a sampling constraint the trainer cannot reproduce (unless `train_unconstrained`). A
+    trajectory without a Choice is context (its reward counts in its group's mean)."""
     if not groups:
         raise TrainingInputError("no trajectory groups to train on")
     choices = 0
@@ -118,7 +122,10 @@ def validate_groups(groups: list[WireGroup], *, allow_training_without_logprobs:
             raise TrainingInputError(f"group {gi} has no trajectories{hint}")
         for ti, trajectory in enumerate(trajectories):
             choices += _validate_trajectory(
-                trajectory, f"group {gi}, trajectory {ti}", allow_training_without_logprobs
+                trajectory,
+                f"group {gi}, trajectory {ti}",
+                allow_training_without_logprobs,
+                train_unconstrained,
             )
     if not choices:
         raise TrainingInputError(
@@ -127,7 +134,9 @@ def validate_groups(groups: list[WireGroup], *, allow_training_without_logprobs:
         )
 
 
-def _validate_trajectory(trajectory: WireGroup, where: str, allow_without_logprobs: bool) -> int:
+def _validate_trajectory(
+    trajectory: WireGroup, where: str, allow_without_logprobs: bool, train_unconstrained: bool
+) -> int:
     """Checks one trajectory; returns its number of Choices."""
     reward = trajectory.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
@@ -135,6 +144,7 @@ def _validate_trajectory(trajectory: WireGroup, where: str, allow_without_logpro
     choices = [item for items, _ in histories(trajectory) for item in items if is_choice(item)]
     for ci, choice in enumerate(choices):
         _validate_choice(choice, f"{where}, choice {ci}", allow_without_logprobs)
+        _validate_constraint(choice, f"{where}, choice {ci}", train_unconstrained)
     return len(choices)
 
 
@@ -170,4 +180,34 @@ def _validate_choice(choice: WireGroup, where: str, allow_without_logprobs: bool
         raise TrainingInputError(
             f"{where}: logprobs of the wrong length: {len(entries)} logprob entries do not spell the "
             f"choice's content ({len(content)} characters)"
+        )
+
+
+def _validate_constraint(choice: WireGroup, where: str, train_unconstrained: bool) -> None:
+    """A constrained Choice is trained under its constraint: on the ids it was sampled as (a
+    re-tokenization could hold ids the constraint never allowed), within the allowed set, and a grammar
+    only with xgrammar to replay it. Otherwise refused, unless `train_unconstrained`."""
+    constraint = carried(choice, where)
+    if constraint is None:
+        return
+    ids = sampled_ids(choice)
+    problem = None
+    if constraint.grammar is not None and not grammars_available():
+        problem = (
+            f"it was sampled under a {constraint.grammar.kind} grammar, which this trainer replays only with "
+            "xgrammar (pip install 'art-sglang[grammars]' where train() runs); without it its logprobs would "
+            "be computed without the grammar's mask"
+        )
+    elif ids is None:
+        problem = "it has no token_ids, so the tokens its constraint applied to are not known"
+    if problem is not None and not train_unconstrained:
+        raise TrainingInputError(
+            f"{where}: a constrained Choice ({constraint.describe()}) cannot be trained as sampled: {problem}. "
+            "Pass train_unconstrained=True to train it without its constraint."
+        )
+    allowed = set(constraint.allowed_token_ids) if constraint.allowed_token_ids is not None else None
+    outside = next((i for i in ids or () if allowed is not None and i not in allowed), None)
+    if outside is not None:
+        raise TrainingInputError(
+            f"{where}: token {outside} of its token_ids is not in the {ALLOWED_FIELD} it was sampled with"
         )

@@ -7,10 +7,16 @@ serves that shared prefix, and each turn's `usage.prompt_tokens_details.cached_t
 that is not a free cell loses the turn, so a game always lasts several turns, even for a random model.
 
 Reward: 0.8 x outcome (win 1, draw 0.5, loss 0) + 0.2 x the share of the model's moves that were legal.
+
+With `action_mask=True` each turn is a constrained rollout of one token: the request's `allowed_token_ids`
+are the digits of the free cells, so every move is legal and the model learns only which free cell to take
+(the end-of-turn token is left out: allowed first, it would end the turn without a move). The trainer scores those tokens under the same mask (art_sglang's constraints; an
+SGLangBackend feature, not ART's LocalBackend's).
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from collections.abc import Sequence
@@ -85,6 +91,7 @@ class TicTacToeTask:
     max_tokens: int = 8
     temperature: float = 1.0
     opponent_randomness: float = 0.3
+    action_mask: bool = False  # sample one token, a free cell's digit (use with max_tokens=1)
 
     def scenarios(self, step: int, count: int, seed: int) -> Sequence[int]:
         """One opponent seed per group: the opponent of a group is the same game after game."""
@@ -113,6 +120,7 @@ class TicTacToeTask:
                 max_tokens=self.max_tokens,
                 temperature=self.temperature,
                 seed=seed * 10 + len(turns),
+                **(self._mask(model, cells) if self.action_mask else {}),
             )
             turns.append(_usage(response))
             choice = response.choices[0]
@@ -148,6 +156,28 @@ class TicTacToeTask:
                 t.prompt_tokens for t in later
             )
         return Game(trajectory, outcome, turns)
+
+    @staticmethod
+    def _mask(model: Any, cells: list[str]) -> dict[str, Any]:
+        """The request options that allow only a free cell's digit."""
+        digits = cell_tokens(model.base_model)
+        return {
+            "extra_body": {"allowed_token_ids": [digits[i] for i, mark in enumerate(cells) if mark == " "]}
+        }
+
+
+@functools.cache
+def cell_tokens(base_model: str) -> list[int]:
+    """The token ids of the digits 1-9 in the model's tokenizer (one token each)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    digits = [tokenizer.encode(str(d), add_special_tokens=False) for d in range(1, 10)]
+    if any(len(ids) != 1 for ids in digits):
+        raise ValueError(
+            f"{base_model}'s tokenizer does not spell each digit 1-9 as one token: no action mask"
+        )
+    return [ids[0] for ids in digits]
 
 
 def _outcome(cells: list[str]) -> str | None:

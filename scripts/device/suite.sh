@@ -45,6 +45,8 @@
 # burst (~3 min, 1 GPU): waves of rollouts with hot-loads and idle gaps past SGLang's keep-alive, none lost
 # shared-prefill (~2 min): the contract test of prefill sharing alone (the contract suite includes it)
 # art-program (~4 min, after stage.sh art): an ART program with tools and _internal_config, 2 RL steps
+# constrained (~5 min, 1 GPU): tic-tac-toe with an action mask trains 3 steps on the 1.5B shape; where SGLang
+#   takes a constrained token's logprob; the trainer against it for an action mask and a regex
 # Two 1-GPU suites at once, one per GPU: scripts/device/pair.sh.
 set -uo pipefail
 # shellcheck source=scripts/device/env.sh
@@ -86,6 +88,13 @@ for name in "$@"; do
     burst) cmd=("${pytest[@]}" -m gpu tests/backend/test_gateway_burst.py) ;;
     shared-prefill) cmd=("${pytest[@]}" tests/contract/test_shared_prefill.py --engine sglang --model-path "$tiny") ;;
     ddp) cmd=("${pytest[@]}" -m gpu tests/gpu/test_training_ranks.py) ;;
+    # The SGLang bundle's own xgrammar (and its tvm-ffi runtime), linked in alone, so the trainer replays
+    # regex rollouts with the grammar library SGLang sampled them with.
+    constrained) mkdir -p /tmp/xgsite
+                 for pkg in /tmp/site/xgrammar /tmp/site/tvm_ffi /tmp/site/apache_tvm_ffi*; do
+                   [ -e "$pkg" ] && ln -sfn "$pkg" /tmp/xgsite/
+                 done
+                 cmd=(env PYTHONPATH="/tmp/xgsite:$PYTHONPATH" "${pytest[@]}" -m gpu tests/gpu/test_constrained.py) ;;
     bench-cycle-kv) cmd=("${cycle[@]}" --strategies sleep/kv_cache --steps 3) ;;
     bench-cycle-all) cmd=("${cycle[@]}" --strategies sleep/all --steps 3) ;;
     bench-cycle-restart) cmd=("${cycle[@]}" --strategies restart --restart-steps 2) ;;

@@ -1,7 +1,7 @@
 """Each environment's rollout and reward on the tiny model through the reference engine and the backend's
 gateway (one backend for the module): arithmetic answers are scored by the task's own reward, tic-tac-toe
-games last several turns whose prompts hit the server's prefix cache and train as one multi-turn step,
-and calculator requests carry the tool schema."""
+games last several turns whose prompts hit the server's prefix cache and train as one multi-turn step
+(also under an action mask), and calculator requests carry the tool schema."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from art_sglang.config import TrainerConfig  # noqa: E402
 from environments.arithmetic import ArithmeticTask  # noqa: E402
 from environments.calculator import CALCULATOR, CalculatorTask  # noqa: E402
 from environments.common import TINY_LEARNING_RATE, TINY_TARGETS  # noqa: E402
-from environments.tictactoe import OUTCOME_SCORE, TicTacToeTask  # noqa: E402
+from environments.tictactoe import OUTCOME_SCORE, TicTacToeTask, cell_tokens  # noqa: E402
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -75,6 +75,24 @@ async def test_tictactoe_games_reuse_the_prefix_cache_and_train_as_multi_turn(se
     assert len({t.reward for t in groups[0].trajectories}) > 1  # a signal to train on
     result = await backend.train(model, groups, learning_rate=TINY_LEARNING_RATE)
     assert result.step == 1 and result.metrics["tokenize/exact_ids"] == sum(len(g.turns) for g in games)
+
+
+async def test_tictactoe_with_an_action_mask_plays_only_free_cells_and_trains_under_the_mask(served) -> None:
+    backend, model = served
+    task = TicTacToeTask(name="masked", max_tokens=1, action_mask=True)
+    games = [
+        await task.play(model, opponent_seed, seed) for opponent_seed, seed in ((4, 40), (5, 50), (6, 60))
+    ]
+    digits = cell_tokens(model.base_model)
+    for game in games:
+        assert game.trajectory.metrics["legal_moves"] == 1.0
+        for choice in (i for i in game.trajectory.messages_and_choices if not isinstance(i, dict)):
+            assert len(choice.token_ids) == 1 and set(choice.token_ids) <= set(digits)
+            assert set(choice.art_constraint["allowed_token_ids"]) <= set(digits)
+    groups = [art.TrajectoryGroup([g.trajectory for g in games])]
+    assert len({t.reward for t in groups[0].trajectories}) > 1
+    result = await backend.train(model, groups, learning_rate=TINY_LEARNING_RATE)
+    assert result.metrics["tokenize/constrained"] == sum(len(g.turns) for g in games)
 
 
 async def test_calculator_requests_carry_the_tool(served) -> None:

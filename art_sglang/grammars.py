@@ -1,0 +1,106 @@
+"""Structured-output grammars (regex, EBNF, JSON schema) token by token with xgrammar, SGLang's default
+grammar backend: which tokens a grammar allows next and how it advances over a sampled token. The trainer
+replays a rollout's grammar over its sampled ids with it; the reference engine samples under it.
+
+xgrammar is optional (`pip install 'art-sglang[grammars]'`): without it `available()` is False, the
+trainer refuses grammar-constrained rollouts and the reference engine answers grammar requests with 400
+(`constraints.grammars_available()`, which needs no torch).
+The vocabulary is the model's (SGLang builds xgrammar's tokenizer info with the model config's vocab size
+and the model's end-of-sequence ids as stop tokens, which end a grammar once it is complete).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .constraints import Grammar, SamplingConstraint
+
+BITS = 32  # xgrammar's token bitmask packs 32 tokens in each int32
+
+
+class GrammarError(ValueError):
+    """The grammar does not compile, or a token it does not allow was given to it."""
+
+
+class GrammarCompiler:
+    """Compiles grammars for one tokenizer (xgrammar's compiler caches compiled grammars)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        import xgrammar
+
+        self.vocab_size = vocab_size
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
+        )
+        self._compiler = xgrammar.GrammarCompiler(info)
+
+    def matcher(self, grammar: Grammar) -> GrammarMatcher:
+        try:
+            if grammar.kind == "regex":
+                compiled = self._compiler.compile_regex(grammar.source)
+            elif grammar.kind == "ebnf":
+                compiled = self._compiler.compile_grammar(grammar.source)
+            else:
+                compiled = self._compiler.compile_json_schema(grammar.source)
+        except (RuntimeError, ValueError) as exc:
+            raise GrammarError(f"the {grammar.kind} grammar does not compile: {exc}") from exc
+        return GrammarMatcher(compiled, self.vocab_size)
+
+
+class GrammarMatcher:
+    """One generation's position in a grammar."""
+
+    def __init__(self, compiled: Any, vocab_size: int) -> None:
+        import xgrammar
+
+        self._matcher = xgrammar.GrammarMatcher(compiled)
+        self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+        self.vocab_size = vocab_size
+
+    def bitmask(self) -> torch.Tensor:
+        """The tokens allowed next, packed (int32, 32 tokens each); all zero once the grammar ended."""
+        if self._matcher.is_terminated():
+            return torch.zeros_like(self._bitmask[0])
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        return self._bitmask[0].clone()
+
+    def advance(self, token: int) -> None:
+        if not self._matcher.accept_token(token):
+            raise GrammarError(f"token {token} is not allowed by the grammar at this point")
+
+
+def unpack(bitmasks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Packed bitmasks [..., words] → bool masks [..., vocab_size] (True: allowed)."""
+    shifts = torch.arange(BITS, device=bitmasks.device, dtype=torch.int32)
+    bits = (bitmasks.unsqueeze(-1) >> shifts) & 1
+    return bits.flatten(-2)[..., :vocab_size].bool()
+
+
+def allows(bitmask: torch.Tensor, token: int) -> bool:
+    return bool((int(bitmask[token // BITS]) >> (token % BITS)) & 1)
+
+
+@dataclass(frozen=True, eq=False)
+class GrammarStep:
+    """The constraint of one sampled token of a grammar-constrained rollout: the tokens the grammar allowed
+    at its position (packed), and the rest of the rollout's constraint (bias, allowed set)."""
+
+    bitmask: torch.Tensor
+    base: SamplingConstraint | None = None
+
+
+# A sampled token's constraint: the rollout's (bias, allowed set), or one step of its grammar.
+TokenConstraint = SamplingConstraint | GrammarStep
+
+
+def replay(matcher: GrammarMatcher, ids: list[int], base: SamplingConstraint | None) -> list[GrammarStep]:
+    """Each sampled token's step, the grammar advanced over them (GrammarError at a token it refuses)."""
+    steps = []
+    for token in ids:
+        steps.append(GrammarStep(matcher.bitmask(), base))
+        matcher.advance(token)
+    return steps
