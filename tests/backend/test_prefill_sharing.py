@@ -53,12 +53,14 @@ def gateway(server: ServerProcess) -> Iterator[AdapterGateway]:
 
 
 async def _requests_since(server: ServerProcess, mark: int, expected: int) -> list[str]:
-    """The server's log lines of inference requests written after byte `mark`, once `expected` are there
-    (a request's line is written just after its response) and no more came in a short while."""
+    """The server's log lines of inference requests on the adapter written after byte `mark`, once
+    `expected` are there (a request's line is written just after its response, so an earlier request's
+    line may still come after the mark: the base model's are left out) and no more came in a short while."""
 
     def lines() -> list[str]:
         text = server.log_path.read_text()[mark:]
-        return [line for line in text.splitlines() if re.search(r"POST /v1/(chat/)?completions \d{3}", line)]
+        pattern = r"POST /v1/(chat/)?completions \d{3} .*adapter=agent@1 "
+        return [line for line in text.splitlines() if re.search(pattern, line)]
 
     deadline = time.monotonic() + 10
     while len(lines()) < expected and time.monotonic() < deadline:
