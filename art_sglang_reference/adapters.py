@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +50,39 @@ def _read_adapter_config(path: str) -> dict:
         return json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise AdapterError(f"LoRA adapter config {str(config_file)!r} is unreadable: {exc}") from exc
+
+
+class AdapterUses:
+    """SGLang 0.5.17's count of the requests using each adapter (its LoRA registry's counters).
+
+    A request takes one count per choice when it is admitted, before the context-length checks; each
+    sub-request that finishes gives one back, and with `n > 1` the prefill-only copy SGLang sends first is
+    one more. An unload waits until the count is zero, holding the lock every load takes too. So a request
+    refused for its length keeps its counts, and `n > 1` gives back one more than it took: the count never
+    returns to zero, that adapter's unload waits forever and every later load waits behind it. The
+    reference engine keeps the same books so the backend's guard is tested against the same behaviour.
+    """
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._changed = threading.Condition()
+        self.update_lock = threading.Lock()  # SGLang's lora_update_lock: loads and unloads, one at a time
+
+    def take(self, name: str, uses: int = 1) -> None:
+        with self._changed:
+            self._counts[name] += uses
+
+    def give_back(self, name: str, uses: int = 1) -> None:
+        with self._changed:
+            self._counts[name] -= uses
+            self._changed.notify_all()
+
+    def wait_unused(self, name: str, stop: Callable[[], bool]) -> None:
+        """Wait until no request counts on `name` (or `stop()` says the server is exiting)."""
+        with self._changed:
+            while self._counts[name] != 0 and not stop():
+                self._changed.wait(0.5)
+            self._counts.pop(name, None)
 
 
 def adapter_rank(path: str) -> int:

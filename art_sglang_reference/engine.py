@@ -26,7 +26,7 @@ from art_sglang.cpu_threads import limit_threads_for_small_model
 from art_sglang.server.sglang_api import KV_CACHE_TAG, WEIGHTS_TAG
 from art_sglang.token_bounds import longest_token_bytes, min_tokens
 
-from .adapters import BASE_KEY, AdapterRegistry, LoadedAdapter, adapter_rank
+from .adapters import BASE_KEY, AdapterRegistry, AdapterUses, LoadedAdapter, adapter_rank
 from .cli import ServerArgs
 from .constrained import biased
 from .generation import FinishReason, GenerationRequest, GenerationResult, TextTracker, TokenLogprob
@@ -95,6 +95,7 @@ class ReferenceEngine:
             target_modules=args.lora_target_modules,
             max_loaded=args.max_loaded_loras,
         )
+        self.adapter_uses = AdapterUses()
         self.prefix_cache = PrefixCache(
             enabled=not args.disable_radix_cache, max_tokens=args.max_total_tokens
         )
@@ -207,6 +208,24 @@ class ReferenceEngine:
                 "completion. Please reduce the number of tokens in the input messages or the completion "
                 "to fit within the limit."
             )
+
+    def admit(self, requests: list[GenerationRequest]) -> None:
+        """SGLang's admission of one HTTP request's choices: their adapter counts are taken first, then
+        the context-length checks run, so a request they refuse keeps its counts (`AdapterUses`)."""
+        for request in requests:
+            if request.adapter_name:
+                self.adapter_uses.take(request.adapter_name)
+        for request in requests:
+            self.check_length(len(request.prompt_ids), request.sampling.max_new_tokens)
+
+    def finish(self, requests: list[GenerationRequest], prefill_copy: bool) -> None:
+        """Give back the counts of admitted requests that ended, one per sub-request as SGLang does: with
+        `prefill_copy` (n > 1), the prefill-only copy gives back one more."""
+        names = [r.adapter_name for r in requests if r.adapter_name]
+        if prefill_copy and names:
+            names.append(names[0])
+        for name in names:
+            self.adapter_uses.give_back(name)
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
         if not request.prompt_ids:
@@ -360,7 +379,7 @@ class ReferenceEngine:
 
     # --- adapters ----------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str) -> LoadedAdapter:
-        with self._lock:
+        with self.adapter_uses.update_lock, self._lock:
             return self.adapters.load(name, path)
 
     def resolve_adapter(self, name: str | None) -> LoadedAdapter | None:
@@ -369,9 +388,14 @@ class ReferenceEngine:
             return self.adapters.resolve(name)
 
     def unload_adapter(self, name: str) -> None:
-        with self._lock:
-            adapter = self.adapters.unload(name)
-            self.prefix_cache.drop_adapter(adapter.key)
+        """As SGLang: a name not loaded is refused at once; else wait until no request counts on it
+        (`AdapterUses`), loads waiting meanwhile, then unload."""
+        with self.adapter_uses.update_lock:
+            if name in self.adapters.loaded:
+                self.adapter_uses.wait_unused(name, lambda: self._shutting_down)
+            with self._lock:
+                adapter = self.adapters.unload(name)
+                self.prefix_cache.drop_adapter(adapter.key)
 
     # --- caches and weights ------------------------------------------------------------------------
     def flush_cache(self) -> bool:

@@ -73,15 +73,24 @@ def sse(payload: Any) -> str:
 async def run_generations(
     engine: ReferenceEngine, requests: list[GenerationRequest]
 ) -> list[GenerationResult]:
-    """Run requests one after another in a worker thread (the engine serialises the model anyway)."""
-    await asyncio.to_thread(prefill_once, engine, requests)
-    return [await asyncio.to_thread(engine.generate, r) for r in requests]
+    """Run admitted requests one after another in a worker thread (the engine serialises the model
+    anyway); their adapter counts are given back when they end, however they end."""
+    try:
+        await asyncio.to_thread(prefill_once, engine, requests)
+        return [await asyncio.to_thread(engine.generate, r) for r in requests]
+    finally:
+        engine.finish(requests, prefill_copy=shares_prompt(requests))
+
+
+def shares_prompt(requests: list[GenerationRequest]) -> bool:
+    """Choices of one prompt (SGLang's `n > 1`), which SGLang prefills once with a prefill-only copy."""
+    return len(requests) > 1 and all(r.prompt_ids == requests[0].prompt_ids for r in requests)
 
 
 def prefill_once(engine: ReferenceEngine, requests: list[GenerationRequest]) -> None:
     """SGLang's `n`: a prefill-only copy computes the shared prompt first, so every choice (the first one
     too) finds the prompt cached and reports it so."""
-    if len(requests) > 1 and all(r.prompt_ids == requests[0].prompt_ids for r in requests):
+    if shares_prompt(requests):
         first = requests[0]
         sampling = replace(first.sampling, max_new_tokens=0, stop=list(first.sampling.stop))
         engine.generate(GenerationRequest(first.prompt_ids, sampling, adapter_name=first.adapter_name))
@@ -126,6 +135,8 @@ async def stream_generations(
                 push(Finished(index, await asyncio.to_thread(engine.generate, request)))
         except Exception as exc:  # handed to the consumer, which reports it in the stream
             push(exc)
+        finally:
+            engine.finish(requests, prefill_copy=shares_prompt(requests))
         push(None)
 
     task = asyncio.create_task(produce())

@@ -146,31 +146,30 @@ async def weight_version() -> JSONResponse:
 @router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(body: GenerateRequest, request: Request, engine: Engine) -> Any:
     note(request, model=body.lora_path or "base")
+    start = body.logprob_start_len if body.return_logprob and body.logprob_start_len >= 0 else None
     try:
         prompts, batch = _generate_prompts(engine, body)
         sampling, n = _native_sampling(body.sampling_params or {})
         sampling.verify()
-        for prompt_ids in prompts:
-            engine.check_length(len(prompt_ids), sampling.max_new_tokens)
         await asyncio.to_thread(engine.resolve_adapter, body.lora_path)
+        requests = []
+        for prompt_ids in prompts:
+            for i in range(n):
+                options = SamplingOptions(**{**vars(sampling), "stop": list(sampling.stop)})
+                if sampling.seed is not None:
+                    options.seed = sampling.seed + i
+                requests.append(
+                    GenerationRequest(
+                        prompt_ids,
+                        options,
+                        adapter_name=body.lora_path,
+                        top_logprobs=body.top_logprobs_num,
+                        input_logprob_start=start,
+                    )
+                )
+        engine.admit(requests)
     except (TypeError, ValueError) as exc:
         return error_response(str(exc))
-    start = body.logprob_start_len if body.return_logprob and body.logprob_start_len >= 0 else None
-    requests = []
-    for prompt_ids in prompts:
-        for i in range(n):
-            options = SamplingOptions(**{**vars(sampling), "stop": list(sampling.stop)})
-            if sampling.seed is not None:
-                options.seed = sampling.seed + i
-            requests.append(
-                GenerationRequest(
-                    prompt_ids,
-                    options,
-                    adapter_name=body.lora_path,
-                    top_logprobs=body.top_logprobs_num,
-                    input_logprob_start=start,
-                )
-            )
     rids = [body.rid or uuid.uuid4().hex for _ in requests]
     if body.stream:
         return StreamingResponse(

@@ -145,9 +145,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         if parsing is not None:
             sampling.skip_special_tokens = False  # as SGLang: tool-call markup may be special tokens
         sampling.verify()
-        engine.check_length(len(prompt_ids), sampling.max_new_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else 0
         requests = _choices(engine, prompt_ids, sampling, body, top)
+        engine.admit(requests)
         if forced is not None:
             for generation in requests:
                 generation.grammar = CallGrammar(sorted(forced.names), forced.max_calls, engine.token_texts())
@@ -247,8 +247,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         sampling.verify()
         requests = []
         for prompt_ids in _prompts(engine, body.prompt):
-            engine.check_length(len(prompt_ids), sampling.max_new_tokens)
             requests.extend(_choices(engine, prompt_ids, sampling, body, body.logprobs or 0))
+        engine.admit(requests)
         return requests
 
     stream = (lambda prepared: completion_stream(engine, body, prepared, request)) if body.stream else None

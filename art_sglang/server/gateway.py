@@ -40,6 +40,7 @@ from aiohttp import web
 
 from .gateway_rules import Forward, Refuse, Served, error, route, with_constraint
 from .prefill_sharing import Answer, PrefillCounters, PrefillSharing, bad_gateway, prompt_key
+from .stranded import StrandedAdapters
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class AdapterGateway:
         self._start_error: BaseException | None = None
         self._sharing = PrefillSharing(self._exchange, window=share_window) if share_window else None
         self._sharing_on = self._sharing is not None
+        self.stranded = StrandedAdapters()  # names SGLang can no longer unload (stranded.py)
 
     # --- lifecycle (called from any thread) -------------------------------------------------------------
     @property
@@ -337,7 +339,7 @@ class AdapterGateway:
         if isinstance(upstream, Answer):
             return _answer(upstream)
         try:
-            return await self._relay(request, upstream)
+            return await self._relay(request, upstream, decision.names)
         finally:
             self._count(_keys(decision), -1)
 
@@ -348,7 +350,9 @@ class AdapterGateway:
             return upstream
         try:
             async with upstream:
-                return Answer(upstream.status, await upstream.read())
+                answer = Answer(upstream.status, await upstream.read())
+            self.stranded.note(decision.names, answer.status, answer.body)
+            return answer
         except aiohttp.ClientError as exc:
             return bad_gateway(f"the inference server at {self.upstream} failed: {exc!r}")
         finally:
@@ -400,9 +404,15 @@ class AdapterGateway:
         for key in keys:
             self._in_flight[key] += delta
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
-        """Stream the server's response to the client."""
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, names: tuple[str, ...]
+    ) -> web.StreamResponse:
+        """Stream the server's response to the client (a refusal, small, is read whole and looked at)."""
         async with upstream:
+            if upstream.status == 400:
+                answer = Answer(upstream.status, await upstream.read())
+                self.stranded.note(names, answer.status, answer.body)
+                return _answer(answer)
             response = web.StreamResponse(status=upstream.status)
             for key, value in upstream.headers.items():
                 if key.lower() not in _NOT_FORWARDED:

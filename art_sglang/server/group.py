@@ -43,8 +43,9 @@ class GroupHooks(Protocol):
         """A fresh server process answers: give it everything it must hold. It is routed to only after."""
         ...
 
-    async def weights_resumed(self, server: Server) -> None:
-        """A server took back its released weights: load its adapters again."""
+    async def weights_resumed(self, server: Server) -> bool:
+        """A server took back its released weights: load its adapters again; False if it must be
+        restarted instead (it holds an adapter SGLang cannot unload)."""
         ...
 
     def routing_changed(self) -> None:
@@ -416,11 +417,12 @@ class ServerGroup:
         async with self._lock:
             tags, self._released_tags = self._released_tags, ()
             async with self._hooks.holding(drain=True):
-                for server in self.up():
+                for replica in [r for r in self._replicas if r.up]:
+                    server = replica.view()
                     if tags:
                         await server.client.resume_memory_occupation(list(tags))
-                    if WEIGHTS_TAG in tags:
-                        await self._hooks.weights_resumed(server)
+                    if WEIGHTS_TAG in tags and not await self._hooks.weights_resumed(server):
+                        await self._stop_replicas([replica])  # brought up again below
                 started = await self.bring_up()
                 self._serving = True
             return started

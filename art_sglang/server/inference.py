@@ -85,6 +85,8 @@ class InferenceService:
         self._leases: Counter[str] = Counter()  # names rollouts hold: never unloaded while held
         # No longer routed, still loaded (on every running server) until their requests finish.
         self._unloading: dict[str, Path] = {}
+        # No longer routed, left loaded: SGLang can no longer unload them (stranded.py).
+        self._stranded: dict[str, Path] = {}
         self._aliases: dict[str, str] = {}  # names served by the base slot (merged weights)
         self._base_ids: list[str] = []
         self._base_weights: Path | None = None  # merged weights the base slot holds; None = the original
@@ -182,18 +184,27 @@ class InferenceService:
         if self._base_weights is not None:
             # A fresh process holds the original base weights; the merged ones are applied again.
             await server.client.update_weights_from_disk(str(self._base_weights))
+        if len(self._servers.processes) == 1:  # a fresh process: what was stranded went with the old one
+            for name in self._stranded:
+                self._forget_stranded(name)
+            self._stranded.clear()
         # A name being unloaded is still on the other servers, and may be routed again before it is gone.
         for name, path in {**self._unloading, **self._adapters}.items():
             await self._load_on_server(server, name, path)
         logger.info("%s holds adapters: %s", server.label, ", ".join(self._adapters) or "none")
 
-    async def weights_resumed(self, server: Server) -> None:
+    async def weights_resumed(self, server: Server) -> bool:
         """Load every adapter again after the weights came back (whether the LoRA pool survives a weights
-        release is SGLang's internal business, and reloading costs milliseconds)."""
+        release is SGLang's internal business, and reloading costs milliseconds). False, having changed
+        nothing, if a stranded adapter would have to be unloaded: the group then restarts the server."""
+        if self._stranded or any(self._strands(name) for name in self._adapters):
+            logger.warning("%s holds an adapter SGLang cannot unload: restarting it", server.label)
+            return False
         for name, path in self._adapters.items():
             with contextlib.suppress(ServerRequestError):  # already gone with the release
                 await server.client.unload_lora_adapter(name)
             await self._load_on_server(server, name, path)
+        return True
 
     def routing_changed(self) -> None:
         """Tell the gateway (started if it is not) what is served and where."""
@@ -208,7 +219,10 @@ class InferenceService:
         async with self._servers.command():
             if name in self._adapters:
                 return
-            if name not in self._unloading:  # else still on the servers: routing it again is enough
+            if name in self._stranded:  # still on the servers that did not restart since
+                self._stranded.pop(name)
+                await gather_all(*(self._load_if_missing(s, name, path) for s in self._servers.up()))
+            elif name not in self._unloading:  # else still on the servers: routing it again is enough
                 check_adapter(path, self._config.max_lora_rank)
                 await gather_all(*(self._load_on_server(s, name, path) for s in self._servers.up()))
             self._adapters[name] = path
@@ -230,6 +244,15 @@ class InferenceService:
             async with self._servers.command():
                 if name in self._adapters:
                     return  # loaded again meanwhile
+                if self._strands(name):
+                    logger.warning(
+                        "%s stays loaded on the server, unrouted: SGLang refused a request on it for its "
+                        "length, and it then never lets the adapter go, so unloading it would block every "
+                        "later adapter load (it goes when the server restarts)",
+                        name,
+                    )
+                    self._stranded[name] = self._unloading[name]
+                    return
                 for server in self._servers.up():  # gone with the process from the others
                     try:
                         await server.client.unload_lora_adapter(name)
@@ -291,6 +314,17 @@ class InferenceService:
             self._adapters[name] = path
             check_adapter(path, self._config.max_lora_rank)
             await self._servers.restart_all()
+
+    def _strands(self, name: str) -> bool:
+        return self._gateway is not None and name in self._gateway.stranded
+
+    def _forget_stranded(self, name: str) -> None:
+        if self._gateway is not None:
+            self._gateway.stranded.forget(name)
+
+    async def _load_if_missing(self, server: Server, name: str, path: Path) -> None:
+        if name not in {card.id for card in await server.client.list_models()}:
+            await self._load_on_server(server, name, path)
 
     async def _load_on_server(self, server: Server, name: str, path: Path) -> None:
         check_adapter(path, self._config.max_lora_rank)

@@ -19,3 +19,11 @@ ADMIN_ROUTES = frozenset(
         "/update_weights_from_disk",
     }
 )
+# What SGLang 0.5.17 says when it refuses a request for its length (prompt, or prompt + max_tokens, over the
+# context). It checks the length only after counting the request against its adapter, and gives that
+# count back only when a request finishes generating: a request refused so keeps the adapter in use for
+# good, and an unload of it never returns (holding the lock every later adapter load waits for).
+LENGTH_REFUSALS = (
+    b"is longer than the model's context length",
+    b"exceeds the model's maximum context length",
+)
