@@ -185,9 +185,9 @@ class InferenceService:
             # A fresh process holds the original base weights; the merged ones are applied again.
             await server.client.update_weights_from_disk(str(self._base_weights))
         if len(self._servers.processes) == 1:  # a fresh process: what was stranded went with the old one
-            for name in self._stranded:
-                self._forget_stranded(name)
             self._stranded.clear()
+            if self._gateway is not None:
+                self._gateway.stranded.clear()
         # A name being unloaded is still on the other servers, and may be routed again before it is gone.
         for name, path in {**self._unloading, **self._adapters}.items():
             await self._load_on_server(server, name, path)
@@ -317,10 +317,6 @@ class InferenceService:
 
     def _strands(self, name: str) -> bool:
         return self._gateway is not None and name in self._gateway.stranded
-
-    def _forget_stranded(self, name: str) -> None:
-        if self._gateway is not None:
-            self._gateway.stranded.forget(name)
 
     async def _load_if_missing(self, server: Server, name: str, path: Path) -> None:
         if name not in {card.id for card in await server.client.list_models()}:

@@ -39,7 +39,7 @@ class StrandedAdapters:
         with self._lock:
             return name in self._names
 
-    def forget(self, name: str) -> None:
-        """`name` is on no server any more (every server holding it was restarted)."""
+    def clear(self) -> None:
+        """No server holds a stranded adapter any more (the only server was restarted)."""
         with self._lock:
-            self._names.discard(name)
+            self._names.clear()

@@ -15,6 +15,7 @@ from backend_helpers import chat, sample_groups, server_models
 
 import art_sglang as art
 from art_sglang import SGLangBackend, SGLangConfig
+from art_sglang.planning.devices import DeviceLayout
 
 
 async def test_a_length_refused_rollout_does_not_stop_the_next_steps(
@@ -45,5 +46,35 @@ async def test_a_length_refused_rollout_does_not_stop_the_next_steps(
         assert {"agent@0", "agent@2"} <= on_server and "agent@1" not in on_server
         assert (await chat(gateway, "agent@1")).status_code == 200  # loaded again from disk on request
         assert (await chat(gateway, "agent@0")).status_code == 200  # routed again where it still is
+    finally:
+        await asyncio.wait_for(backend.close(), timeout=120)
+
+
+async def test_a_server_that_must_reload_a_stranded_adapter_is_restarted_instead(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """Shared mode releasing the weights reloads every adapter after the step: one SGLang cannot unload
+    would hang that, so the server is restarted with the adapters instead."""
+    backend = SGLangBackend(
+        path=str(tmp_path / ".art"),
+        layout=DeviceLayout("shared", "reference", (), (), "forced on CPU for tests"),
+        shared_strategy="sleep",
+        sglang_config=SGLangConfig(sleep_release="all"),
+    )
+    model = art.TrainableModel(name="agent", project="stranded", base_model=str(tiny_model_path))
+    try:
+        await model.register(backend)
+        assert model.inference_base_url is not None and backend.inference is not None
+        gateway = model.inference_base_url.removesuffix("/v1")
+        first_pid = backend.inference.process.pid
+        assert (await chat(gateway, "agent@0", max_tokens=10**7)).status_code == 400
+        groups = await sample_groups(model, seed=1)
+        result = await asyncio.wait_for(
+            backend.train(model, groups, learning_rate=1e-3, allow_training_without_logprobs=True),
+            timeout=180,
+        )
+        assert result.step == 1
+        assert backend.inference.process.pid != first_pid
+        assert (await chat(gateway, "agent@1")).status_code == 200
     finally:
         await asyncio.wait_for(backend.close(), timeout=120)
