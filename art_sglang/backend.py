@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any
 
+from .cluster.config import ClusterConfig
 from .config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
 from .errors import ConfigError, ModelNotRegisteredError
 from .orchestration.pipelining import pin_step, pinned_step, pipelining_problem
@@ -56,12 +57,12 @@ class SGLangBackend:
     server's memory, "restart" stops it; "co_resident" keeps both on the GPU with no handoff, for
     pipelined training, their kernels side by side under a CUDA MPS daemon of the backend's own where
     `cuda_mps` allows: "auto" where the driver's MPS program is found, "on" or "off"), and the CPU
-    reference engine with none. `engine` forces
-    "sglang" or "reference". `inference_devices=[0, 1]` starts one server replica per listed GPU behind
-    SGLang's router (cache-aware routing), every adapter loaded on each replica before its name is
-    served. `gateway=False` points clients at the server directly (no refusal of
-    unloaded model names). `layout` overrides the device choice entirely (tests use it to force shared
-    mode on CPU).
+    reference engine with none. `engine` forces "sglang" or "reference". `inference_devices=[0, 1]`
+    starts one server replica per listed GPU behind SGLang's router (cache-aware routing), every adapter
+    loaded on each replica before its name is served; `cluster=ClusterConfig(...)` runs the replicas as
+    Ray actors on a Ray cluster's nodes (docs/several-machines.md). `gateway=False` points clients at the
+    server directly (no refusal of unloaded model names). `layout` overrides the device choice entirely
+    (tests use it to force shared mode on CPU).
     """
 
     def __init__(
@@ -79,6 +80,7 @@ class SGLangBackend:
         gateway: bool = True,
         layout: DeviceLayout | None = None,
         cuda_mps: CudaMpsMode = "auto",
+        cluster: ClusterConfig | str | None = None,
     ):
         self.trainer_config = trainer_config or TrainerConfig()
         self.shared_strategy = shared_strategy
@@ -93,6 +95,7 @@ class SGLangBackend:
             layout=layout,
             inference_devices=inference_devices,
             cuda_mps=cuda_mps,
+            cluster=cluster,
         )
         self._path = path
         self._use_gateway = gateway
@@ -104,12 +107,8 @@ class SGLangBackend:
         self._lock = asyncio.Lock()
         self._watchdog: ServerWatchdog | None = None
         self._closed = False
-        logger.info(
-            "SGLangBackend: %s; weight sync %r%s",
-            self.layout.describe(),
-            self.sglang_config.weight_sync_method,
-            f", shared strategy {shared_strategy!r}" if self.layout.mode == "shared" else "",
-        )
+        shared = f", shared strategy {shared_strategy!r}" if self.layout.mode == "shared" else ""
+        logger.info("SGLangBackend: %s; weight sync %r%s", self.layout.describe(), self.sglang_config.weight_sync_method, shared)  # fmt: skip
 
     @property
     def layout(self) -> DeviceLayout:

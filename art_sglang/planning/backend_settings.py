@@ -10,6 +10,7 @@ import math
 from collections import Counter
 from typing import Any, Literal
 
+from ..cluster.config import ClusterConfig, cluster_layout
 from ..config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
 from ..errors import ConfigError
 from ..orchestration.weight_sync import STRATEGIES
@@ -46,6 +47,7 @@ class BackendSettings:
         layout: DeviceLayout | None,
         inference_devices: list[int] | None = None,
         cuda_mps: CudaMpsMode = "auto",
+        cluster: ClusterConfig | str | None = None,
     ) -> None:
         if shared_strategy not in ("sleep", "restart", "co_resident"):
             raise ConfigError(f"shared_strategy={shared_strategy!r}: use 'sleep', 'restart' or 'co_resident'")
@@ -66,6 +68,15 @@ class BackendSettings:
             or inference_devices is not None
             or training_devices is not None
         )
+        self.cluster = ClusterConfig(address=cluster) if isinstance(cluster, str) else cluster
+        if self.cluster is not None:
+            if self._devices_given or device_config is not None:
+                raise ConfigError(
+                    "cluster= places the inference replicas on the Ray cluster's nodes and trains on this "
+                    "machine's GPUs: drop inference_device(s)/training_devices/device_config/layout"
+                )
+            self._devices_given = True  # a model's _internal_config may not name GPUs either
+            layout = cluster_layout(self.cluster, engine, config.tensor_parallel_size)
         self._initial_layout = layout or choose_layout(
             device_config,
             inference_device=inference_device,
@@ -211,6 +222,11 @@ class BackendSettings:
         first model's settings were applied."""
         layout = self.layout
         config = self.sglang_config
+        if self.cluster is not None and config.weight_sync_method != "lora":
+            raise ConfigError(
+                f"weight_sync_method={config.weight_sync_method!r} with cluster=: replicas on other nodes "
+                "get each step as a shipped LoRA adapter; use weight_sync_method='lora'"
+            )
         release: Literal["kv_cache", "all"] = "all"
         if self.handoff_strategy == "sleep":
             shared = self._shared_plan(base_model)
@@ -251,6 +267,7 @@ class BackendSettings:
             release=release,
             cuda_mps=self.co_resident and self.use_cuda_mps(),
             weight_sync=config.weight_sync_method,
+            cluster=self.cluster,
         )
 
     def _shared_plan(self, base_model: str) -> SharedPlan:

@@ -30,8 +30,7 @@ from ..process_tree import gather_all
 from ..storage.model_store import check_adapter
 from .gateway import ANY, AdapterGateway
 from .group import ServerGroup
-from .process import ServerProcess
-from .replica import Server
+from .replica import Server, ServerHandle
 from .replica_router import ReplicaRouter
 from .served_names import step_of
 
@@ -63,7 +62,7 @@ class InferenceService:
             plan,
             base_model,
             log_path=log_path,
-            own_key=use_gateway and len(plan.replicas) == 1,
+            own_key=(use_gateway and not plan.routed) or plan.cluster is not None,
             hooks=self,
             env=env,
         )
@@ -101,13 +100,13 @@ class InferenceService:
         return self._base_model
 
     @property
-    def process(self) -> ServerProcess:
+    def process(self) -> ServerHandle:
         """The (first) server process (read its pid, address, liveness and `config.api_key`, the key of its
         ordinary routes)."""
         return self._servers.processes[0]
 
     @property
-    def processes(self) -> tuple[ServerProcess, ...]:
+    def processes(self) -> tuple[ServerHandle, ...]:
         """Every server replica's process, in the order of their GPUs."""
         return self._servers.processes
 
@@ -233,6 +232,7 @@ class InferenceService:
                 for server in self._servers.up():  # gone with the process from the others
                     try:
                         await server.client.unload_lora_adapter(name)
+                        await server.files.drop(name)
                     except ServerRequestError as exc:
                         logger.warning("unloading %s from the %s failed: %s", name, server.label, exc)
         finally:
@@ -295,7 +295,7 @@ class InferenceService:
     async def _load_on_server(self, server: Server, name: str, path: Path) -> None:
         check_adapter(path, self._config.max_lora_rank)
         try:
-            await server.client.load_lora_adapter(name, str(path))
+            await server.client.load_lora_adapter(name, await server.files.stage(name, path))
         except AdapterLoadError as exc:
             raise AdapterLoadError(
                 f"the {server.label} refused adapter {name!r} from {path}: {exc}",
