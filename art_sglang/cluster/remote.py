@@ -6,6 +6,7 @@ ship the bytes, written on the node, checksum compared; `drop`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -216,6 +217,9 @@ class RemoteServer:
             except (TimeoutError, RayError) as exc:
                 logger.warning("stopping the %s on its node failed (%s); ending its actor", self.label, exc)
         ray.kill(actor)
+        # ray.kill only asks; a call fails once Ray has the actor dead, so close() returns after that.
+        with contextlib.suppress(RayError, TimeoutError):
+            await _result(actor.ready.remote(), EXIT_GRACE_SECONDS)
 
     # --- adapter files (AdapterFiles) --------------------------------------------------------------
     async def stage(self, name: str, path: Path) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from ..errors import AdapterLoadError, ServerRequestError
+from ..errors import AdapterLoadError, ServerCrashedError, ServerRequestError
 from ..planning.serving_plan import ServingPlan
 from ..process_tree import gather_all
 from ..storage.model_store import check_adapter
@@ -335,7 +335,13 @@ class InferenceService:
     async def probe(self, name: str) -> None:
         """A short greedy chat completion with logprobs (what rollouts ask) on `name` through the client
         path rollouts use and, with replicas, on each routed replica directly (the adapter selected as the
-        gateway selects it); raises `ServerRequestError` unless each answers 200 with finite logprobs."""
+        gateway selects it); raises `ServerRequestError` unless each answers 200 with finite logprobs, and
+        `ServerCrashedError` when no replica is routed at all."""
+        if self._servers.router is not None and not self._servers.routed():
+            raise ServerCrashedError(
+                f"no server replica is up to serve {name!r}: every one died, and the restarts have not "
+                "brought one back (on a Ray cluster: no node with room for a replica; the log says why)"
+            )
         targets = [(self.openai_base_url, self.client_name(name), {}, self.api_key, "")]
         if self._servers.router is not None:
             model = self._aliases.get(name, self._base_id())

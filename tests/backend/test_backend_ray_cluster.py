@@ -9,12 +9,14 @@ the module; the tests run in order."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import psutil
 import pytest
 import pytest_asyncio
@@ -22,6 +24,7 @@ from backend_helpers import bearer, chat_lines, check_requests_follow_loads, sam
 
 import art_sglang as art
 from art_sglang import ClusterConfig, SGLangBackend
+from art_sglang.errors import ServerCrashedError, ServerStartError
 from art_sglang.server.inference import InferenceService
 
 ray = pytest.importorskip("ray", reason="ray is in the dev extra (pip install -e '.[dev]')")
@@ -110,6 +113,17 @@ async def check_held_everywhere(run: Run, name: str, replicas: list[Any]) -> Non
         assert run.checkpoints not in where.parents
 
 
+def replica_processes() -> list[str]:
+    """The replicas' actors and servers among this test's processes (the simulated nodes are its children)."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            line = " ".join(process.cmdline())
+            if "art_sglang_reference" in line or "ReplicaHost" in line:
+                found.append(line[:100])
+    return found
+
+
 async def train_step(run: Run, seed: int) -> int:
     groups = await sample_groups(run.model, seed=seed)
     return (await run.backend.train(run.model, groups, learning_rate=1e-3)).step
@@ -195,11 +209,45 @@ async def test_no_request_reached_a_replica_without_its_adapter(run: Run) -> Non
 
 async def test_close_leaves_no_replica_and_the_cluster_up(run: Run) -> None:
     await run.backend.close()
-    ours = [
-        p.info["cmdline"]
-        for p in psutil.process_iter(["cmdline"])
-        if any("art_sglang_reference" in part or "ReplicaHost" in part for part in p.info["cmdline"] or [])
-    ]
-    assert ours == []
+    deadline = time.monotonic() + 30  # Ray reaps a killed actor's worker process on its own schedule
+    while ours := replica_processes():
+        assert time.monotonic() < deadline, f"left running: {ours}"
+        await asyncio.sleep(0.1)
     assert not ray.is_initialized()  # the backend left the cluster it joined
     assert run.cluster.remaining_processes_alive()  # the cluster the user started stays up
+
+
+async def test_with_no_replica_left_rollouts_and_train_fail_clearly(
+    run: Run, tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """A second backend, one replica, on the same cluster: once every worker node is gone, a rollout fails
+    (it is not left waiting), and train() says that no replica is up."""
+    config = ClusterConfig(
+        address=run.cluster.address, gpus_per_replica=0, replica_resources={SLOT: 1}, placement_timeout=3
+    )
+    backend = SGLangBackend(path=str(tmp_path / ".art"), engine="reference", cluster=config)
+    model = art.TrainableModel(name="lonely", project="cluster", base_model=str(tiny_model_path))
+    try:
+        await model.register(backend)
+        groups = await sample_groups(model, seed=1)
+        for node in list(run.cluster.worker_nodes):
+            run.cluster.remove_node(node, allow_graceful=False)
+        router = backend.inference.router if backend.inference is not None else None
+        assert router is not None
+        deadline = time.monotonic() + 10
+        while await router.workers():  # the backend noticed the loss
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        with pytest.raises(openai.APIError):
+            await model.openai_client().chat.completions.create(
+                model=model.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+        with pytest.raises((ServerCrashedError, ServerStartError), match=r"no (server replica is up|node)"):
+            await backend.train(model, groups, learning_rate=1e-3)
+    finally:
+        await backend.close()
+    assert not ray.is_initialized()
+    deadline = time.monotonic() + 30
+    while ours := replica_processes():
+        assert time.monotonic() < deadline, f"left running: {ours}"
+        await asyncio.sleep(0.1)
