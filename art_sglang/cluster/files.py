@@ -15,10 +15,19 @@ from ..storage.model_store import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 AdapterBytes = dict[str, bytes]  # file name -> contents
 
 
+_SERVED = (ADAPTER_CONFIG, *ADAPTER_WEIGHTS)
+
+
 def read_adapter(path: Path) -> AdapterBytes:
     """The files of the adapter at `path` that a server loads."""
-    names = [ADAPTER_CONFIG, *ADAPTER_WEIGHTS]
-    return {name: (path / name).read_bytes() for name in names if (path / name).is_file()}
+    return {name: (path / name).read_bytes() for name in _SERVED if (path / name).is_file()}
+
+
+def adapter_version(path: Path) -> tuple[str, tuple[tuple[str, int, int], ...]]:
+    """What tells one write of the adapter at `path` from another (a refused step's folder is written
+    again under the same path): its files' names, sizes and modification times."""
+    stats = ((name, (path / name).stat()) for name in _SERVED if (path / name).is_file())
+    return str(path), tuple((name, st.st_size, st.st_mtime_ns) for name, st in stats)
 
 
 def checksum(files: AdapterBytes) -> str:

@@ -21,7 +21,7 @@ from ..errors import AdapterLoadError, ServerStartError
 from ..process_tree import EXIT_GRACE_SECONDS, LOG_TAIL_LINES
 from ..server.process import Engine
 from .config import ClusterConfig
-from .files import checksum, read_adapter
+from .files import adapter_version, checksum, read_adapter
 from .host import ReplicaHost
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 # Adapters whose bytes stay in the object store for replicas that start later (a new step is shipped to
 # every replica at once, so only the few steps rollouts still use are asked for again).
 _PAYLOADS_KEPT = 8
-_LOG_TAIL_TIMEOUT_S = 5.0
+# log_tail is synchronous (ServerHandle), read where a failure is reported: a node that does not answer
+# must not hold the event loop long.
+_LOG_TAIL_TIMEOUT_S = 2.0
 
 
 class RayCluster:
@@ -39,7 +41,8 @@ class RayCluster:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self._joined_here = False
-        self._payloads: OrderedDict[Path, tuple[ray.ObjectRef, str]] = OrderedDict()
+        self._payloads: OrderedDict[Any, tuple[ray.ObjectRef, str]] = OrderedDict()  # by adapter_version
+        self._putting = asyncio.Lock()  # replicas ask for a new step at once; it is read and put once
         self._host_class: Any = None
         self._joining = asyncio.Lock()  # replicas start at the same time; one joins
 
@@ -84,14 +87,16 @@ class RayCluster:
         return "; ".join(f"{n['NodeManagerAddress']} {n.get('Resources', {})}" for n in alive) or "none"
 
     async def payload(self, path: Path) -> tuple[ray.ObjectRef, str]:
-        """The adapter at `path` in the object store (put once) and its checksum."""
-        if path not in self._payloads:
-            files = await asyncio.to_thread(read_adapter, path)
-            self._payloads[path] = (await asyncio.to_thread(ray.put, files), checksum(files))
-            while len(self._payloads) > _PAYLOADS_KEPT:
-                self._payloads.popitem(last=False)
-        self._payloads.move_to_end(path)
-        return self._payloads[path]
+        """The adapter at `path` in the object store (put once per write of its files) and its checksum."""
+        async with self._putting:
+            version = await asyncio.to_thread(adapter_version, path)
+            if version not in self._payloads:
+                files = await asyncio.to_thread(read_adapter, path)
+                self._payloads[version] = (await asyncio.to_thread(ray.put, files), checksum(files))
+                while len(self._payloads) > _PAYLOADS_KEPT:
+                    self._payloads.popitem(last=False)
+            self._payloads.move_to_end(version)
+            return self._payloads[version]
 
     def close(self) -> None:
         """Let go of the shipped bytes; leave a cluster this process joined itself."""
@@ -192,6 +197,11 @@ class RemoteServer:
             self._info = await _result(
                 actor.start.remote(config, self._base_model, self._engine, self._admin_key, self._env)
             )
+        except asyncio.CancelledError:
+            # The caller gave up (close() during a background restart): no actor may stay behind.
+            self._actor = None
+            ray.kill(actor)
+            raise
         except (TimeoutError, GetTimeoutError):
             await self.stop(timeout=EXIT_GRACE_SECONDS)
             raise ServerStartError(

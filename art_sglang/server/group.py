@@ -107,13 +107,11 @@ class ServerGroup:
                 admin_api_key=self._admin_key,
                 env=env,
             )
+            if plan.routed:
+                process.label = f"{engine} server replica {n}"
             self._replicas.append(Replica(process, planned.gpu_ids, configs))
         self._router: ReplicaRouter | None = None
         if plan.routed:
-            for n, replica in enumerate(self._replicas):
-                replica.process.label = (
-                    replica.process.label if self._cluster else f"{engine} server replica {n}"
-                )
             python = config.resolved_server_python() if engine == "sglang" else sys.executable
             self._router = ReplicaRouter(
                 python=python,
