@@ -187,6 +187,7 @@ class RemoteServer:
         if self.is_alive():
             return
         await self.stop(timeout=EXIT_GRACE_SECONDS)
+        self._info = {}  # the last start's address and node are no longer this replica's
         await self._cluster.join()
         self._actor = actor = self._cluster.new_host()
         wait = self._cluster.config.placement_timeout
@@ -237,10 +238,12 @@ class RemoteServer:
         shipped through the object store and written there, unless every node shares the checkpoints."""
         if self._cluster.config.shared_filesystem:
             return str(path)
+        if self._actor is None:
+            raise AdapterLoadError(f"cannot ship adapter {name!r}: the {self.label} is not running")
         ref, expected = await self._cluster.payload(path)
         try:
             where, reported = await _result(self._actor.stage.remote(name, ref))
-        except (RayError, AttributeError) as exc:
+        except RayError as exc:
             raise AdapterLoadError(f"shipping adapter {name!r} to the {self.label} failed: {exc}") from None
         if reported != expected:
             raise AdapterLoadError(
