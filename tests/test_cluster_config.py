@@ -13,6 +13,7 @@ from art_sglang import ClusterConfig, ConfigError, SGLangBackend, SGLangConfig
 from art_sglang.cluster.files import adapter_version, checksum, read_adapter, remove_adapter, write_adapter
 from art_sglang.config import TrainerConfig
 from art_sglang.planning.backend_settings import BackendSettings
+from art_sglang.planning.devices import DeviceLayout
 
 
 def settings(**kwargs) -> BackendSettings:
@@ -31,6 +32,14 @@ def test_a_cluster_is_planned_with_its_replicas_behind_the_router() -> None:
     one = settings(cluster="auto").plan("any-model")  # the address alone: one replica, still routed
     assert one.cluster == ClusterConfig(address="auto") and len(one.replicas) == 1 and one.routed
     assert not settings().plan("any-model").routed
+
+
+def test_the_layout_line_of_a_gpu_head_says_where_inference_runs() -> None:
+    layout = DeviceLayout("split", "sglang", (), (0, 1), "on a cluster", ("0", "1"), replica_gpus=((), ()))
+    assert layout.describe() == (
+        "split mode, sglang engine: inference on other machines, training ranks 0 on GPU 0, 1 on GPU 1 "
+        "(on a cluster)"
+    )
 
 
 def test_settings_a_cluster_cannot_take_are_refused() -> None:
