@@ -151,14 +151,16 @@ async def test_two_steps_are_held_by_both_replicas_and_rollouts_reach_both(run: 
 async def test_a_node_lost_mid_rollout_leaves_the_router_and_the_other_serves(run: Run) -> None:
     router = run.service.router
     assert router is not None
-    victim, survivor = run.replicas()
-    victim_url, victim_pid = victim.base_url, victim.pid
-    node = next(n for n in run.cluster.worker_nodes if n.node_id == victim.node_id)
-    before = len(chat_lines(victim.log_path))
+    replicas = run.replicas()
+    before = [len(chat_lines(replica.log_path)) for replica in replicas]
     rollouts = asyncio.ensure_future(sample_groups(run.model, groups=4, seed=3, max_exceptions=16))
-    while len(chat_lines(victim.log_path)) == before:  # rollouts are reaching the victim's node
+    # The first replica rollouts reach is the victim: its node goes while they are in flight.
+    while (answered := [len(chat_lines(r.log_path)) for r in replicas]) == before:
         assert not rollouts.done()
         await asyncio.sleep(0.02)
+    victim, survivor = replicas if answered[0] > before[0] else replicas[::-1]
+    victim_url, victim_pid = victim.base_url, victim.pid
+    node = next(n for n in run.cluster.worker_nodes if n.node_id == victim.node_id)
     lost = time.monotonic()
     run.cluster.remove_node(node, allow_graceful=False)
     while victim_url in await router.workers():
