@@ -98,11 +98,11 @@ class RayCluster:
             self._payloads.move_to_end(version)
             return self._payloads[version]
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Let go of the shipped bytes; leave a cluster this process joined itself."""
         self._payloads.clear()
         if self._joined_here and ray.is_initialized():
-            ray.shutdown()
+            await asyncio.to_thread(ray.shutdown)
         self._joined_here = False
         self._host_class = None
 

@@ -321,7 +321,7 @@ class ServerGroup:
                 await replica.client.aclose()
                 replica.client = None
         if self._cluster is not None:
-            self._cluster.close()
+            await self._cluster.close()
 
     async def _stop_replicas(self, replicas: Sequence[Replica], timeout: float = 20.0) -> None:
         """Take servers out of the router, then stop them (a background restart of one is called off)."""
