@@ -6,7 +6,7 @@ write + load) is recorded per step, one node removed without grace leaves the ro
 serves the next step, a node added back gets a replica holding the current step, and rollout tokens/s
 through the two Ray replicas are measured against the same two replicas started without Ray.
 
-    CUDA_VISIBLE_DEVICES=0 pytest -m gpu tests/gpu/test_ray_cluster.py   (stage.sh router and ray first; ~8 min)
+    CUDA_VISIBLE_DEVICES=0 pytest -m gpu tests/gpu/test_ray_cluster.py   (stage.sh router and ray first; ~8 min, estimated)
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def ray_cluster():
             "num_cpus": 0,
             "num_gpus": 0,
             "include_dashboard": False,
+            "object_store_memory": 512 * 2**20,
             "_system_config": FAST_HEALTH,
         },
     )
@@ -167,12 +168,12 @@ async def test_steps_reach_both_nodes_and_a_lost_node_is_replaced(
 async def test_rollout_speed_of_the_same_two_replicas_without_ray(
     cluster_run: tuple[SGLangBackend, TrainableModel], tmp_path: Path, model_path: str
 ) -> None:
-    """The baseline: two replicas on GPU 0 started by the backend itself (`inference_devices`-style),
-    after the Ray ones are gone."""
+    """The baseline: the same two replicas on GPU 0 started by the backend itself, after the Ray ones are
+    gone (the trainer on CPU, as in test_replicas.py: this run measures rollouts only)."""
     backend, _ = cluster_run
     await backend.close()
     gpus = detect_gpus().gpus
-    layout = DeviceLayout("split", "sglang", (0,), (0,), "baseline: two local replicas on GPU 0",
+    layout = DeviceLayout("split", "sglang", (0,), (), "baseline: two local replicas on GPU 0",
                           cuda_ids=tuple(g.cuda_id for g in gpus), replica_gpus=((0,), (0,)))  # fmt: skip
     local = SGLangBackend(
         layout=layout, sglang_config=sglang_test_config(**SERVER), path=str(tmp_path / ".art")
