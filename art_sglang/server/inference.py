@@ -62,6 +62,7 @@ class InferenceService:
             plan,
             base_model,
             log_path=log_path,
+            # Replicas on a cluster listen on the network: keyed always (the router sends them the key).
             own_key=(use_gateway and not plan.routed) or plan.cluster is not None,
             hooks=self,
             env=env,
