@@ -108,7 +108,8 @@ class SGLangBackend:
         self._watchdog: ServerWatchdog | None = None
         self._closed = False
         shared = f", shared strategy {shared_strategy!r}" if self.layout.mode == "shared" else ""
-        logger.info("SGLangBackend: %s; weight sync %r%s", self.layout.describe(), self.sglang_config.weight_sync_method, shared)  # fmt: skip
+        sync = self.sglang_config.weight_sync_method
+        logger.info("SGLangBackend: %s; weight sync %r%s", self.layout.describe(), sync, shared)
 
     @property
     def layout(self) -> DeviceLayout:
