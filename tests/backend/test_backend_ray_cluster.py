@@ -138,6 +138,11 @@ async def test_each_replica_runs_on_its_own_worker_node(run: Run) -> None:
     assert router is not None
     assert await router.workers() == {replica.base_url: True for replica in replicas}
     await check_held_everywhere(run, "agent@0", replicas)
+    # They listen on the network, so they are keyed: nothing answers without the key, the router has it.
+    for replica in replicas:
+        assert replica.config.api_key is not None
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+            assert (await http.get(f"{replica.base_url}/v1/models")).status_code == 401
 
 
 async def test_two_steps_are_held_by_both_replicas_and_rollouts_reach_both(run: Run) -> None:
