@@ -47,6 +47,7 @@ class RayCluster:
         self._joining = asyncio.Lock()  # replicas start at the same time; one joins
 
     async def join(self) -> None:
+        """Join the cluster, once; `ServerStartError` saying how to start one if none is found."""
         async with self._joining:
             if self._host_class is None:
                 await self._join()
