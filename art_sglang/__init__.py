@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .backend import SGLangBackend
 from .backend_protocol import Backend
+from .cluster import ClusterConfig
 from .config import DeviceConfig, SGLangConfig, TrainerConfig
 from .errors import (
     AdapterLoadError,
@@ -42,6 +43,7 @@ __all__ = [
     "AdapterNotLoadedError",
     "ArtSGLangError",
     "Backend",
+    "ClusterConfig",
     "ConfigError",
     "DeviceConfig",
     "History",

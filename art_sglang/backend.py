@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any
 
+from .cluster.config import ClusterConfig
 from .config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
 from .errors import ConfigError, ModelNotRegisteredError
 from .orchestration.pipelining import pin_step, pinned_step, pipelining_problem
@@ -60,8 +61,9 @@ class SGLangBackend:
     `device_config`; `inference_device(s)`/`training_devices` are sugar for it (GPUs in both: ConfigError).
     `inference_devices=[0, 1]` starts one server replica per listed GPU behind SGLang's router
     (cache-aware routing), every adapter loaded on each replica before its name is served.
-    `gateway=False` points clients at the server directly (no refusal of unloaded model names). `layout`
-    is a finished device layout given alone (tests force shared mode on CPU with it).
+    `cluster=ClusterConfig(...)` runs the replicas as Ray actors on a Ray cluster's nodes
+    (docs/several-machines.md). `gateway=False` points clients at the server directly (no refusal of
+    unloaded model names). `layout` is a finished device layout given alone (CPU tests force shared mode).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class SGLangBackend:
         gateway: bool = True,
         layout: DeviceLayout | None = None,
         cuda_mps: CudaMpsMode = "auto",
+        cluster: ClusterConfig | str | None = None,
     ):
         self.trainer_config = trainer_config or TrainerConfig()
         self.shared_strategy = shared_strategy
@@ -96,6 +99,7 @@ class SGLangBackend:
             engine=engine,
             layout=layout,
             cuda_mps=cuda_mps,
+            cluster=cluster,
         )
         self._path = path
         self._use_gateway = gateway
@@ -107,12 +111,9 @@ class SGLangBackend:
         self._lock = asyncio.Lock()
         self._watchdog: ServerWatchdog | None = None
         self._closed = False
-        logger.info(
-            "SGLangBackend: %s; weight sync %r%s",
-            self.layout.describe(),
-            self.sglang_config.weight_sync_method,
-            f", shared strategy {shared_strategy!r}" if self.layout.mode == "shared" else "",
-        )
+        shared = f", shared strategy {shared_strategy!r}" if self.layout.mode == "shared" else ""
+        sync = self.sglang_config.weight_sync_method
+        logger.info("SGLangBackend: %s; weight sync %r%s", self.layout.describe(), sync, shared)
 
     @property
     def layout(self) -> DeviceLayout:

@@ -7,6 +7,7 @@ python scripts/gen_config_docs.py --check  # exit 1 if it is out of date
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from pydantic import BaseModel
 
 # This checkout's art_sglang, whether or not the package is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from art_sglang.cluster import ClusterConfig
 from art_sglang.config import DeviceConfig, SGLangConfig, TrainerConfig
 from art_sglang.training.options import TrainOptions
 
@@ -35,8 +37,8 @@ def _default(model: type[BaseModel], name: str) -> str:
 
 def render() -> str:
     parts = [HEADER]
-    for model in (SGLangConfig, DeviceConfig, TrainerConfig, TrainOptions):
-        parts.append(f"\n## {model.__name__}\n\n{(model.__doc__ or '').strip()}\n")
+    for model in (SGLangConfig, DeviceConfig, ClusterConfig, TrainerConfig, TrainOptions):
+        parts.append(f"\n## {model.__name__}\n\n{inspect.cleandoc(model.__doc__ or '')}\n")
         parts.append("| field | type | default | meaning |\n|---|---|---|---|")
         for name, field in model.model_fields.items():
             annotation = (

@@ -10,6 +10,7 @@ import math
 from collections import Counter
 from typing import Any, Literal
 
+from ..cluster.config import ClusterConfig, cluster_layout
 from ..config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
 from ..errors import ConfigError
 from ..orchestration.weight_sync import STRATEGIES
@@ -43,6 +44,7 @@ class BackendSettings:
         engine: EngineChoice = "auto",
         layout: DeviceLayout | None = None,
         cuda_mps: CudaMpsMode = "auto",
+        cluster: ClusterConfig | str | None = None,
     ) -> None:
         """`device_config`: the GPUs asked for (`device_request` turns SGLangBackend's GPU arguments into
         one); `layout`: a finished layout instead (tests force shared mode on CPU with it)."""
@@ -67,6 +69,15 @@ class BackendSettings:
         self._devices_given = layout is not None or (
             device_config is not None and bool(device_config.model_fields_set & set(GPU_FIELDS))
         )
+        self.cluster = ClusterConfig(address=cluster) if isinstance(cluster, str) else cluster
+        if self.cluster is not None:
+            if self._devices_given or device_config is not None:
+                raise ConfigError(
+                    "cluster= places the inference replicas on the Ray cluster's nodes and trains on this "
+                    "machine's GPUs: drop inference_device(s)/training_devices/device_config/layout"
+                )
+            self._devices_given = True  # a model's _internal_config may not name GPUs either
+            layout = cluster_layout(self.cluster, engine, config.tensor_parallel_size)
         self._initial_layout = layout or choose_layout(
             device_config, engine=engine, tensor_parallel_size=config.tensor_parallel_size
         )
@@ -205,6 +216,11 @@ class BackendSettings:
         first model's settings were applied."""
         layout = self.layout
         config = self.sglang_config
+        if self.cluster is not None and config.weight_sync_method != "lora":
+            raise ConfigError(
+                f"weight_sync_method={config.weight_sync_method!r} with cluster=: replicas on other nodes "
+                "get each step as a shipped LoRA adapter; use weight_sync_method='lora'"
+            )
         release: Literal["kv_cache", "all"] = "all"
         if self.handoff_strategy == "sleep":
             shared = self._shared_plan(base_model)
@@ -245,6 +261,7 @@ class BackendSettings:
             release=release,
             cuda_mps=self.co_resident and self.use_cuda_mps(),
             weight_sync=config.weight_sync_method,
+            cluster=self.cluster,
         )
 
     def _shared_plan(self, base_model: str) -> SharedPlan:

@@ -195,6 +195,8 @@ class DeviceLayout:
         if self.mode == "cpu":
             replicas = f"{len(self.replicas)} inference replicas" if len(self.replicas) > 1 else "inference"
             where = f"{replicas} and training on CPU"
+        elif not any(self.replicas):  # the replicas hold GPUs of other machines (a Ray cluster)
+            where = f"inference on other machines, training {_training(self.training_gpus)}"
         elif len(self.replicas) > 1:
             roles = ", ".join(f"replica {n} on GPU {_list(gpus)}" for n, gpus in enumerate(self.replicas))
             where = f"inference {roles} (behind SGLang's router), training {_training(self.training_gpus)}"

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from ..cluster.config import ClusterConfig
 from ..config import SGLangConfig, WeightSyncMethod
 from .devices import DeviceLayout
 
@@ -47,6 +48,13 @@ class ServingPlan(BaseModel):
     release: Literal["kv_cache", "all"]  # what a "sleep" handoff releases
     cuda_mps: bool  # start a CUDA MPS daemon for the co-resident server and trainer
     weight_sync: WeightSyncMethod
+    cluster: ClusterConfig | None = None  # the replicas run as actors on a Ray cluster's nodes
+
+    @property
+    def routed(self) -> bool:
+        """Whether requests reach the replicas through SGLang's router: with several, and always on a
+        cluster (a node that dies leaves the router, whatever the number)."""
+        return len(self.replicas) > 1 or self.cluster is not None
 
 
 def frozen_config(config: SGLangConfig) -> FrozenSGLangConfig:

@@ -1,5 +1,6 @@
 """`ServerGroup`: the inference servers of a backend as one — one process, or several replicas behind
-SGLang's router (`ReplicaRouter`).
+SGLang's router (`ReplicaRouter`); with a cluster in the plan, replicas on the nodes of a Ray cluster
+(`cluster.remote.RemoteServer`, the same `ServerHandle`), always behind the router.
 
 It owns the keys, the processes, their admin clients, the router, starting, stopping, crash recovery
 (replicas restarted in the background with a growing pause while the others serve), GPU memory release
@@ -26,7 +27,7 @@ from ..planning.serving_plan import ServingPlan
 from ..process_tree import EXIT_GRACE_SECONDS, gather_all
 from .client import ServerClient
 from .process import ServerProcess
-from .replica import Replica, Server, replica_log
+from .replica import Replica, Server, ServerHandle, replica_log
 from .replica_router import ReplicaRouter
 from .sglang_api import MEMORY_TAGS, WEIGHTS_TAG
 
@@ -84,8 +85,21 @@ class ServerGroup:
         self._server_key = secrets.token_hex(32) if own_key else config.api_key
         self._admin_key = secrets.token_hex(32)
         self._replicas = []
+        self._cluster = None
+        if plan.cluster is not None:
+            # Imported here: Ray is an optional extra, loaded only when a cluster is used.
+            from ..cluster.remote import RayCluster, RemoteServer
+
+            self._cluster = RayCluster(plan.cluster)
         for n, planned in enumerate(plan.replicas):
             configs = tuple(c.model_copy(update={"api_key": self._server_key}) for c in planned.configs)
+            if self._cluster is not None:
+                remote = RemoteServer(
+                    self._cluster, configs[0], base_model, engine=engine, admin_api_key=self._admin_key,
+                    env=env, label=f"{engine} server replica {n} (Ray)",
+                )  # fmt: skip
+                self._replicas.append(Replica(remote, planned.gpu_ids, configs, files=remote))
+                continue
             process = ServerProcess(
                 configs[0],
                 base_model,
@@ -95,11 +109,11 @@ class ServerGroup:
                 admin_api_key=self._admin_key,
                 env=env,
             )
+            if plan.routed:
+                process.label = f"{engine} server replica {n}"
             self._replicas.append(Replica(process, planned.gpu_ids, configs))
         self._router: ReplicaRouter | None = None
-        if len(self._replicas) > 1:
-            for n, replica in enumerate(self._replicas):
-                replica.process.label = f"{engine} server replica {n}"
+        if plan.routed:
             python = config.resolved_server_python() if engine == "sglang" else sys.executable
             self._router = ReplicaRouter(
                 python=python,
@@ -126,7 +140,7 @@ class ServerGroup:
 
     # --- what others may read ----------------------------------------------------------------------------
     @property
-    def processes(self) -> tuple[ServerProcess, ...]:
+    def processes(self) -> tuple[ServerHandle, ...]:
         """Every server replica's process, in the order of their GPUs."""
         return tuple(replica.process for replica in self._replicas)
 
@@ -307,6 +321,8 @@ class ServerGroup:
             if replica.client is not None:
                 await replica.client.aclose()
                 replica.client = None
+        if self._cluster is not None:
+            await self._cluster.close()
 
     async def _stop_replicas(self, replicas: Sequence[Replica], timeout: float = 20.0) -> None:
         """Take servers out of the router, then stop them (a background restart of one is called off)."""
@@ -383,7 +399,8 @@ class ServerGroup:
             return
         url = replica.process.base_url
         if self._router is not None:
-            await self._router.add_worker(url)
+            # Replicas on other nodes listen on the network: they are keyed, and the router sends the key.
+            await self._router.add_worker(url, api_key=self._server_key if self._cluster else None)
         replica.routed_url = url
 
     async def _take_out(self, replica: Replica) -> None:

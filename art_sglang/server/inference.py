@@ -24,14 +24,13 @@ from pathlib import Path
 
 import httpx
 
-from ..errors import AdapterLoadError, ServerRequestError
+from ..errors import AdapterLoadError, ServerCrashedError, ServerRequestError
 from ..planning.serving_plan import ServingPlan
 from ..process_tree import gather_all
 from ..storage.model_store import check_adapter
 from .gateway import ANY, AdapterGateway
 from .group import ServerGroup
-from .process import ServerProcess
-from .replica import Server
+from .replica import Server, ServerHandle
 from .replica_router import ReplicaRouter
 from .served_names import step_of
 
@@ -63,7 +62,8 @@ class InferenceService:
             plan,
             base_model,
             log_path=log_path,
-            own_key=use_gateway and len(plan.replicas) == 1,
+            # Replicas on a cluster listen on the network: keyed always (the router sends them the key).
+            own_key=(use_gateway and not plan.routed) or plan.cluster is not None,
             hooks=self,
             env=env,
         )
@@ -103,13 +103,13 @@ class InferenceService:
         return self._base_model
 
     @property
-    def process(self) -> ServerProcess:
+    def process(self) -> ServerHandle:
         """The (first) server process (read its pid, address, liveness and `config.api_key`, the key of its
         ordinary routes)."""
         return self._servers.processes[0]
 
     @property
-    def processes(self) -> tuple[ServerProcess, ...]:
+    def processes(self) -> tuple[ServerHandle, ...]:
         """Every server replica's process, in the order of their GPUs."""
         return self._servers.processes
 
@@ -256,6 +256,7 @@ class InferenceService:
                 for server in self._servers.up():  # gone with the process from the others
                     try:
                         await server.client.unload_lora_adapter(name)
+                        await server.files.drop(name)
                     except ServerRequestError as exc:
                         logger.warning("unloading %s from the %s failed: %s", name, server.label, exc)
         finally:
@@ -325,7 +326,7 @@ class InferenceService:
     async def _load_on_server(self, server: Server, name: str, path: Path) -> None:
         check_adapter(path, self._config.max_lora_rank)
         try:
-            await server.client.load_lora_adapter(name, str(path))
+            await server.client.load_lora_adapter(name, await server.files.stage(name, path))
         except AdapterLoadError as exc:
             raise AdapterLoadError(
                 f"the {server.label} refused adapter {name!r} from {path}: {exc}",
@@ -365,7 +366,13 @@ class InferenceService:
     async def probe(self, name: str) -> None:
         """A short greedy chat completion with logprobs (what rollouts ask) on `name` through the client
         path rollouts use and, with replicas, on each routed replica directly (the adapter selected as the
-        gateway selects it); raises `ServerRequestError` unless each answers 200 with finite logprobs."""
+        gateway selects it); raises `ServerRequestError` unless each answers 200 with finite logprobs, and
+        `ServerCrashedError` when no replica is routed at all."""
+        if self._servers.router is not None and not self._servers.routed():
+            raise ServerCrashedError(
+                f"no server replica is up to serve {name!r}: every one died, and the restarts have not "
+                "brought one back (on a Ray cluster: no node with room for a replica; the log says why)"
+            )
         targets = [(self.openai_base_url, self.client_name(name), {}, self.api_key, "")]
         if self._servers.router is not None:
             model = self._aliases.get(name, self._base_id())

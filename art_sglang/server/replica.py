@@ -1,20 +1,74 @@
 """`Replica`: one server of a `ServerGroup` — its process, its admin client once it was brought up, where
-requests reach it, its health record and the pause before its next background restart."""
+requests reach it, its health record and the pause before its next background restart. The process is a
+`ServerHandle`: a local `ServerProcess`, or a replica on another node of a Ray cluster
+(`cluster.remote.RemoteServer`), whose adapters reach it through its `AdapterFiles`."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from ..config import SGLangConfig
 from .client import ServerClient
-from .process import ServerProcess
 
 # A replica whose restart failed is tried again after this pause, doubled per failure in a row up to the
 # maximum (the others serve meanwhile; a start that fails for good, out of memory say, must not spin).
 _RETRY_S = 5.0
 _RETRY_MAX_S = 300.0
+
+
+class ServerHandle(Protocol):
+    """What the group uses of a server process, wherever it runs."""
+
+    config: SGLangConfig
+    label: str
+
+    @property
+    def base_url(self) -> str: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def log_path(self) -> Path: ...
+
+    @property
+    def keep_alive(self) -> float: ...
+
+    def is_alive(self) -> bool: ...
+
+    def log_tail(self, lines: int = ...) -> str: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self, timeout: float = ...) -> None: ...
+
+
+class AdapterFiles(Protocol):
+    """How an adapter on this machine becomes a path its server can load."""
+
+    async def stage(self, name: str, path: Path) -> str:
+        """The path the server loads `name` from (after copying it there, if it must be copied)."""
+        ...
+
+    async def drop(self, name: str) -> None:
+        """The server unloaded `name`: delete what `stage` copied."""
+        ...
+
+
+class SameDisk:
+    """A server on this machine reads the checkpoint where it is."""
+
+    async def stage(self, name: str, path: Path) -> str:
+        return str(path)
+
+    async def drop(self, name: str) -> None:
+        return None
+
+
+SAME_DISK = SameDisk()
 
 
 @dataclass(frozen=True)
@@ -25,15 +79,17 @@ class Server:
     label: str
     api_key: str | None  # the key of its ordinary routes
     routed_url: str | None  # where requests reach it; None while it is not routed to
+    files: AdapterFiles = SAME_DISK
 
 
 @dataclass(eq=False)
 class Replica:
     """One server process of the group (its record is the group's alone)."""
 
-    process: ServerProcess
+    process: ServerHandle
     gpus: tuple[str, ...]
     configs: tuple[SGLangConfig, ...]  # configs[k]: its settings while k others run on its GPUs
+    files: AdapterFiles = SAME_DISK
     client: ServerClient | None = None
     routed_url: str | None = None  # the URL requests reach it at; None while it is not routed to
     unanswered_since: float | None = None  # first failed health check in a row
@@ -47,7 +103,9 @@ class Replica:
 
     def view(self) -> Server:
         assert self.client is not None
-        return Server(self.client, self.process.label, self.process.config.api_key, self.routed_url)
+        return Server(
+            self.client, self.process.label, self.process.config.api_key, self.routed_url, self.files
+        )
 
     async def problem(self, *, probe: bool, timeout: float) -> str | None:
         """What is wrong: the process died, or (with `probe`) it has not answered health checks for

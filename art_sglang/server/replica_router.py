@@ -121,10 +121,12 @@ class ReplicaRouter(ManagedProcess):
         response.raise_for_status()
         return {w["url"]: bool(w.get("is_healthy")) for w in response.json().get("workers", [])}
 
-    async def add_worker(self, url: str) -> None:
-        """Route to the replica at `url` from now on; returns once the router lists it as healthy."""
+    async def add_worker(self, url: str, api_key: str | None = None) -> None:
+        """Route to the replica at `url` from now on (sending it `api_key`, if given, instead of the
+        client's); returns once the router lists it as healthy."""
+        worker = {"url": url} if api_key is None else {"url": url, "api_key": api_key}
         async with httpx.AsyncClient(timeout=10.0, trust_env=False) as http:
-            response = await http.post(f"{self.base_url}/workers", json={"url": url})
+            response = await http.post(f"{self.base_url}/workers", json=worker)
         self._check(response, f"adding replica {url}")
         await self._wait_until(lambda workers: workers.get(url) is True, f"list replica {url} as healthy")
 

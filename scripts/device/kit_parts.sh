@@ -7,16 +7,19 @@
 #   bash scripts/device/kit_parts.sh art [DEST=.device-art]    openpipe-art 0.5.18 and what `import art` needs
 #                                                               beyond the GPU machine's image and the other
 #                                                               kits (scripts/device/art-wheels.txt)
+#   bash scripts/device/kit_parts.sh ray [DEST=.device-ray]    Ray 2.60 and what it needs beyond the image
+#                                                               (scripts/device/ray-wheels.txt)
 #   SHARED_DEVICE=/path/to/shared/device WHEELS=/tmp/vllm-wheels bash scripts/device/kit_parts.sh vllm
 set -euo pipefail
-kit=${1:?usage: kit_parts.sh vllm|art [DEST]}
+kit=${1:?usage: kit_parts.sh vllm|art|ray [DEST]}
 dest=${2:-.device-$kit}
 here=$(cd "$(dirname "$0")" && pwd)
 shared=${SHARED_DEVICE:-$here/../../../shared/device}
 case $kit in
   vllm) list=$shared/vllm-0.24.0-wheels.txt trim=$here/vllm-trim.txt ;;
   art) list=$here/art-wheels.txt trim=/dev/null ;;
-  *) echo "usage: kit_parts.sh vllm|art [DEST]" >&2; exit 2 ;;
+  ray) list=$here/ray-wheels.txt trim=/dev/null ;;
+  *) echo "usage: kit_parts.sh vllm|art|ray [DEST]" >&2; exit 2 ;;
 esac
 test -f "$list" || { echo "no $list: set SHARED_DEVICE to the shared device kit folder" >&2; exit 2; }
 test -f "$shared/install.sh" || { echo "no $shared/install.sh: set SHARED_DEVICE" >&2; exit 2; }

@@ -9,10 +9,12 @@
 #                                              test process, after prepare.sh
 #   bash scripts/device/stage.sh router 0      carry .device-router/p0 (after sglang: SGLang's router goes
 #                                              next to SGLang in /tmp/site)
+#   bash scripts/device/stage.sh ray 0..1      carry .device-ray/pN (kit_parts.sh ray): Ray for the test
+#                                              process and its simulated nodes, after prepare.sh
 # The part counts are today's kits'; the marker, not the number, says when a kit is complete.
 set -euo pipefail
-what=${1:?usage: stage.sh sglang|train|vllm|router|art N}
-n=${2:?usage: stage.sh sglang|train|vllm|router|art N}
+what=${1:?usage: stage.sh sglang|train|vllm|router|art|ray N}
+n=${2:?usage: stage.sh sglang|train|vllm|router|art|ray N}
 case $what in
   sglang) src=.device stage=/root/b site=/tmp/site ;;
   # Trainer and router kits built before make_parts.sh marked the last part end at p1 and p0.
@@ -20,7 +22,8 @@ case $what in
   vllm) src=.device-vllm stage=/root/v site=/tmp/vsite ;;
   router) src=.device-router stage=/root/r site=/tmp/site unmarked_last=0 ;;
   art) src=.device-art stage=/root/a site=/tmp/usite ;;
-  *) echo "usage: stage.sh sglang|train|vllm|router|art N" >&2; exit 2 ;;
+  ray) src=.device-ray stage=/root/y site=/tmp/usite ;;
+  *) echo "usage: stage.sh sglang|train|vllm|router|art|ray N" >&2; exit 2 ;;
 esac
 mkdir -p "$stage"
 cp "$src/p$n"/chunk.* "$stage/"

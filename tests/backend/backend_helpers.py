@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -23,10 +24,10 @@ TASK = CharShareTask(max_tokens=6)
 
 
 async def sample_groups(
-    model: Any, *, groups: int = 2, size: int = 4, seed: int = 0
+    model: Any, *, groups: int = 2, size: int = 4, seed: int = 0, max_exceptions: int = 0
 ) -> list[art.TrajectoryGroup]:
     """Rollouts of the character-share task on the model's current step, through model.openai_client(),
-    each Choice with its logprobs and sampled token ids."""
+    each Choice with its logprobs and sampled token ids (up to `max_exceptions` failed rollouts kept)."""
     return await art.gather_trajectory_groups(
         (
             art.TrajectoryGroup(
@@ -35,6 +36,7 @@ async def sample_groups(
             for g in range(groups)
         ),
         pbar_desc=None,
+        max_exceptions=max_exceptions,
     )
 
 
@@ -82,8 +84,10 @@ async def served_by_each(service: Any, name: str, processes: Any = None) -> list
         for process in service.processes if processes is None else processes:
             body = {"model": service.base_model, "lora_path": name, "max_tokens": 2,
                     "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
-            reply = await http.post(f"{process.base_url}/v1/chat/completions", json=body)
-            listed = {card["id"] for card in (await http.get(f"{process.base_url}/v1/models")).json()["data"]}
+            key = bearer(process.config.api_key)  # the replica's own key, where it has one
+            reply = await http.post(f"{process.base_url}/v1/chat/completions", json=body, headers=key)
+            models = await http.get(f"{process.base_url}/v1/models", headers=key)
+            listed = {card["id"] for card in models.json()["data"]}
             answers.append(
                 "yes" if name in listed and reply.status_code == 200 else f"no ({reply.status_code})"
             )
@@ -130,3 +134,37 @@ def random_adapter(base: Path, out: Path) -> Path:
     )
     get_peft_model(model, config).save_pretrained(out)
     return out
+
+
+REQUEST = re.compile(r"(POST|GET) (/\S+) (\d{3}) \S+ ?(.*)")
+
+
+def chat_lines(log: Path) -> list[str]:
+    """The chat completions a reference-engine server answered, from its log."""
+    return [line for line in log.read_text().splitlines() if "POST /v1/chat/completions" in line]
+
+
+def check_requests_follow_loads(log: Path, label: str) -> int:
+    """Read a reference-engine server's log in order: every chat request on an adapter came after that
+    server (in its current process) loaded it and before it unloaded it, and was answered 200. Returns
+    how many chat requests it served."""
+    loaded: set[str] = set()
+    served = 0
+    for line in log.read_text().splitlines():
+        if line.startswith("starting "):
+            loaded = set()  # a new process holds nothing
+        match = REQUEST.search(line)
+        if match is None:
+            continue
+        _, route, status, fields = match.groups()
+        values = dict(f.split("=", 1) for f in fields.split() if "=" in f)
+        if route == "/load_lora_adapter" and status == "200":
+            loaded.add(values["lora"])
+        elif route == "/unload_lora_adapter" and status == "200":
+            loaded.discard(values["lora"])
+        elif route == "/v1/chat/completions":
+            served += 1
+            assert status == "200", line
+            adapter = values.get("adapter", "base")
+            assert adapter == "base" or adapter in loaded, f"{label}: {line}"
+    return served

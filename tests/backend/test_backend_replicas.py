@@ -7,14 +7,13 @@ from each replica's own request log). One backend for the module; the tests run 
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from backend_helpers import kill_tree, sample_groups, served_by_each
+from backend_helpers import chat_lines, check_requests_follow_loads, kill_tree, sample_groups, served_by_each
 
 import art_sglang as art
 from art_sglang import SGLangBackend
@@ -28,7 +27,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 TWO_CPU_REPLICAS = DeviceLayout(
     "cpu", "reference", (), (), "two CPU replicas for tests", replica_gpus=((), ())
 )
-REQUEST = re.compile(r"(POST|GET) (/\S+) (\d{3}) \S+ ?(.*)")
 
 
 @dataclass
@@ -52,10 +50,6 @@ async def replicated(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: 
         yield Replicated(backend, model)
     finally:
         await backend.close()
-
-
-def chat_lines(log: Path) -> list[str]:
-    return [line for line in log.read_text().splitlines() if "POST /v1/chat/completions" in line]
 
 
 async def train_step(replicated: Replicated, seed: int) -> int:
@@ -195,23 +189,4 @@ async def test_no_request_reached_a_replica_without_its_adapter(replicated: Repl
     """Each replica's log, in order: a request on an adapter comes after that replica (in its current
     process) loaded it and before it unloaded it, and every request was answered 200."""
     for process in replicated.service.processes:
-        loaded: set[str] = set()
-        served = 0
-        for line in process.log_path.read_text().splitlines():
-            if line.startswith("starting "):
-                loaded = set()  # a new process holds nothing
-            match = REQUEST.search(line)
-            if match is None:
-                continue
-            _, route, status, fields = match.groups()
-            values = dict(f.split("=", 1) for f in fields.split() if "=" in f)
-            if route == "/load_lora_adapter" and status == "200":
-                loaded.add(values["lora"])
-            elif route == "/unload_lora_adapter" and status == "200":
-                loaded.discard(values["lora"])
-            elif route == "/v1/chat/completions":
-                served += 1
-                assert status == "200", line
-                adapter = values.get("adapter", "base")
-                assert adapter == "base" or adapter in loaded, f"{process.label}: {line}"
-        assert served > 0
+        assert check_requests_follow_loads(process.log_path, process.label) > 0
