@@ -68,13 +68,17 @@ class AdapterUses:
         self._changed = threading.Condition()
         self.update_lock = threading.Lock()  # SGLang's lora_update_lock: loads and unloads, one at a time
 
-    def take(self, name: str, uses: int = 1) -> None:
+    def take(self, names: list[str | None]) -> None:
+        """Count one use of each adapter named (None: the base model) as requests are admitted."""
         with self._changed:
-            self._counts[name] += uses
+            self._counts.update(name for name in names if name)
 
-    def give_back(self, name: str, uses: int = 1) -> None:
+    def give_back(self, names: list[str | None], prefill_copy: bool) -> None:
+        """One count back per sub-request that ended; with `prefill_copy` (n > 1) one more, for the
+        prefill-only copy."""
+        used = [name for name in names if name]
         with self._changed:
-            self._counts[name] -= uses
+            self._counts.subtract(used + used[:1] if prefill_copy else used)
             self._changed.notify_all()
 
     def wait_unused(self, name: str, stop: Callable[[], bool]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -21,8 +21,14 @@ from art_sglang.constraints import GRAMMAR_FIELDS, constraint_of, grammars_avail
 
 from .generation import GenerationRequest
 
-if TYPE_CHECKING:
-    from .engine import ReferenceEngine
+
+class ReferenceEngine(Protocol):
+    """What constraints read of the engine (engine.py imports this module, so not the class itself)."""
+
+    tokenizer: Any
+    hf_config: Any
+    eos_ids: set[int]
+
 
 _FIELDS = ("logit_bias", "custom_logit_processor", "response_format", "structural_tag", *GRAMMAR_FIELDS)
 

@@ -210,22 +210,11 @@ class ReferenceEngine:
             )
 
     def admit(self, requests: list[GenerationRequest]) -> None:
-        """SGLang's admission of one HTTP request's choices: their adapter counts are taken first, then
-        the context-length checks run, so a request they refuse keeps its counts (`AdapterUses`)."""
-        for request in requests:
-            if request.adapter_name:
-                self.adapter_uses.take(request.adapter_name)
+        """SGLang's admission: the adapter counts of the choices first, then the length checks, so a
+        request they refuse keeps its counts (`AdapterUses`)."""
+        self.adapter_uses.take([r.adapter_name for r in requests])
         for request in requests:
             self.check_length(len(request.prompt_ids), request.sampling.max_new_tokens)
-
-    def finish(self, requests: list[GenerationRequest], prefill_copy: bool) -> None:
-        """Give back the counts of admitted requests that ended, one per sub-request as SGLang does: with
-        `prefill_copy` (n > 1), the prefill-only copy gives back one more."""
-        names = [r.adapter_name for r in requests if r.adapter_name]
-        if prefill_copy and names:
-            names.append(names[0])
-        for name in names:
-            self.adapter_uses.give_back(name)
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
         if not request.prompt_ids:

@@ -6,14 +6,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from .adapters import LoadedAdapter
-from .call_grammar import CallGrammar
 from .sampling import SamplingOptions
 
 if TYPE_CHECKING:
-    from .constrained import StructuredGrammar
+    import torch
+
+
+class TokenGrammar(Protocol):
+    """A constraint on the next token the engine's loop applies (CallGrammar, constrained.StructuredGrammar)."""
+
+    def mask(self, eos_ids: set[int]) -> torch.Tensor: ...
+
+    def advance(self, token: int) -> None: ...
 
 
 @dataclass
@@ -51,7 +58,7 @@ class GenerationRequest:
     on_delta: DeltaCallback | None = None  # streamed text pieces (and the token they came with)
     abort: threading.Event | None = None
     # Tokens that leave it are masked: tool_choice "required"/named, or a regex/ebnf/json_schema grammar.
-    grammar: CallGrammar | StructuredGrammar | None = None
+    grammar: TokenGrammar | None = None
 
 
 @dataclass

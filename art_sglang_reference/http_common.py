@@ -79,7 +79,7 @@ async def run_generations(
         await asyncio.to_thread(prefill_once, engine, requests)
         return [await asyncio.to_thread(engine.generate, r) for r in requests]
     finally:
-        engine.finish(requests, prefill_copy=shares_prompt(requests))
+        engine.adapter_uses.give_back([r.adapter_name for r in requests], shares_prompt(requests))
 
 
 def shares_prompt(requests: list[GenerationRequest]) -> bool:
@@ -136,7 +136,7 @@ async def stream_generations(
         except Exception as exc:  # handed to the consumer, which reports it in the stream
             push(exc)
         finally:
-            engine.finish(requests, prefill_copy=shares_prompt(requests))
+            engine.adapter_uses.give_back([r.adapter_name for r in requests], shares_prompt(requests))
         push(None)
 
     task = asyncio.create_task(produce())

@@ -18,10 +18,7 @@ from art_sglang.planning.devices import DeviceLayout
 
 def settings(**kwargs) -> BackendSettings:
     config = kwargs.pop("config", SGLangConfig())
-    return BackendSettings(
-        config, TrainerConfig(), shared_strategy="sleep", device_config=None, engine="reference",
-        inference_device=None, training_devices=None, layout=None, **kwargs,
-    )  # fmt: skip
+    return BackendSettings(config, TrainerConfig(), engine="reference", **kwargs)
 
 
 def test_a_cluster_is_planned_with_its_replicas_behind_the_router() -> None:
