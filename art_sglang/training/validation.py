@@ -83,12 +83,12 @@ _REPLACEMENT = "\ufffd".encode()
 def text_checkable(choice: WireGroup) -> bool:
     """Whether the logprob entries can be compared with `message.content`: no tool calls or reasoning
     split off, and no entry that is only part of a character (servers report such a token as U+FFFD,
-    not as its bytes, so its text cannot be joined back)."""
+    not as its bytes, so its text cannot be joined back; nor can a content holding U+FFFD be matched
+    against them, as the decoder writes one U+FFFD per invalid run of bytes, not one per token)."""
     message = choice.get("message") or {}
     if message.get("tool_calls") or message.get("reasoning_content"):
         return False
-    partial = any(_REPLACEMENT in _entry_bytes(e) for e in logprob_entries(choice) or [])
-    return not partial or "\ufffd" in (message.get("content") or "")
+    return not any(_REPLACEMENT in _entry_bytes(e) for e in logprob_entries(choice) or [])
 
 
 def content_entry_count(choice: WireGroup, entries: list[dict[str, Any]]) -> int | None:
