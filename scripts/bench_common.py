@@ -8,6 +8,7 @@ import argparse
 import json
 import platform
 import re
+import shlex
 import subprocess
 import time
 from collections.abc import Sequence
@@ -50,10 +51,11 @@ def add_server_args(
     )
     parser.add_argument("--sampling-backend", default=None, help="SGLang only, e.g. pytorch")
     parser.add_argument(
-        "--schedule-policy",
-        default=None,
-        help="SGLang only: its --schedule-policy (fcfs by default; lpm orders the queue by cached prefix and "
-        "holds back a request whose prefix another in the same batch is about to compute)",
+        "--sglang-args",
+        type=shlex.split,
+        default=[],
+        help="SGLang only: further launch flags as one string, written --sglang-args='--schedule-policy lpm' "
+        "(the = keeps a lone flag from being read as this script's own), e.g. '--tokenizer-worker-num 4'",
     )
     parser.add_argument("--lora-rank", type=int, default=8, help="rank of the random adapter served")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -114,7 +116,7 @@ class ServerSettings:
     max_loras_per_batch: int = 4
     attention_backend: str | None = None  # the engine's own name
     sampling_backend: str | None = None  # SGLang only
-    schedule_policy: str | None = None  # SGLang only; None: its default (fcfs)
+    sglang_args: tuple[str, ...] = ()  # SGLang only: further launch flags as given
 
 
 def server_settings(args: argparse.Namespace, **changes: Any) -> ServerSettings:
@@ -127,7 +129,7 @@ def server_settings(args: argparse.Namespace, **changes: Any) -> ServerSettings:
         max_lora_rank=max(args.lora_rank, 8),
         attention_backend=args.attention_backend,
         sampling_backend=args.sampling_backend,
-        schedule_policy=args.schedule_policy,
+        sglang_args=tuple(args.sglang_args),
         **changes,
     )
 
@@ -144,8 +146,8 @@ def sglang_config(settings: ServerSettings, **overrides: Any) -> SGLangConfig:
         "max_lora_rank": settings.max_lora_rank,
         "max_loras_per_batch": settings.max_loras_per_batch,
     }
-    if settings.schedule_policy is not None:
-        fields["extra_args"] = ["--schedule-policy", settings.schedule_policy]
+    if settings.sglang_args:
+        fields["extra_args"] = list(settings.sglang_args)
     if settings.mem_fraction is not None:  # unset, a shared-mode backend sizes it from the GPU's memory
         fields["mem_fraction_static"] = settings.mem_fraction
     return SGLangConfig(**{**fields, **overrides})

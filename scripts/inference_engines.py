@@ -42,8 +42,8 @@ def vllm_args(settings: ServerSettings, *, host: str, port: int) -> list[str]:
     """Arguments after `python -m vllm.entrypoints.openai.api_server` for `settings`."""
     if settings.sampling_backend is not None:
         raise ValueError("vLLM has no --sampling-backend: leave it unset for --engine vllm")
-    if settings.schedule_policy is not None:
-        raise ValueError("--schedule-policy is SGLang's: leave it unset for --engine vllm")
+    if settings.sglang_args:
+        raise ValueError("--sglang-args are SGLang's flags: leave them unset for --engine vllm")
     if settings.max_lora_rank not in VLLM_LORA_RANKS:
         raise ValueError(f"vLLM takes --max-lora-rank in {VLLM_LORA_RANKS}, not {settings.max_lora_rank}")
     args = [

@@ -118,7 +118,7 @@ for name in "$@"; do
     # The two questions the first side-by-side left (H200, 2026-11-24): SGLang's grpo groups found 43-56 % of
     # their prompts cached against vLLM's 87 % (SGLang's default fcfs queue prefills a group's identical
     # prompts together; lpm holds all but one back), and SGLang ran Triton attention against vLLM's FA3.
-    bench-inference-lpm) cmd=("${inference[@]}" --engine sglang "${kernels[@]}" --schedule-policy lpm
+    bench-inference-lpm) cmd=("${inference[@]}" --engine sglang "${kernels[@]}" --sglang-args="--schedule-policy lpm"
                               --json "$results/bench_inference_lpm.json"
                               --markdown "$results/bench_inference_lpm.md") ;;
     bench-vllm-triton) cmd=("${inference[@]}" --engine vllm --attention-backend TRITON_ATTN

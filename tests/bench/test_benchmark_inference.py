@@ -4,6 +4,7 @@ that cannot run here: its command line, its adapter routes and its metrics parsi
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import subprocess
@@ -141,18 +142,23 @@ def test_vllm_command_line() -> None:
         vllm_args(ServerSettings(model="/m", sampling_backend="pytorch"), host="h", port=1)
     with pytest.raises(ValueError, match="max-lora-rank"):
         vllm_args(ServerSettings(model="/m", max_lora_rank=12), host="h", port=1)
-    with pytest.raises(ValueError, match="schedule-policy"):
-        vllm_args(ServerSettings(model="/m", schedule_policy="lpm"), host="h", port=1)
+    with pytest.raises(ValueError, match="sglang-args"):
+        vllm_args(ServerSettings(model="/m", sglang_args=("--schedule-policy", "lpm")), host="h", port=1)
 
 
-def test_sglang_command_line_carries_the_schedule_policy() -> None:
-    from bench_common import sglang_config
+def test_sglang_command_line_carries_the_further_flags() -> None:
+    from bench_common import add_server_args, server_settings, sglang_config
 
     def launch(settings: ServerSettings) -> list[str]:
         return sglang_config(settings).server_args(settings.model, 1)
 
-    lpm = launch(ServerSettings(model="/m", schedule_policy="lpm"))
-    assert lpm[lpm.index("--schedule-policy") + 1] == "lpm"
+    parser = argparse.ArgumentParser()
+    add_server_args(parser, engines=("sglang",))
+    args = parser.parse_args(
+        ["--model", "/m", "--sglang-args=--schedule-policy lpm --tokenizer-worker-num 4"]
+    )
+    tuned = launch(server_settings(args))
+    assert tuned[-4:] == ["--schedule-policy", "lpm", "--tokenizer-worker-num", "4"]
     assert "--schedule-policy" not in launch(ServerSettings(model="/m"))
 
 
