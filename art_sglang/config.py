@@ -27,7 +27,16 @@ SERVER_VENV_DIR = ".venv-sglang-server"
 # 5 s is both engines' default). Set explicitly: the gateway's pool must drop its own idle connections
 # well before the server closes them, or a burst reuses connections the server is closing.
 KEEP_ALIVE_ENV = "SGLANG_TIMEOUT_KEEP_ALIVE"
-SGLANG_ENV_DEFAULTS = {"SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK": "True", KEEP_ALIVE_ENV: "5"}
+# SGLang reports a sampled token's logprob after dividing the logits by the temperature; the trainer (as
+# ART's) scores tokens at temperature 1, and vLLM, which ART's LocalBackend runs, reports raw logprobs.
+# With this variable set SGLang reports them before the temperature (still after a logit bias or grammar
+# mask), so a rollout sampled at any temperature gives the trainer the logprobs it recomputes.
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+SGLANG_ENV_DEFAULTS = {
+    "SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK": "True",
+    KEEP_ALIVE_ENV: "5",
+    ORIGINAL_LOGPROB_ENV: "1",
+}
 
 # A training step counts as hung once the trainer sends nothing (no progress event, no result) for
 # HANG_FACTOR times its longest step so far, at least HANG_FLOOR_S (TrainerConfig.step_timeout: the ceiling).

@@ -1,8 +1,8 @@
 """SGLang's sampling constraints on the OpenAI routes: `logit_bias` and the regex / ebnf / json_schema /
 response_format grammars, applied where SGLang applies them. SGLang's model runner adds the bias and masks
 the grammar's disallowed tokens on the raw logits (`_preprocess_logits` → `apply_logits_bias`) before its
-sampler divides by the temperature and takes the logprobs, so the reported logprob of a sampled token is
-its probability under the constraint; the engine's loop does the same. Grammars go through xgrammar (SGLang's
+sampler takes the logprobs (sampling.reported_logprobs), so the reported logprob of a sampled token is its
+probability under the constraint; the engine's loop does the same. Grammars go through xgrammar (SGLang's
 default backend), which is optional here: without it a grammar request is a 400, never an unconstrained
 sample. `allowed_token_ids` is not an SGLang field and is ignored, as SGLang ignores it (the gateway
 forwards it as logit_bias). A custom logit processor is refused (SGLang refuses it too unless launched with

@@ -31,7 +31,7 @@ from .cli import ServerArgs
 from .constrained import biased
 from .generation import FinishReason, GenerationRequest, GenerationResult, TextTracker, TokenLogprob
 from .prefix_cache import PrefixCache
-from .sampling import choose_token, logprobs_of
+from .sampling import choose_token, logprobs_of, reported_logprobs
 from .weights import assign_weights, memory_tags, read_weights, weight_params
 
 logger = logging.getLogger(__name__)
@@ -291,10 +291,10 @@ class ReferenceEngine:
                         finish = FinishReason("stop", matched=None)
                         break
                     next_logits = next_logits.masked_fill(~allowed[: next_logits.shape[-1]], float("-inf"))
-                logprobs = logprobs_of(next_logits, options)
-                token = choose_token(logprobs, options, generator)
+                token = choose_token(logprobs_of(next_logits, options), options, generator)
                 if request.grammar is not None:
                     request.grammar.advance(token)
+                logprobs = reported_logprobs(next_logits, options)
                 entry = self._logprob_entry(logprobs, token, request.top_logprobs)
                 output_ids.append(token)
                 output_logprobs.append(entry)

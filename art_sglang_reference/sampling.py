@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
+
+from art_sglang.config import ORIGINAL_LOGPROB_ENV
+
+_ORIGINAL_LOGPROB = os.environ.get(ORIGINAL_LOGPROB_ENV, "").lower() in ("1", "true")
 
 
 class SamplingParamsError(ValueError):
@@ -44,6 +49,14 @@ class SamplingOptions:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def reported_logprobs(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
+    """The logprobs a response reports for a step: with SGLANG_RETURN_ORIGINAL_LOGPROB set (read once at
+    start, as SGLang does) taken before the temperature, else as sampled (`logprobs_of`)."""
+    if not _ORIGINAL_LOGPROB:
+        return logprobs_of(logits, options)
+    return torch.log_softmax(logits.float(), dim=-1).clamp(min=torch.finfo(torch.float32).min)
 
 
 def logprobs_of(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:

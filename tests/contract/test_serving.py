@@ -127,6 +127,37 @@ def test_logprobs_are_the_models_log_softmax(client: httpx.Client, model_path: s
     assert [e["logprob"] for e in content] == pytest.approx(expected, abs=tolerance)
 
 
+def test_logprobs_are_reported_before_the_temperature(
+    client: httpx.Client, model_path: str, engine: str
+) -> None:
+    # The backend starts servers with SGLANG_RETURN_ORIGINAL_LOGPROB: a token sampled at temperature 0.5
+    # is reported with its logprob at temperature 1, the one the trainer recomputes.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    response = chat(
+        client, max_tokens=6, temperature=0.5, seed=3, logprobs=True, return_token_ids=True, ignore_eos=True
+    )
+    choice = response.json()["choices"][0]
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    ids = choice["prompt_token_ids"] + choice["token_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    start = len(choice["prompt_token_ids"]) - 1
+    rows = range(start, start + len(choice["token_ids"]))
+    at_one = [
+        float(torch.log_softmax(logits[r], -1)[t]) for r, t in zip(rows, choice["token_ids"], strict=True)
+    ]
+    at_half = [
+        float(torch.log_softmax(logits[r] / 0.5, -1)[t])
+        for r, t in zip(rows, choice["token_ids"], strict=True)
+    ]
+    reported = [e["logprob"] for e in choice["logprobs"]["content"]]
+    tolerance = 1e-3 if engine == "reference" else 5e-2  # SGLang computes in bfloat16
+    assert reported == pytest.approx(at_one, abs=tolerance)
+    assert max(abs(a - b) for a, b in zip(at_one, at_half, strict=True)) > 10 * tolerance
+
+
 def test_seeded_sampling_and_n_choices(client: httpx.Client, engine: str) -> None:
     def sample() -> list[str]:
         response = chat(client, max_tokens=8, temperature=1.0, seed=7, n=2, ignore_eos=True)
