@@ -40,7 +40,7 @@ def test_a_length_refused_request_keeps_its_adapter_from_unloading(
         assert refused.status_code == 400
         assert strands_adapter(refused.status_code, refused.content), refused.text
         with pytest.raises(httpx.ReadTimeout):
-            http.post("/unload_lora_adapter", json={"lora_name": "stuck"}, timeout=10.0)
+            http.post("/unload_lora_adapter", json={"lora_name": "stuck"}, timeout=5.0)
         # The unload that never ends holds the lock of every adapter load.
         with pytest.raises(httpx.ReadTimeout):
             http.post(
