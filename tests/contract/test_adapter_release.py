@@ -44,6 +44,6 @@ def test_a_length_refused_request_keeps_its_adapter_from_unloading(
         # The unload that never ends holds the lock of every adapter load.
         with pytest.raises(httpx.ReadTimeout):
             http.post(
-                "/load_lora_adapter", json={"lora_name": "later", "lora_path": adapters["b"]}, timeout=10.0
+                "/load_lora_adapter", json={"lora_name": "later", "lora_path": adapters["b"]}, timeout=5.0
             )
         assert _chat(http, None, 2).status_code == 200  # generation itself goes on
