@@ -291,10 +291,11 @@ class ReferenceEngine:
                         finish = FinishReason("stop", matched=None)
                         break
                     next_logits = next_logits.masked_fill(~allowed[: next_logits.shape[-1]], float("-inf"))
-                token = choose_token(logprobs_of(next_logits, options), options, generator)
+                sampled = logprobs_of(next_logits, options)
+                token = choose_token(sampled, options, generator)
                 if request.grammar is not None:
                     request.grammar.advance(token)
-                logprobs = reported_logprobs(next_logits, options)
+                logprobs = reported_logprobs(next_logits, sampled, options)
                 entry = self._logprob_entry(logprobs, token, request.top_logprobs)
                 output_ids.append(token)
                 output_logprobs.append(entry)

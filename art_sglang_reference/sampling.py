@@ -51,20 +51,24 @@ class SamplingOptions:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-def reported_logprobs(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
-    """The logprobs a response reports for a step: with SGLANG_RETURN_ORIGINAL_LOGPROB set (read once at
-    start, as SGLang does) taken before the temperature, else as sampled (`logprobs_of`)."""
-    if not _ORIGINAL_LOGPROB:
-        return logprobs_of(logits, options)
-    return torch.log_softmax(logits.float(), dim=-1).clamp(min=torch.finfo(torch.float32).min)
+def reported_logprobs(logits: torch.Tensor, sampled: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
+    """The logprobs a response reports for a step whose draw used `sampled` (`logprobs_of`): with
+    SGLANG_RETURN_ORIGINAL_LOGPROB set (read once at start, as SGLang does) taken before the temperature,
+    else `sampled` itself."""
+    if not _ORIGINAL_LOGPROB or options.greedy:  # greedy draws from the plain log-softmax already
+        return sampled
+    return _log_softmax(logits.float())
 
 
 def logprobs_of(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
     """Log-probabilities reported for a step: log-softmax of the logits divided by the temperature (as
     SGLang reports them; greedy requests get the plain log-softmax). Top-p/top-k do not renormalise them."""
-    scaled = logits.float() if options.greedy else logits.float() / options.temperature
+    return _log_softmax(logits.float() if options.greedy else logits.float() / options.temperature)
+
+
+def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
     # Clamped like SGLang's, so a masked (-inf) logit still serialises as a JSON number.
-    return torch.log_softmax(scaled, dim=-1).clamp(min=torch.finfo(torch.float32).min)
+    return torch.log_softmax(logits, dim=-1).clamp(min=torch.finfo(torch.float32).min)
 
 
 def choose_token(logprobs: torch.Tensor, options: SamplingOptions, generator: torch.Generator | None) -> int:
