@@ -6,7 +6,7 @@ import contextlib
 import re
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +168,23 @@ def check_requests_follow_loads(log: Path, label: str) -> int:
             adapter = values.get("adapter", "base")
             assert adapter == "base" or adapter in loaded, f"{label}: {line}"
     return served
+
+
+@contextlib.contextmanager
+def simulated_ray_cluster(node: dict[str, Any], **head: Any) -> Iterator[Any]:
+    """A Ray head (no CPUs for replicas; `head` adds to its settings) and two worker nodes of `node`'s
+    resources in this box, shut down after. Ray's own health checks notice a lost node within a second
+    or two here (its defaults take ~15 s)."""
+    from ray.cluster_utils import Cluster
+
+    fast_health = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": fast_health, **head},
+    )
+    try:
+        for _ in range(2):
+            cluster.add_node(**node)
+        yield cluster
+    finally:
+        cluster.shutdown()

@@ -20,7 +20,14 @@ import openai
 import psutil
 import pytest
 import pytest_asyncio
-from backend_helpers import bearer, chat_lines, check_requests_follow_loads, sample_groups, served_by_each
+from backend_helpers import (
+    bearer,
+    chat_lines,
+    check_requests_follow_loads,
+    sample_groups,
+    served_by_each,
+    simulated_ray_cluster,
+)
 
 import art_sglang as art
 from art_sglang import ClusterConfig, SGLangBackend
@@ -37,8 +44,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 SLOT = "art_sglang_test_replica"  # a worker node's custom resource: one replica each, none on the head
 NODE = {"num_cpus": 0, "resources": {SLOT: 1}, "object_store_memory": 80 * 2**20}
-# Ray's own health checks notice a lost node within a second or two here (the defaults take ~15 s).
-FAST_HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 
 
 @dataclass
@@ -59,17 +64,8 @@ class Run:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "object_store_memory": 80 * 2**20, "include_dashboard": False,
-                        "_system_config": FAST_HEALTH},
-    )  # fmt: skip
-    try:
-        for _ in range(2):
-            cluster.add_node(**NODE)
+    with simulated_ray_cluster(NODE, object_store_memory=80 * 2**20) as cluster:
         yield cluster
-    finally:
-        cluster.shutdown()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -26,7 +26,10 @@ from art_sglang import ClusterConfig, SGLangBackend, TrainableModel
 from art_sglang.planning.devices import DeviceLayout, detect_gpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
-from backend_helpers import served_by_each  # what each replica serves, asked of it directly
+from backend_helpers import (  # what each replica serves, asked of it directly; a Ray cluster in this box
+    served_by_each,
+    simulated_ray_cluster,
+)
 
 ray = pytest.importorskip("ray", reason="stage.sh ray puts Ray on the test process's path")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -35,7 +38,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.asyncio(loop_scope="module")]
 
 SLOT = "art_sglang_gpu_replica"
 NODE = {"num_cpus": 0, "num_gpus": 1, "resources": {SLOT: 1}, "object_store_memory": 512 * 2**20}
-FAST_HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 # Two replicas and the trainer on one GPU: a third of it each for the servers' weights and KV cache.
 SERVER = {"mem_fraction_static": 0.3}
 PROMPT = "Tell a long story about a robot that learns to paint, one sentence at a time."
@@ -48,22 +50,8 @@ def model_path(gpu_model: str) -> str:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "num_gpus": 0,
-            "include_dashboard": False,
-            "object_store_memory": 512 * 2**20,
-            "_system_config": FAST_HEALTH,
-        },
-    )
-    try:
-        for _ in range(2):
-            cluster.add_node(**NODE)
+    with simulated_ray_cluster(NODE, num_gpus=0, object_store_memory=512 * 2**20) as cluster:
         yield cluster
-    finally:
-        cluster.shutdown()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
