@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from openai.types.chat.chat_completion import Choice
+from training_helpers import sampled
 
 from art_sglang import grammars
 from art_sglang.config import TrainerConfig
@@ -27,20 +28,7 @@ from art_sglang.trajectories import Trajectory, TrajectoryGroup, coerce_groups
 def constrained_choice(
     tokenizer: Any, ids: list[int], logprobs: list[float], constraint: dict | None, finish: str = "length"
 ) -> Choice:
-    entries = [
-        {"token": (t := tokenizer.decode([i])), "bytes": list(t.encode()), "logprob": lp, "top_logprobs": []}
-        for i, lp in zip(ids, logprobs, strict=True)
-    ]
-    return Choice.model_validate(
-        {
-            "index": 0,
-            "finish_reason": finish,
-            "message": {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)},
-            "logprobs": {"content": entries},
-            "token_ids": ids,
-            CONSTRAINT_FIELD: constraint,
-        }
-    )
+    return sampled(tokenizer, ids, logprobs, finish, **{CONSTRAINT_FIELD: constraint})
 
 
 def wire_groups(*choices: Choice, rewards: tuple[float, ...] = (1.0, 0.0)) -> list[dict[str, Any]]:

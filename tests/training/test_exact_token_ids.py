@@ -8,29 +8,12 @@ from typing import Any
 
 import pytest
 from openai.types.chat.chat_completion import Choice
+from training_helpers import sampled
 
 from art_sglang.errors import TrainingInputError
 from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats
 from art_sglang.training.validation import groups_to_wire, validate_groups
 from art_sglang.trajectories import Trajectory, TrajectoryGroup
-
-
-def sampled(tokenizer: Any, ids: list[int], logprobs: list[float], finish_reason: str = "stop") -> Choice:
-    """A Choice as SGLang returns it with return_token_ids: text, one logprob entry per id, the ids."""
-    entries = [
-        {"token": (t := tokenizer.decode([i])), "bytes": list(t.encode()), "logprob": lp, "top_logprobs": []}
-        for i, lp in zip(ids, logprobs, strict=False)
-    ]
-    return Choice.model_validate(
-        {
-            "index": 0,
-            "finish_reason": finish_reason,
-            "message": {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)},
-            "logprobs": {"content": entries},
-            "token_ids": ids,
-            "prompt_token_ids": [1],
-        }
-    )
 
 
 def wire(choice: Choice) -> dict[str, Any]:

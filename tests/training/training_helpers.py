@@ -102,3 +102,25 @@ class Scorer:
 
 def group(trajectories: list[Trajectory]) -> TrajectoryGroup:
     return TrajectoryGroup(trajectories)
+
+
+def sampled(
+    tokenizer: Any, ids: list[int], logprobs: list[float], finish_reason: str = "stop", **fields: Any
+) -> Choice:
+    """A Choice as SGLang returns it with return_token_ids: text, one logprob entry per id, the ids
+    (`fields`: more of the Choice's fields, e.g. the constraint the gateway attaches)."""
+    entries = [
+        {"token": (t := tokenizer.decode([i])), "bytes": list(t.encode()), "logprob": lp, "top_logprobs": []}
+        for i, lp in zip(ids, logprobs, strict=False)
+    ]
+    return Choice.model_validate(
+        {
+            "index": 0,
+            "finish_reason": finish_reason,
+            "message": {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)},
+            "logprobs": {"content": entries},
+            "token_ids": ids,
+            "prompt_token_ids": [1],
+            **fields,
+        }
+    )
