@@ -191,17 +191,17 @@ class SGLangConfig(BaseModel):
 
     share_prefill: bool = Field(
         True,
-        description="Requests that follow another with the same prompt (ART's GRPO groups) wait until one "
+        description="Requests of one prompt that arrive together (ART's GRPO groups) wait until one "
         "prefill-only request computed the prompt, then go as they came: SGLang alone computes a prompt "
-        "once per request that reaches it together with others. The first request of a prompt never "
-        "waits. False = every request is forwarded at once.",
+        "once per request that reaches it together with others. False = every request is forwarded at once.",
     )
-    share_prefill_window_ms: float = Field(
-        5.0,
-        gt=0,
+    share_prefill_lead_ms: float = Field(
+        3.0,
+        ge=0,
         le=100,
-        description="With share_prefill: how long requests that follow another with its prompt are held "
-        "for more, after the latest one came (8 windows after the first at most).",
+        description="With share_prefill: how long the first request of a prompt waits for another with the "
+        "same prompt (a request that shares nothing is delayed this much at most). 0: the first never "
+        "waits, and a group's prompt is computed twice (by it and by the prefill-only request).",
     )
 
     router_policy: RouterPolicy = Field(

@@ -178,7 +178,7 @@ class Prober:
     async def measure(self, way: str, round_: int) -> dict[str, Any]:
         url, gateway, client = self.server.base_url, None, None
         if way.startswith("gateway"):
-            gateway = AdapterGateway(url, share_window=0.002 if way == "gateway-share" else None)
+            gateway = AdapterGateway(url, share_lead=0.003 if way == "gateway-share" else None)
             gateway.set_served([ADAPTER], base_ids=[self.args.model])
             gateway.start()
             url = gateway.base_url
@@ -253,7 +253,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             document["command"] = server.command()
             await server.load_adapter(http, ADAPTER, adapter)
             prober = Prober(args, server)
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            # Idle connections are dropped before the server's 5 s keep-alive closes them under a request.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2)
+            async with aiohttp.ClientSession(connector=connector) as session:
                 prober.session = session
                 for round_ in range(args.repeats):
                     for way in args.ways:

@@ -42,6 +42,12 @@ from ..constraints import ALLOWED_FIELD, CONSTRAINT_FIELD, ConstraintError, Samp
 INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
 TOKEN_ID_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 READ_PATHS = frozenset({"/v1/models", "/health", "/health_generate"})
+# Headers not forwarded either way: hop-by-hop ones (RFC 9110 7.6.1), those the transport sets itself, and
+# the client's key (the gateway sends the server's own).
+NOT_FORWARDED = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+     "transfer-encoding", "upgrade", "host", "content-length", "authorization"}
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

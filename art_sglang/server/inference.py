@@ -75,7 +75,7 @@ class InferenceService:
                 api_key=config.api_key,
                 upstream_key=self._servers.server_key,
                 unreachable_wait=config.server_timeout,
-                share_window=config.share_prefill_window_ms / 1000,
+                share_lead=config.share_prefill_lead_ms / 1000,
                 upstream_keep_alive=self._servers.processes[0].keep_alive,
             )
             self._gateway.set_prefill_sharing(config.share_prefill)

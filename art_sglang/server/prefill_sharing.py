@@ -1,21 +1,22 @@
 """Rollout requests that share a prompt and arrive together reach the inference server so that the prompt
-is computed at most twice, not once per request.
+is computed once, not once per request.
 
 Why: ART sends each rollout of a GRPO group as its own request, the group's requests with one identical
 prompt arriving together. SGLang 0.5.17 puts a prompt into its radix cache only after the prompt's
 prefill has run, so identical prompts admitted into the same (or the next) batch each compute the whole
 prompt: on an H200 only 32-42 % of such prompt tokens were found cached, against vLLM's 87 %.
 
-So the first request of a prompt is forwarded at once, and the requests that follow it with the same
-prompt (any sampling parameters) are held until none came for `window` seconds (at most `MAX_WINDOWS`
-windows after the first). Then one prefill-only request (`max_tokens: 0`) computes the prompt, and the held
-requests are forwarded as they came once it returns, each finding the prompt cached. A single follower is
-forwarded without one; a request that shares its prompt with none waits for nothing.
+So the first request of a prompt waits up to `lead` seconds for another with the same prompt (any
+sampling parameters). If none comes it goes alone; a request that shares nothing is delayed by `lead` at
+most. Once a second one comes, one prefill-only request (`max_tokens: 0`) computes the prompt, and every
+request of the prompt that is waiting or comes while it runs goes as it came once it returns, finding the
+prompt cached; those that come later (within `PROMPT_MEMORY_S` of the first) go at once. With `lead` 0 the
+first request never waits, and the prompt is computed at most twice (by it and by the prefill-only one).
 
 Why not one request with `n=k` for identical requests, which SGLang prefills once: SGLang 0.5.17 counts
-an `n` request's use of an adapter once but releases it once per choice and once more for its own
-prefill-only copy, so an adapter that served an `n>1` request can never be unloaded again (seen on an H200:
-`/unload_lora_adapter` hung). The backend unloads old steps' adapters after every step.
+an `n` request's use of an adapter once per choice but releases it once per choice and once more for its
+own prefill-only copy, so an adapter that served an `n>1` request can never be unloaded again (seen on an
+H200: `/unload_lora_adapter` hung). The backend unloads old steps' adapters after every step.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .gateway_rules import Forward, error
@@ -32,7 +33,9 @@ from .gateway_rules import Forward, error
 logger = logging.getLogger(__name__)
 
 SHARED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-MAX_WINDOWS = 8  # requests that keep coming are released after this many windows all the same
+# A request with the prompt of one that came this long before it follows that one (a GRPO group's requests
+# arrive within milliseconds of each other); later, the prompt is no longer taken to be in the cache.
+PROMPT_MEMORY_S = 2.0
 
 # Fields that steer sampling or the answer's form, never the prompt's tokens: requests differing only in
 # these still share their prompt. Any other field counts as shaping the prompt (a field missing here only
@@ -81,7 +84,6 @@ class Answer:
 
 
 Exchange = Callable[[Forward, dict[str, str]], Awaitable[Answer]]
-_Held = tuple[Forward, dict[str, str], "asyncio.Future[None]"]  # a request, its headers, its turn
 
 
 def prompt_key(decision: Forward) -> str | None:
@@ -134,73 +136,75 @@ class PrefillCounters:
 
 
 @dataclass
-class _Batch:
-    opened: float
-    waiting: list[_Held] = field(default_factory=list)
-    timer: asyncio.TimerHandle | None = None
+class _Prompt:
+    """One prompt's requests: `company` is set when a second one comes (the first waits on it);
+    `computed` is the prefill-only request, once one was sent."""
+
+    created: float
+    company: asyncio.Future[None]
+    computed: asyncio.Task[None] | None = None
+    waiting: int = 0  # requests that wait for `computed`
 
 
 class PrefillSharing:
-    """Holds requests that follow another with their prompt until one prefill-only request computed it
-    (see the module's text). Runs on the gateway's event loop; `exchange` sends one request upstream."""
+    """Has the requests of a prompt that arrive together wait for one prefill-only request of it (see the
+    module's text). Runs on the gateway's event loop; `exchange` sends one request upstream."""
 
-    def __init__(self, exchange: Exchange, *, window: float):
-        if window <= 0:
-            raise ValueError(f"the prefill-sharing window must be positive, got {window}")
+    def __init__(self, exchange: Exchange, *, lead: float):
+        if lead < 0:
+            raise ValueError(f"the prefill-sharing lead must not be negative, got {lead}")
         self._exchange = exchange
-        self._window = window
-        self._open: dict[str, _Batch] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._lead = lead
+        self._prompts: dict[str, _Prompt] = {}  # oldest first
+        self._tasks: set[asyncio.Task[None]] = set()  # prefill-only requests under way
         self.counters = PrefillCounters()
 
     async def wait_turn(self, key: str, decision: Forward, headers: dict[str, str]) -> None:
-        """Return when the request should be forwarded: at once for the first request of its prompt, else
-        once the prompt was computed for the requests held with it."""
+        """Return when the request should be forwarded."""
         loop = asyncio.get_running_loop()
-        batch = self._open.get(key)
-        if batch is None:
-            batch = self._open[key] = _Batch(loop.time())
-            batch.timer = loop.call_at(batch.opened + self._window, self._close, key, batch)
-            return
-        turn: asyncio.Future[None] = loop.create_future()
-        batch.waiting.append((decision, headers, turn))
-        if batch.timer is not None:
-            batch.timer.cancel()
-        close_at = min(loop.time() + self._window, batch.opened + MAX_WINDOWS * self._window)
-        batch.timer = loop.call_at(close_at, self._close, key, batch)
-        await turn
+        self._forget_before(loop.time() - PROMPT_MEMORY_S)
+        prompt = self._prompts.get(key)
+        if prompt is None:
+            prompt = self._prompts[key] = _Prompt(loop.time(), loop.create_future())
+            if self._lead == 0:
+                return
+            try:
+                await asyncio.wait_for(asyncio.shield(prompt.company), self._lead)
+            except asyncio.TimeoutError:
+                return  # alone so far: a later request of this prompt starts the prefill-only one
+        elif prompt.computed is None:
+            prompt.computed = asyncio.ensure_future(self._prefill(prompt, decision, headers))
+            self._tasks.add(prompt.computed)
+            prompt.computed.add_done_callback(self._tasks.discard)
+            if not prompt.company.done():
+                prompt.company.set_result(None)
+        assert prompt.computed is not None
+        if not prompt.computed.done():
+            prompt.waiting += 1
+            # wait(), not await: a caller that leaves does not cancel the others' prefill, and the
+            # requests go on (and meet any error themselves) whatever became of it.
+            await asyncio.wait({prompt.computed})
 
-    def _close(self, key: str, batch: _Batch) -> None:
-        if self._open.get(key) is batch:
-            del self._open[key]
-        waiting = [entry for entry in batch.waiting if not entry[2].done()]  # a caller may have left
-        if len(waiting) < 2:
-            _release(waiting)
-            return
-        task = asyncio.ensure_future(self._prefill_then_release(waiting))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _forget_before(self, horizon: float) -> None:
+        while self._prompts:
+            key, prompt = next(iter(self._prompts.items()))
+            if prompt.created >= horizon:
+                return
+            del self._prompts[key]
 
-    async def _prefill_then_release(self, waiting: list[_Held]) -> None:
-        decision, headers, _ = waiting[0]
+    async def _prefill(self, prompt: _Prompt, decision: Forward, headers: dict[str, str]) -> None:
         try:
             assert decision.payload is not None  # prompt_key() admitted only parsed requests
             answer = await self._exchange(replace(decision, body=prefill_body(decision.payload)), headers)
             if answer.status == 200:
                 prompt_tokens = int(json.loads(answer.body)["usage"]["prompt_tokens"])
-                self.counters.requests_held += len(waiting)
+                self.counters.requests_held += prompt.waiting
                 self.counters.prefill_requests += 1
-                self.counters.prefill_tokens_saved += (len(waiting) - 1) * prompt_tokens
+                self.counters.prefill_tokens_saved += max(prompt.waiting - 1, 0) * prompt_tokens
             else:
                 # The requests themselves will get (and report) whatever made the server refuse it.
                 logger.debug("prefill-only request answered %d: %s", answer.status, answer.body[:200])
         except (ValueError, KeyError, TypeError):
             logger.debug("prefill-only answer without usage", exc_info=True)
-        finally:
-            _release(waiting)
-
-
-def _release(waiting: list[_Held]) -> None:
-    for _, _, turn in waiting:
-        if not turn.done():
-            turn.set_result(None)
+        except Exception:
+            logger.exception("the prefill-only request failed; its prompt's requests go on without it")

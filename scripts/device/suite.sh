@@ -94,10 +94,7 @@ for name in "$@"; do
     ddp) cmd=("${pytest[@]}" -m gpu tests/gpu/test_training_ranks.py) ;;
     # The SGLang bundle's own xgrammar (and its tvm-ffi runtime), linked in alone, so the trainer replays
     # regex rollouts with the grammar library SGLang sampled them with.
-    constrained) mkdir -p /tmp/xgsite
-                 for pkg in /tmp/site/xgrammar /tmp/site/tvm_ffi /tmp/site/apache_tvm_ffi*; do
-                   [ -e "$pkg" ] && ln -sfn "$pkg" /tmp/xgsite/
-                 done
+    constrained) python3 scripts/device/link_site_modules.py /tmp/xgsite xgrammar
                  cmd=(env PYTHONPATH="/tmp/xgsite:$PYTHONPATH" "${pytest[@]}" -m gpu tests/gpu/test_constrained.py) ;;
     bench-cycle-kv) cmd=("${cycle[@]}" --strategies sleep/kv_cache --steps 3) ;;
     bench-cycle-all) cmd=("${cycle[@]}" --strategies sleep/all --steps 3) ;;

@@ -136,7 +136,7 @@ def test_logprobs_are_reported_before_the_temperature(
     from transformers import AutoModelForCausalLM
 
     response = chat(
-        client, max_tokens=6, temperature=0.5, seed=3, logprobs=True, return_token_ids=True, ignore_eos=True
+        client, max_tokens=16, temperature=0.5, seed=3, logprobs=True, return_token_ids=True, ignore_eos=True
     )
     choice = response.json()["choices"][0]
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -155,7 +155,9 @@ def test_logprobs_are_reported_before_the_temperature(
     reported = [e["logprob"] for e in choice["logprobs"]["content"]]
     tolerance = 1e-3 if engine == "reference" else 5e-2  # SGLang computes in bfloat16
     assert reported == pytest.approx(at_one, abs=tolerance)
-    assert max(abs(a - b) for a, b in zip(at_one, at_half, strict=True)) > 10 * tolerance
+    # ... and could not have passed for logprobs at 0.5: on some token the two differ by more than twice
+    # the tolerance (on SGLang, 2026-11-25, the largest difference among 6 tokens was 0.48).
+    assert max(abs(a - b) for a, b in zip(at_one, at_half, strict=True)) > 2 * tolerance
 
 
 def test_seeded_sampling_and_n_choices(client: httpx.Client, engine: str) -> None:

@@ -1,5 +1,5 @@
-"""Prefill sharing through the gateway, on the engine under test: rollouts that follow one with the same
-prompt are held until a prefill-only request (`max_tokens: 0`) computed it, and then find the prompt in
+"""Prefill sharing through the gateway, on the engine under test: rollouts with the same prompt that arrive
+together are held until a prefill-only request (`max_tokens: 0`) computed it, and then find the prompt in
 the engine's cache; each is answered as it was asked (its own sample on the adapter, ids with one logprob
 each)."""
 
@@ -27,8 +27,8 @@ def gateway(
 ) -> Iterator[AdapterGateway]:
     loaded = client.post("/load_lora_adapter", json={"lora_name": "shared@1", "lora_path": adapters["a"]})
     assert loaded.status_code == 200, loaded.text
-    # A wide window: the test's threads must meet in it on a slow machine too.
-    gw = AdapterGateway(server.base_url, share_window=0.3)
+    # A long lead: the test's threads must find the first still waiting on a slow machine too.
+    gw = AdapterGateway(server.base_url, share_lead=0.3)
     gw.start()
     gw.set_served(["shared@1"], [server.model_path])
     try:
@@ -52,7 +52,8 @@ def test_followers_find_the_prompt_computed(gateway: AdapterGateway) -> None:
     with ThreadPoolExecutor(K) as pool:
         answers = list(pool.map(post, range(K)))
     counters = gateway.prefill_counters()
-    assert counters["prefill_requests"] == 1 and counters["requests_held"] == K - 1
+    # Those that came after the prefill-only request returned went at once.
+    assert counters["prefill_requests"] == 1 and counters["requests_held"] >= 2
     cached, samples = 0, set()
     for answer in answers:
         [choice] = answer["choices"]
@@ -60,5 +61,5 @@ def test_followers_find_the_prompt_computed(gateway: AdapterGateway) -> None:
         details = answer["usage"]["prompt_tokens_details"] or {}
         cached += details.get("cached_tokens", 0) >= 0.8 * answer["usage"]["prompt_tokens"]
         samples.add(tuple(choice["token_ids"]))
-    assert cached >= K - 1  # every request held for the prefill found the prompt cached
+    assert cached == K  # every request found the prompt computed
     assert len(samples) > 1

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from art_sglang.config import TrainerConfig
 from art_sglang.training import model_loading  # noqa: F401  (first: Unsloth patches transformers)
-from art_sglang.training.checkpoints import latest_checkpoint, read_trainer_state
+from art_sglang.training.checkpoints import list_checkpoints, read_trainer_state
 from art_sglang.training.loss import sampled_token_logprobs
 from art_sglang.training.tokenize import TokenizeStats, sampled_constraints
 from art_sglang.training.trainer import Trainer
@@ -40,7 +40,7 @@ def main() -> None:
     import torch
 
     checkpoints, rollouts_file = Path(sys.argv[1]), Path(sys.argv[2])
-    step = latest_checkpoint(checkpoints)
+    step = max(list_checkpoints(checkpoints))
     state = read_trainer_state(checkpoints / f"{step:04d}")
     trainer = Trainer(state["base_model"], checkpoints, TrainerConfig(**state["config"]))
     assert trainer.resume_or_init() == step
