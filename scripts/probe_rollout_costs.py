@@ -271,7 +271,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_server_args(parser)
+    add_server_args(parser, engines=("sglang", "reference", "vllm"))
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
     parser.add_argument("--groups", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=8)
