@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import os
 import shutil
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +70,8 @@ class ReplicaHost:
             env=env,
         )
         self._server = server
-        await server.start()
+        async with one_start_per_gpu(os.environ.get("CUDA_VISIBLE_DEVICES") if engine == "sglang" else None):
+            await server.start()
         host = node_ip if settings.host in ("0.0.0.0", "::", "") else settings.host
         return {
             "url": f"http://{host}:{server.port}",
@@ -107,3 +111,23 @@ class ReplicaHost:
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return self._server.log_tail(lines) if self._server is not None else ""
+
+
+@contextlib.asynccontextmanager
+async def one_start_per_gpu(gpus: str | None) -> AsyncIterator[None]:
+    """Hold this machine's lock for `gpus` (CUDA_VISIBLE_DEVICES as Ray set it; None: no GPU, no lock)
+    while a server starts. SGLang sizes its memory from what is free on the GPU when it starts, so a replica
+    starting while another on the same GPU allocates can find nothing left for its KV cache (seen on an
+    H100 with two replicas on one GPU: "Loaded weights leave no GPU memory for the KV cache"). Replicas
+    Ray packs onto one GPU (a fractional `gpus_per_replica`) therefore start one after the other; a file
+    lock, because each replica is its own actor process, and the kernel drops it if that process dies."""
+    if not gpus:
+        yield
+        return
+    path = Path(tempfile.gettempdir()) / f"art-sglang-gpu-start-{gpus.replace(',', '_')}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
