@@ -166,7 +166,8 @@ async def test_a_request_that_shares_nothing_waits_the_lead_at_most(server) -> N
                 response = await http.post(gateway.base_url + CHAT, json=body)
                 waited = time.monotonic() - started - direct
                 assert response.status_code == 200
-                assert lead - 0.05 <= waited < lead + 1.0, (lead, waited)
+                # Alone, it waited for company as long as the lead (its own answer is a few ms either way).
+                assert waited < lead + 1.0 and (lead == 0 or waited > 0.9 * lead), (lead, waited)
 
 
 async def test_a_caller_that_leaves_while_held_leaves_the_others_unharmed(server) -> None:
