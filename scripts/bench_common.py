@@ -58,6 +58,13 @@ def add_server_args(
         "(the = keeps a lone flag from being read as this script's own), e.g. '--tokenizer-worker-num 4'",
     )
     parser.add_argument("--lora-rank", type=int, default=8, help="rank of the random adapter served")
+    parser.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=["all"],
+        help="SGLang only: the modules the server can adapt ('all' takes lm_head and embed_tokens too; the "
+        "random adapter, like the trainer's, adapts " + " ".join(DEFAULT_LORA_TARGETS) + ")",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/art-sglang-bench"))
@@ -117,6 +124,7 @@ class ServerSettings:
     attention_backend: str | None = None  # the engine's own name
     sampling_backend: str | None = None  # SGLang only
     sglang_args: tuple[str, ...] = ()  # SGLang only: further launch flags as given
+    lora_target_modules: tuple[str, ...] = ("all",)  # SGLang only
 
 
 def server_settings(args: argparse.Namespace, **changes: Any) -> ServerSettings:
@@ -130,6 +138,7 @@ def server_settings(args: argparse.Namespace, **changes: Any) -> ServerSettings:
         attention_backend=args.attention_backend,
         sampling_backend=args.sampling_backend,
         sglang_args=tuple(args.sglang_args),
+        lora_target_modules=tuple(args.lora_target_modules),
         **changes,
     )
 
@@ -145,6 +154,7 @@ def sglang_config(settings: ServerSettings, **overrides: Any) -> SGLangConfig:
         "enable_cache_report": True,
         "max_lora_rank": settings.max_lora_rank,
         "max_loras_per_batch": settings.max_loras_per_batch,
+        "lora_target_modules": list(settings.lora_target_modules),
     }
     if settings.sglang_args:
         fields["extra_args"] = list(settings.sglang_args)

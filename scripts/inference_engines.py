@@ -44,6 +44,8 @@ def vllm_args(settings: ServerSettings, *, host: str, port: int) -> list[str]:
         raise ValueError("vLLM has no --sampling-backend: leave it unset for --engine vllm")
     if settings.sglang_args:
         raise ValueError("--sglang-args are SGLang's flags: leave them unset for --engine vllm")
+    if settings.lora_target_modules != ("all",):
+        raise ValueError("--lora-target-modules is SGLang's flag (vLLM adapts what each adapter names)")
     if settings.max_lora_rank not in VLLM_LORA_RANKS:
         raise ValueError(f"vLLM takes --max-lora-rank in {VLLM_LORA_RANKS}, not {settings.max_lora_rank}")
     args = [

@@ -28,6 +28,11 @@
 #     (--resume) until every run is in. bench-rollouts-vllm (~7 min at 1.5B, after stage.sh vllm 0..5; again
 #     at 7B if cut): the same on vLLM as ART serves it. bench-rollouts (seconds): both into
 #     bench_rollouts-<model>.json/.md with the ratios backend / vLLM
+#   probe-costs (~7 min): scripts/probe_rollout_costs.py, ART's GRPO waves (32 groups x 8, 128 tokens) sent with
+#     ART's client straight to SGLang, through the gateway with prefill sharing off and on, with a bare client,
+#     and as n=8 per group, 3 repeats each, into probe_costs-<model>.json; probe-costs-trained-modules (~5 min):
+#     the gateway and bare ways with SGLang adapting only the trainer's modules (not lm_head/embed_tokens);
+#     probe-costs-vllm (~5 min, after stage.sh vllm 0..5): vLLM with ART's client and with a bare one
 #   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
 #     workload and seed, server and trainer co-resident on GPU 0 (CUDA MPS where the driver has it);
 #     bench-pipeline-1gpu-no-mps the same with cuda_mps="off"; bench-pipeline-split: server on GPU 0,
@@ -72,6 +77,7 @@ inference=(python3 scripts/benchmark_inference.py --model "$big")
 # 8 steps: the first of each loop (the trainer compiling) is left out of the steady-state rate.
 pipeline=(python3 scripts/bench_pipeline.py --model "$big" "${kernels[@]}" --steps 8 --max-tokens 384)
 # 470 s: the last run to start (10-35 s at 7B) and the server's stop end before the call's 10 minutes.
+probe=(python3 scripts/probe_rollout_costs.py --model "$big" --lora-rank 16 --seconds 10 --repeats 3 --workdir /tmp/work-probe)
 rollouts=(python3 scripts/bench_rollouts.py --model "$big" --resume --deadline-s 470)
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
@@ -124,6 +130,13 @@ for name in "$@"; do
                         --vllm-flags "${vllm_kernels[*]}" --reuse "sglang=$results/bench_inference.json"
                         --reuse "vllm=$results/bench_vllm.json" --workdir /tmp/bench-engines
                         --json "$results/bench_engines.json" --markdown "$results/bench_engines.md") ;;
+    probe-costs) cmd=("${probe[@]}" "${kernels[@]}" --ways art-client gateway gateway-share raw raw-n
+                      --json "$results/probe_costs-${big##*/}.json") ;;
+    probe-costs-trained-modules) cmd=("${probe[@]}" "${kernels[@]}" --ways gateway-share raw
+                                      --lora-target-modules q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+                                      --json "$results/probe_costs_trained_modules-${big##*/}.json") ;;
+    probe-costs-vllm) cmd=("${probe[@]}" --engine vllm "${vllm_kernels[@]}" --ways art-client raw
+                           --json "$results/probe_costs_vllm-${big##*/}.json") ;;
     bench-rollouts-sglang) cmd=("${rollouts[@]}" --side backend "${kernels[@]}" --workdir "/tmp/work-$name"
                                 --json "$results/bench_rollouts-sglang-${big##*/}.json") ;;
     bench-rollouts-vllm) cmd=("${rollouts[@]}" --side direct --engine vllm "${vllm_kernels[@]}" --workdir "/tmp/work-$name"

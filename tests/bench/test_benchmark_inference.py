@@ -144,6 +144,8 @@ def test_vllm_command_line() -> None:
         vllm_args(ServerSettings(model="/m", max_lora_rank=12), host="h", port=1)
     with pytest.raises(ValueError, match="sglang-args"):
         vllm_args(ServerSettings(model="/m", sglang_args=("--schedule-policy", "lpm")), host="h", port=1)
+    with pytest.raises(ValueError, match="lora-target-modules"):
+        vllm_args(ServerSettings(model="/m", lora_target_modules=("q_proj",)), host="h", port=1)
 
 
 def test_sglang_command_line_carries_the_further_flags() -> None:
@@ -160,6 +162,14 @@ def test_sglang_command_line_carries_the_further_flags() -> None:
     tuned = launch(server_settings(args))
     assert tuned[-4:] == ["--schedule-policy", "lpm", "--tokenizer-worker-num", "4"]
     assert "--schedule-policy" not in launch(ServerSettings(model="/m"))
+    trained = parser.parse_args(["--model", "/m", "--lora-target-modules", "q_proj", "v_proj"])
+    for settings, served in [
+        (server_settings(trained), ["q_proj", "v_proj"]),
+        (ServerSettings(model="/m"), ["all"]),
+    ]:
+        flags = launch(settings)
+        at = flags.index("--lora-target-modules")
+        assert flags[at + 1 : at + 1 + len(served)] == served
 
 
 def test_vllm_process_runs_vllm_with_runtime_lora_updates(
