@@ -20,7 +20,7 @@ import bench_cycle  # noqa: E402
 def test_each_strategy_builds_its_backend(strategy: str, tmp_path: Path) -> None:
     args = argparse.Namespace(
         engine="reference", model="/m", mem_fraction_static=0.5, cuda_graph=False, prefill_cuda_graph=False,
-        attention_backend=None, sampling_backend=None, sglang_args=[], lora_rank=16,
+        attention_backend=None, sampling_backend=None, sglang_args=[], lora_rank=16, lora_target_modules=["all"],
     )  # fmt: skip
     backend = bench_cycle.make_backend(args, strategy, tmp_path / ".art")
     handoff, _, release = strategy.partition("/")
