@@ -1,13 +1,16 @@
 """What the GPU tests and the device benchmarks share: GPU memory per process from nvidia-smi (a 200 from
 `/release_memory_occupation` proves nothing, memory does), rollouts with a reward that varies inside a
-group, SGLang's own logprobs, and a JSONL record of the numbers each test measured."""
+group, SGLang's own logprobs, the trainer's recomputation of them, and a JSONL record of the numbers each
+test measured."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import shutil
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -245,3 +248,16 @@ def checkpoint_dirs(model_dir: Path) -> dict[int, Path]:
         if (folder / "adapter_model.safetensors").exists():
             found[int(folder.name)] = folder
     return found
+
+
+def recompute(script: Path, checkpoint: Path, work: Path, inputs: Any) -> dict[str, Any]:
+    """Run a recompute script (its own process, so the trainer's stack loads there) on a copy of one step's
+    `checkpoint` and `inputs` written as JSON; its report, the last line it printed."""
+    shutil.copytree(checkpoint, work / "checkpoints" / checkpoint.name)
+    (work / "inputs.json").write_text(json.dumps(inputs))
+    done = subprocess.run(
+        [sys.executable, str(script), str(work / "checkpoints"), str(work / "inputs.json")],
+        capture_output=True, text=True, timeout=480, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

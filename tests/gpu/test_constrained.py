@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import math
 import os
-import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +27,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from gpu_helpers import PROMPTS, record, sglang_test_config
+from gpu_helpers import PROMPTS, recompute, record, sglang_test_config
 
 from art_sglang import SGLangBackend, TrainableModel, TrainerConfig, Trajectory, TrajectoryGroup
 from art_sglang.storage.model_store import ModelStore
@@ -161,16 +158,8 @@ async def test_the_trainer_scores_constrained_tokens_as_sglang_sampled_them(run:
             *(rollout(p, seed, max_tokens, extra) for seed, p in enumerate(PROMPTS * 2))
         )
         rollouts[kind] = TrajectoryGroup(trajectories).model_dump(mode="json")["trajectories"]
-    work = run.root / "recompute"
     step = f"{int(name.rsplit('@', 1)[1]):04d}"  # the trained step's checkpoint
-    shutil.copytree(run.store.checkpoints_dir / step, work / "checkpoints" / step)
-    (work / "rollouts.json").write_text(json.dumps(rollouts))
-    done = subprocess.run(
-        [sys.executable, str(RECOMPUTE), str(work / "checkpoints"), str(work / "rollouts.json")],
-        capture_output=True, text=True, timeout=480, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = recompute(RECOMPUTE, run.store.checkpoints_dir / step, run.root / "recompute", rollouts)
     baseline = report["unconstrained"]["trainer_unconstrained_vs_sglang"]["mean_abs"]
     for kind in kinds.keys() - {"unconstrained"}:
         under = report[kind]["trainer_constrained_vs_sglang"]["mean_abs"]

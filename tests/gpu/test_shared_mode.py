@@ -12,9 +12,6 @@ trainer's recomputation for that adapter.
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +26,7 @@ from gpu_helpers import (
     generate,
     make_groups,
     output_logprobs,
+    recompute,
     record,
     server_pids,
     sglang_test_config,
@@ -216,15 +214,7 @@ async def test_sglang_logprobs_agree_with_the_trainer(run: Run) -> None:
         result = await generate(run.gateway_url, ids, lora="agent@1", max_new_tokens=32, seed=i)
         out_ids, logprobs = output_logprobs(result)
         samples.append({"input_ids": ids + out_ids, "prompt_len": len(ids), "sampler_logprobs": logprobs})
-    work = run.root / "recompute"
-    shutil.copytree(run.store.checkpoints_dir / "0001", work / "checkpoints" / "0001")
-    (work / "samples.json").write_text(json.dumps(samples))
-    done = subprocess.run(
-        [sys.executable, str(RECOMPUTE), str(work / "checkpoints"), str(work / "samples.json")],
-        capture_output=True, text=True, timeout=480, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = recompute(RECOMPUTE, run.store.checkpoints_dir / "0001", run.root / "recompute", samples)
     record(f"shared-{run.strategy}/logprob-agreement", **report)
     assert report["trainer_backend"] == run.facts["trainer_backend"]
     agree, base = report["trainer_vs_sglang"], report["trainer_without_adapter_vs_sglang"]
