@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -37,6 +37,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import psutil
 from openai import AsyncOpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,35 +57,22 @@ WAYS = (
     "gateway",
     "gateway-share",
 )
-_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def server_processes(root: int) -> dict[int, tuple[str, float]]:
     """`root` and its descendants: pid -> (name, CPU seconds so far). SGLang names its scheduler and
-    detokenizer processes."""
-    parents: dict[int, int] = {}
-    names: dict[int, str] = {}
-    cpu: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        pid = int(entry)
-        parents[pid] = int(fields[1])
-        names[pid] = cmdline.rsplit("/", 1)[-1] or stat[stat.index("(") + 1 : stat.rindex(")")]
-        cpu[pid] = (int(fields[11]) + int(fields[12])) / _TICKS
+    detokenizer processes (in their command line)."""
     tree = {}
-    for pid in cpu:
-        ancestor = pid
-        while ancestor not in (0, 1, root):
-            ancestor = parents.get(ancestor, 0)
-        if ancestor == root:
-            tree[pid] = (names[pid], cpu[pid])
+    try:
+        top = psutil.Process(root)
+        processes = [top, *top.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return tree
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied), process.oneshot():
+            command, times = process.cmdline(), process.cpu_times()
+            name = command[0].rsplit("/", 1)[-1] if command and command[0] else process.name()
+            tree[process.pid] = (name, times.user + times.system)
     return tree
 
 
