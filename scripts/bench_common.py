@@ -1,6 +1,6 @@
 """What the benchmark scripts share: launch settings from the command line, a random LoRA adapter of a
-model's shape (a serving benchmark needs no trained one), the device and versions, and result output
-(JSON plus a markdown table)."""
+model's shape (a serving benchmark needs no trained one), ART's OpenAI client, the device and versions,
+and result output (JSON plus a markdown table)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
+from openai import AsyncOpenAI
 
 from art_sglang.config import DEFAULT_LORA_TARGETS, SGLangConfig
 
@@ -230,6 +233,19 @@ def startup_phases(log_text: str) -> dict[str, float]:
             started = {**phases, "logged_s": stamp - first}
             phases, first = {}, None
     return started
+
+
+def art_openai_client(base_url: str, api_key: str, *, aiohttp_transport: bool = False) -> AsyncOpenAI:
+    """The client an ART program's rollouts use, as `art.Model.openai_client()` builds it: `AsyncOpenAI` on
+    httpx with a 20 min timeout and an unbounded keep-alive pool (or the same SDK on aiohttp). Its cost
+    with hundreds of rollouts in flight is part of what an ART user gets from a server, so a speed
+    comparison "as ART drives it" sends through it."""
+    from openai import DefaultAioHttpClient, DefaultAsyncHttpxClient
+
+    timeout = httpx.Timeout(1200.0, connect=5.0)
+    limits = httpx.Limits(max_connections=100_000, max_keepalive_connections=100_000)
+    maker = DefaultAioHttpClient if aiohttp_transport else DefaultAsyncHttpxClient
+    return AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=maker(timeout=timeout, limits=limits))
 
 
 def _nvidia_smi(query: str) -> list[str] | None:

@@ -3,7 +3,8 @@ served directly (vLLM as ART serves it): output tokens/s, request latency, the c
 tokens and the gateway's prefill-sharing counters, then the ratios backend / vLLM.
 
 Every rollout is its own non-streamed chat request with logprobs, as ART's rollouts ask, on a random
-LoRA adapter (`bench_common.make_random_adapter`, rank `--lora-rank`). Runs, `KIND-TOKENS:GROUPS`:
+LoRA adapter (`bench_common.make_random_adapter`, rank `--lora-rank`), sent with ART's own client on both
+sides (`bench_common.art_openai_client`). Runs, `KIND-TOKENS:GROUPS`:
 
 - `grpo-N:G`: G groups x `--group-size` rollouts of N tokens (`ignore_eos`); a group's rollouts send
   one identical ~`--prompt-tokens` prompt, groups share nothing, all groups at once;
@@ -14,8 +15,10 @@ LoRA adapter (`bench_common.make_random_adapter`, rank `--lora-rank`). Runs, `KI
   conversations start with the same prompt and each turn resends the conversation so far.
 
 A run repeats waves of its pattern (fresh prompts each wave, as each RL step brings new ones) until
-`--min-seconds` have passed; each configuration runs `--repeats` times (the gateway's prefill sharing on and off
-alternate, on one live backend: `gateway.set_prefill_sharing`; the JSON calls the setting "merging"); tables show medians over the repeats. `--ttft-requests`
+`--min-seconds` have passed; each configuration runs `--repeats` times; tables show medians over the
+repeats. Through the backend every run has the gateway's prefill sharing on (its default), and the kinds
+in `--off-kinds` also run with it off, the two settings alternating on one live backend
+(`gateway.set_prefill_sharing`; the JSON calls the setting "merging"). `--ttft-requests`
 lone requests on the idle server measure the time to first token (streamed) and the latency of a
 one-token request (as ART sends them), with prefill sharing on and off.
 
@@ -55,6 +58,7 @@ from openai import AsyncOpenAI
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (
     add_server_args,
+    art_openai_client,
     device_name,
     environment,
     make_random_adapter,
@@ -79,6 +83,9 @@ DEFAULT_RUNS = (
     "grpo-384:32",
     "grpo-384:16",
 )
+# Where the gateway's prefill sharing must be shown not to slow rollouts down (answers of varying length,
+# multi-turn); fixed-length GRPO runs measure the default setting alone, to keep a GPU call within its time.
+OFF_KINDS = ("varying", "multiturn")
 RESULT_KEYS = (
     "output_tokens_per_s",
     "latency_median_s",
@@ -109,6 +116,11 @@ def run_spec(text: str) -> RunSpec:
     if kind not in KINDS or not tokens.isdigit() or not groups.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r}: use KIND-TOKENS:GROUPS with KIND in {KINDS}")
     return RunSpec(kind, int(tokens), int(groups))
+
+
+def run_settings(spec: RunSpec, args: argparse.Namespace) -> list[str]:
+    """The prefill-sharing settings `spec` runs with through the backend."""
+    return ["on", "off"] if spec.kind in args.off_kinds else ["on"]
 
 
 def eos_bias(model: str, mean_tokens: float) -> dict[str, float]:
@@ -290,9 +302,9 @@ async def measure(
 ) -> None:
     """Every `--runs` configuration at every merge setting, `--repeats` times (settings alternating),
     into `document["results"]`; the JSON is written after each configuration."""
-    settings = target.merge_settings(args.merging)
     done = {entry_key(e) for e in document["results"] if len(e["runs"]) >= args.repeats}
     for spec in args.runs:
+        settings = target.merge_settings(run_settings(spec, args))
         entries = {
             s: {
                 "side": args.side,
@@ -340,7 +352,7 @@ async def lone_requests(target: Target, args: argparse.Namespace, body: str) -> 
     """`--ttft-requests` lone requests per merge setting on the idle server, settings alternating: a
     streamed one (time to its first token) and a non-streamed one-token one (its latency)."""
     times: dict[str, dict[str, list[float]]] = {}
-    settings = target.merge_settings(args.merging)
+    settings = target.merge_settings(["on", "off"])
     for index in range(args.ttft_requests):
         for setting in settings if index % 2 == 0 else settings[::-1]:
             target.set_merging(setting)
@@ -427,7 +439,10 @@ async def backend_target(
             document["versions"]["sglang"] = version_in(python, "sglang")
         assert backend.inference is not None
         metrics = f"{backend.inference.process.base_url}/metrics"
-        yield Target(model.openai_client(), model.get_inference_name(), backend=backend, metrics_url=metrics)
+        assert model.inference_base_url is not None and model.inference_api_key is not None
+        client = art_openai_client(model.inference_base_url, model.inference_api_key)
+        yield Target(client, model.get_inference_name(), backend=backend, metrics_url=metrics)
+        await client.close()
 
 
 @contextlib.asynccontextmanager
@@ -448,7 +463,7 @@ async def direct_target(
             document["start_s"] = time.perf_counter() - start
             document["command"] = server.command()
             await server.load_adapter(http, ADAPTER, adapter)
-            client = AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=1200)
+            client = art_openai_client(f"{server.base_url}/v1", "none")
             metrics = f"{server.base_url}/metrics" if args.engine == "sglang" else None
             yield Target(client, server.adapter_model(ADAPTER), metrics_url=metrics, engine=server)
             await client.close()
@@ -474,6 +489,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "turns": args.turns,
         "min_seconds": args.min_seconds,
         "repeats": args.repeats,
+        "client": "ART's: AsyncOpenAI on httpx, 20 min timeout, unbounded keep-alive pool",
         "results": [],
     }
     if args.resume and args.json is not None and args.json.exists():
@@ -504,7 +520,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             save(args, document)
         await measure(target, http, args, document, body, started)
         complete = sum(len(e["runs"]) >= args.repeats for e in document["results"])
-        wanted = len(args.runs) * len(target.merge_settings(args.merging))
+        wanted = sum(len(target.merge_settings(run_settings(s, args))) for s in args.runs)
         print(f"{complete} of {wanted} configurations measured" + ("" if complete >= wanted else
               ": call again with --resume for the rest"), flush=True)  # fmt: skip
     document["wall_s"] = time.perf_counter() - started
@@ -633,11 +649,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"default: {' '.join(DEFAULT_RUNS)}",
     )
     parser.add_argument(
-        "--merging",
-        nargs="+",
-        choices=("on", "off"),
-        default=["on", "off"],
-        help="backend side: the gateway's merge settings to run",
+        "--off-kinds",
+        nargs="*",
+        choices=KINDS,
+        default=list(OFF_KINDS),
+        help="backend side: the workloads that also run with prefill sharing off (default: %(default)s)",
     )
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="tokens of a group's prompt body")

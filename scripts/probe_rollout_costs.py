@@ -41,7 +41,13 @@ import psutil
 from openai import AsyncOpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import add_server_args, environment, make_random_adapter, server_settings
+from bench_common import (
+    add_server_args,
+    art_openai_client,
+    environment,
+    make_random_adapter,
+    server_settings,
+)
 from inference_engines import EngineServer
 
 from art_sglang.server.gateway import AdapterGateway
@@ -171,8 +177,7 @@ class Prober:
             gateway.start()
             url = gateway.base_url
         if way.startswith(("art-client", "gateway")):
-            http = openai_http_client(aiohttp_transport=way == "art-client-aiohttp")
-            client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", http_client=http)
+            client = art_openai_client(f"{url}/v1", "none", aiohttp_transport=way == "art-client-aiohttp")
 
             async def send(body: dict[str, Any]) -> dict[str, Any]:
                 assert client is not None
@@ -219,16 +224,6 @@ class Prober:
             "client_cpu_s": round(own, 2),
             "server_cpu_s": {name: round(seconds, 2) for name, seconds in server.most_common()},
         }
-
-
-def openai_http_client(*, aiohttp_transport: bool) -> httpx.AsyncClient:
-    """ART's client settings (20 min timeout, unbounded pool) on httpx's own transport or on aiohttp."""
-    from openai import DefaultAioHttpClient, DefaultAsyncHttpxClient
-
-    timeout = httpx.Timeout(1200.0, connect=5.0)
-    limits = httpx.Limits(max_connections=100_000, max_keepalive_connections=100_000)
-    maker = DefaultAioHttpClient if aiohttp_transport else DefaultAsyncHttpxClient
-    return maker(timeout=timeout, limits=limits)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -21,13 +21,14 @@
 #   models-7b (~2 min): builds qwen2.5-7b-shape; BENCH_MODEL=/root/models/qwen2.5-7b-shape then points
 #     the benchmarks at it
 #   bench-multiturn (~5 min): tic-tac-toe through the backend, prefix-cache hit rate per turn
-#   bench-rollouts-sglang (~8 min a call, twice at 1.5B, 2-3 times at 7B): scripts/bench_rollouts.py, ART's
-#     rollout requests through SGLangBackend with group-aware forwarding on and off (16 and 32 groups of 8,
-#     128 and 384 tokens, varying lengths, multi-turn; 3 repeats of >= 10 s each; lone-request TTFT). A call
-#     starts no run after 470 s and keeps what it measured; the next call of the same suite goes on from there
-#     (--resume) until every run is in. bench-rollouts-vllm (~7 min at 1.5B, after stage.sh vllm 0..5; again
-#     at 7B if cut): the same on vLLM as ART serves it. bench-rollouts (seconds): both into
-#     bench_rollouts-<model>.json/.md with the ratios backend / vLLM
+#   bench-rollouts-sglang (~8 min at 1.5B, twice at 7B): scripts/bench_rollouts.py, ART's rollout requests
+#     sent with ART's own client through SGLangBackend with prefill sharing on (and off too for the varying
+#     and multi-turn runs) (16 and 32 groups of 8, 128 and 384 tokens, varying lengths, multi-turn; 3 repeats
+#     of >= 10 s each; lone-request TTFT). A call starts no run after 470 s and keeps what it measured; the
+#     next call of the same suite goes on from there (--resume) until every run is in. bench-rollouts-vllm
+#     (~6 min at 1.5B, after stage.sh vllm 0..5; again at 7B if cut): the same on vLLM as ART serves and
+#     drives it. bench-rollouts (seconds): both into bench_rollouts-<model>.json/.md with the ratios
+#     backend / vLLM
 #   probe-costs (~7 min): scripts/probe_rollout_costs.py, ART's GRPO waves (32 groups x 8, 128 tokens) sent with
 #     ART's client straight to SGLang, through the gateway with prefill sharing off and on, with a bare client,
 #     and as n=8 per group, 3 repeats each, into probe_costs-<model>.json; probe-costs-trained-modules (~5 min):

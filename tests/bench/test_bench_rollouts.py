@@ -5,6 +5,7 @@ SGLangBackend on the reference engine, then compared with a vLLM result made fro
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import json
 import math
@@ -67,7 +68,7 @@ def fake_target() -> tuple[bench_rollouts.Target, FakeGateway, FakeCompletions]:
 
 
 def loop_args(tmp_path: Path, **changes: Any) -> argparse.Namespace:
-    values = {"side": "backend", "engine": "sglang", "merging": ["on", "off"], "repeats": 3, "min_seconds": 0.0,
+    values = {"side": "backend", "engine": "sglang", "off_kinds": ["grpo", "multiturn"], "repeats": 3, "min_seconds": 0.0,
               "deadline_s": None, "json": tmp_path / "out.json", "group_size": 8, "turns": 3,
               "runs": [bench_rollouts.run_spec("grpo-128:2"), bench_rollouts.run_spec("multiturn-64:1")]}  # fmt: skip
     return argparse.Namespace(**{**values, **changes})
@@ -104,10 +105,56 @@ async def test_merging_on_and_off_alternate_on_one_target(tmp_path: Path) -> Non
     assert len(completions.calls) == calls and len(document["results"]) == 4
 
     # varying: no ignore_eos, the end-of-sequence bias of its length instead.
-    varying = loop_args(tmp_path, repeats=1, merging=["on"], runs=[bench_rollouts.run_spec("varying-384:1")])
+    varying = loop_args(tmp_path, repeats=1, runs=[bench_rollouts.run_spec("varying-384:1")])
     document["varying_logit_bias"] = {"384": {"2": 3.5}}
     await bench_rollouts.measure(target, None, varying, document, "body", 0.0)  # type: ignore[arg-type]
     assert completions.calls[-1]["extra_body"] == {"logit_bias": {"2": 3.5}} and len(document["results"]) == 5
+    # A kind outside --off-kinds runs with prefill sharing on only.
+    assert [e["merging"] for e in document["results"] if e["run"] == "varying-384:1"] == ["on"]
+
+
+async def test_art_client_keeps_a_wave_of_connections_open() -> None:
+    """ART's client (both sides of the comparison send through it) keeps every connection of a wave open
+    afterwards, as ART's does: the cost of its idle pool with hundreds of rollouts in flight is part of what
+    an ART user gets (the OpenAI SDK's default client keeps 100)."""
+    from aiohttp import web
+    from bench_common import art_openai_client
+
+    transports: set[asyncio.BaseTransport] = set()
+    inside = asyncio.Event()
+    arrived = 0
+
+    async def chat(request: web.Request) -> web.Response:
+        nonlocal arrived
+        assert request.transport is not None
+        transports.add(request.transport)
+        arrived += 1
+        if arrived % 150 == 0:
+            inside.set()
+        await inside.wait()  # the wave's requests are all in flight at once
+        message = {"role": "assistant", "content": "hi"}
+        body = {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}  # fmt: skip
+        return web.json_response(body)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    client = art_openai_client(f"http://127.0.0.1:{runner.addresses[0][1]}/v1", "none")
+    try:
+        for _ in range(2):
+            inside.clear()
+            messages = [{"role": "user", "content": "hi"}]
+            waves = (client.chat.completions.create(model="m", messages=messages) for _ in range(150))
+            answers = await asyncio.wait_for(asyncio.gather(*waves), 60)
+            assert all(a.choices[0].message.content == "hi" for a in answers)
+            await asyncio.sleep(0.3)
+            assert sum(not t.is_closing() for t in transports) == 150
+    finally:
+        await client.close()
+        await runner.cleanup()
 
 
 async def test_lone_requests_time_the_first_token_per_setting(tmp_path: Path) -> None:
@@ -162,7 +209,7 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
     out = tmp_path / "backend.json"
     done = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench_rollouts.py"), "--side", "backend", "--engine", "reference",
-         "--model", str(tiny_model_path), "--runs", "grpo-2:2", "multiturn-2:1",
+         "--model", str(tiny_model_path), "--runs", "grpo-2:2", "multiturn-2:1", "--off-kinds", "grpo", "multiturn",
          "--group-size", "2", "--turns", "2", "--prompt-tokens", "32", "--min-seconds", "0",
          "--repeats", "1", "--ttft-requests", "1", "--workdir", str(tmp_path / "work"), "--json", str(out),
          "--markdown", str(tmp_path / "backend.md")],
@@ -171,6 +218,7 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["side"] == "backend" and result["device"] == "CPU" and result["start_s"] > 0
+    assert result["client"].startswith("ART's")
     runs = {e["run"]: e for e in result["results"] if e["merging"] != "on"}  # as forwarded one by one
     assert set(runs) == {"grpo-2:2", "multiturn-2:1"}
     grpo = runs["grpo-2:2"]["runs"][0]
