@@ -28,7 +28,7 @@
 #     next call of the same suite goes on from there (--resume) until every run is in. bench-rollouts-vllm
 #     (~6 min at 1.5B, after stage.sh vllm 0..5; again at 7B if cut): the same on vLLM as ART serves and
 #     drives it. bench-rollouts (seconds): both into bench_rollouts-<model>.json/.md with the ratios
-#     backend / vLLM
+#     backend / vLLM. BENCH_RUNS='KIND-TOKENS:GROUPS ...' runs only those (scripts/bench_rollouts.py --runs)
 #   probe-costs (~7 min): scripts/probe_rollout_costs.py, ART's GRPO waves (32 groups x 8, 128 tokens) sent with
 #     ART's client straight to SGLang, through the gateway with prefill sharing off and on, with a bare client,
 #     and as n=8 per group, 3 repeats each, into probe_costs-<model>.json; probe-costs-trained-modules (~5 min):
@@ -80,6 +80,9 @@ pipeline=(python3 scripts/bench_pipeline.py --model "$big" "${kernels[@]}" --ste
 # 470 s: the last run to start (10-35 s at 7B) and the server's stop end before the call's 10 minutes.
 probe=(python3 scripts/probe_rollout_costs.py --model "$big" --lora-rank 16 --seconds 10 --repeats 3 --workdir /tmp/work-probe)
 rollouts=(python3 scripts/bench_rollouts.py --model "$big" --resume --deadline-s 470)
+# BENCH_RUNS="grpo-128:32 grpo-128:16" picks the rollout runs (the 7B shape's runs take twice as long).
+# shellcheck disable=SC2206
+[ -z "${BENCH_RUNS:-}" ] || rollouts+=(--runs $BENCH_RUNS)
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
 for name in "$@"; do
