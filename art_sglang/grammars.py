@@ -1,6 +1,7 @@
-"""Structured-output grammars (regex, EBNF, JSON schema) token by token with xgrammar, SGLang's default
-grammar backend: which tokens a grammar allows next and how it advances over a sampled token. The trainer
-replays a rollout's grammar over its sampled ids with it; the reference engine samples under it.
+"""Structured-output grammars (regex, EBNF, JSON schema; structural tags of tool_choice) token by token
+with xgrammar, SGLang's default grammar backend: which tokens a grammar allows next and how it advances
+over a sampled token. The trainer replays a rollout's grammar over its sampled ids with it; the reference
+engine samples under it.
 
 xgrammar is optional (`pip install 'art-sglang[grammars]'`): without it `available()` is False, the
 trainer refuses grammar-constrained rollouts and the reference engine answers grammar requests with 400
@@ -11,6 +12,7 @@ and the model's end-of-sequence ids as stop tokens, which end a grammar once it 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -39,16 +41,41 @@ class GrammarCompiler:
         self._compiler = xgrammar.GrammarCompiler(info)
 
     def matcher(self, grammar: Grammar) -> GrammarMatcher:
+        return self._matcher(grammar.kind, grammar.source)
+
+    def structural_tag_matcher(self, source: str) -> GrammarMatcher:
+        """SGLang's legacy structural tag (JSON text: `structures` of begin/schema/end, `triggers`,
+        `at_least_one`), compiled as SGLang's xgrammar backend compiles the tag of a tool_choice."""
+        return self._matcher("structural_tag", source)
+
+    def _matcher(self, kind: str, source: str) -> GrammarMatcher:
         try:
-            if grammar.kind == "regex":
-                compiled = self._compiler.compile_regex(grammar.source)
-            elif grammar.kind == "ebnf":
-                compiled = self._compiler.compile_grammar(grammar.source)
+            if kind == "regex":
+                compiled = self._compiler.compile_regex(source)
+            elif kind == "ebnf":
+                compiled = self._compiler.compile_grammar(source)
+            elif kind == "structural_tag":
+                compiled = self._compiler.compile_structural_tag(_legacy_structural_tag(source))
             else:
-                compiled = self._compiler.compile_json_schema(grammar.source)
+                compiled = self._compiler.compile_json_schema(source)
         except (RuntimeError, ValueError) as exc:
-            raise GrammarError(f"the {grammar.kind} grammar does not compile: {exc}") from exc
+            raise GrammarError(f"the {kind} grammar does not compile: {exc}") from exc
         return GrammarMatcher(compiled, self.vocab_size)
+
+
+def _legacy_structural_tag(source: str) -> Any:
+    """xgrammar's form of a legacy structural tag, as SGLang's `dispatch_structural_tag` builds it: triggered
+    tags, each a begin, a JSON schema (`{}`: any JSON value) and an end."""
+    import xgrammar
+
+    tag = json.loads(source)
+    items = [
+        xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+        for s in tag["structures"]
+    ]
+    structural = xgrammar.StructuralTag.from_legacy_structural_tag(items, tag["triggers"])
+    structural.format.at_least_one = bool(tag.get("at_least_one", False))
+    return structural
 
 
 class GrammarMatcher:

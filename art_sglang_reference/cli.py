@@ -21,7 +21,7 @@ from pydantic.fields import FieldInfo
 
 from art_sglang.config import LAUNCH_FLAGS, SGLangConfig
 
-from .tool_calls import PARSERS as TOOL_CALL_PARSERS
+from .tool_calls import FORMATS as TOOL_CALL_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class ServerArgs(BaseModel):
     tool_call_parser: str | None = Field(
         None,
         description="Parsers of the <tool_call> JSON markup.",
-        json_schema_extra={"choices": list(TOOL_CALL_PARSERS)},
+        json_schema_extra={"choices": list(TOOL_CALL_FORMATS)},
     )
     chat_template: str | None = Field(
         None, description="A chat template file (builtin template names are SGLang's only)."

@@ -1,11 +1,12 @@
-"""SGLang's sampling constraints on the OpenAI routes: `logit_bias` and the regex / ebnf / json_schema /
-response_format grammars, applied where SGLang applies them. SGLang's model runner adds the bias and masks
-the grammar's disallowed tokens on the raw logits (`_preprocess_logits` → `apply_logits_bias`) before its
-sampler takes the logprobs (sampling.reported_logprobs), so the reported logprob of a sampled token is its
-probability under the constraint; the engine's loop does the same. Grammars go through xgrammar (SGLang's
-default backend), which is optional here: without it a grammar request is a 400, never an unconstrained
-sample. `allowed_token_ids` is not an SGLang field and is ignored, as SGLang ignores it (the gateway
-forwards it as logit_bias). A custom logit processor is refused (SGLang refuses it too unless launched with
+"""SGLang's sampling constraints on the OpenAI routes: `logit_bias`, the regex / ebnf / json_schema /
+response_format grammars and the grammar of a tool_choice, applied where SGLang applies them. SGLang's
+model runner adds the bias and masks the grammar's disallowed tokens on the raw logits
+(`_preprocess_logits` → `apply_logits_bias`) before its sampler takes the logprobs
+(sampling.reported_logprobs), so the reported logprob of a sampled token is its probability under the
+constraint; the engine's loop does the same. Grammars go through xgrammar (SGLang's default backend),
+which is optional here: without it a grammar request is a 400, never an unconstrained sample.
+`allowed_token_ids` is not an SGLang field and is ignored, as SGLang ignores it (the gateway forwards it
+as logit_bias). A custom logit processor is refused (SGLang refuses it too unless launched with
 --enable-custom-logit-processor)."""
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any, Protocol
 import torch
 
 from art_sglang import grammars
-from art_sglang.constraints import GRAMMAR_FIELDS, constraint_of, grammars_available
+from art_sglang.constraints import GRAMMAR_FIELDS, Grammar, constraint_of, grammars_available
 
 from .generation import GenerationRequest
+from .tool_choice import ToolConstraint
 
 
 class ReferenceEngine(Protocol):
@@ -34,7 +36,7 @@ _FIELDS = ("logit_bias", "custom_logit_processor", "response_format", "structura
 
 
 class StructuredGrammar:
-    """A regex/EBNF/JSON-schema grammar in the engine's loop (the interface of CallGrammar)."""
+    """A grammar in the engine's loop (generation.TokenGrammar): xgrammar's mask and advance."""
 
     def __init__(self, matcher: grammars.GrammarMatcher) -> None:
         self._matcher = matcher
@@ -59,12 +61,31 @@ def constrain(engine: ReferenceEngine, fields: Mapping[str, Any], requests: list
     for request in requests:
         request.sampling.logit_bias = dict(constraint.logit_bias)
         if constraint.grammar is not None:
-            if not grammars_available():
-                raise ValueError(
-                    f"a {constraint.grammar.kind} grammar needs xgrammar on the reference engine: "
-                    "pip install 'art-sglang[grammars]'"
-                )
+            _require_xgrammar(f"a {constraint.grammar.kind} grammar")
             request.grammar = StructuredGrammar(_compiler(engine).matcher(constraint.grammar))
+
+
+def constrain_tools(
+    engine: ReferenceEngine, constraint: ToolConstraint | None, requests: list[GenerationRequest]
+) -> None:
+    """Set the tool_choice's constraint on each generation without a grammar of its own: SGLang drops the
+    tool constraint of a request that has one ("Constrained decoding is not compatible with tool calls.")."""
+    pending = [request for request in requests if request.grammar is None]
+    if constraint is None or not pending:
+        return
+    _require_xgrammar(f"the {constraint.kind} grammar of a tool_choice")
+    compiler = _compiler(engine)
+    for request in pending:
+        if constraint.kind == "structural_tag":
+            matcher = compiler.structural_tag_matcher(constraint.source)
+        else:
+            matcher = compiler.matcher(Grammar(kind="json_schema", source=constraint.source))
+        request.grammar = StructuredGrammar(matcher)
+
+
+def _require_xgrammar(what: str) -> None:
+    if not grammars_available():
+        raise ValueError(f"{what} needs xgrammar on the reference engine: pip install 'art-sglang[grammars]'")
 
 
 @functools.cache

@@ -110,7 +110,6 @@ class ReferenceEngine:
         # A plain flag, not a threading.Event: shutdown() runs in a signal handler, and Event.set() takes a
         # lock that a second signal arriving inside the first handler would wait on forever.
         self._shutting_down = False
-        self._token_texts: list[str] | None = None
         self._released: set[str] = set()  # memory tags released ("kv_cache", "weights")
         self._backup: dict[str, torch.Tensor] | None = None
         # Shapes the served model needs, checked against new weights (also while released).
@@ -351,13 +350,6 @@ class ReferenceEngine:
     def _emit(request: GenerationRequest, delta: str, entry: TokenLogprob | None) -> None:
         if request.on_delta is not None:
             request.on_delta(delta, entry)
-
-    def token_texts(self) -> list[str]:
-        """Every token's text by id (computed once; ids the tokenizer lacks have none)."""
-        if self._token_texts is None:
-            size = self.hf_config.vocab_size
-            self._token_texts = [self.token_text(i) if i < len(self.tokenizer) else "" for i in range(size)]
-        return self._token_texts
 
     def token_text(self, token_id: int) -> str:
         """A token's text as SGLang shows it in logprobs (partial UTF-8 decodes to U+FFFD)."""

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class TokenGrammar(Protocol):
-    """A constraint on the next token the engine's loop applies (CallGrammar, constrained.StructuredGrammar)."""
+    """A constraint on the next token the engine's loop applies (constrained.StructuredGrammar)."""
 
     def mask(self, eos_ids: set[int]) -> torch.Tensor: ...
 
@@ -57,7 +57,7 @@ class GenerationRequest:
     input_logprob_start: int | None = None  # None: no prompt logprobs
     on_delta: DeltaCallback | None = None  # streamed text pieces (and the token they came with)
     abort: threading.Event | None = None
-    # Tokens that leave it are masked: tool_choice "required"/named, or a regex/ebnf/json_schema grammar.
+    # Tokens that leave it are masked: a regex/ebnf/json_schema grammar, or a tool_choice's (tool_choice.py).
     grammar: TokenGrammar | None = None
 
 

@@ -14,9 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from . import tool_calls
-from .call_grammar import CallGrammar
-from .constrained import constrain
+from .constrained import constrain, constrain_tools
 from .engine import ReferenceEngine
 from .generation import GenerationRequest, GenerationResult
 from .http_common import (
@@ -30,6 +28,7 @@ from .openai_format import chat_logprob, completion_logprobs, finish_fields, usa
 from .openai_stream import chat_stream, completion_stream
 from .sampling import SamplingOptions
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .tool_choice import tool_use
 
 router = APIRouter()
 
@@ -132,27 +131,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     engine = _engine(request)
     note(request, model=body.model)
 
-    parsing = _tool_parsing(body)
-    if isinstance(parsing, Response):
-        return parsing
-    forced = parsing if parsing is not None and parsing.forced else None
-    if engine.args.tool_call_parser is None:
-        parsing = None  # SGLang reads calls only with --tool-call-parser; a forced array stays the text
+    try:
+        tools = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, engine.args.tool_call_parser)
+    except ValueError as exc:
+        return error_response(str(exc))
 
     def prepare() -> list[GenerationRequest]:
-        prompt_ids = engine.encode_chat(body.messages, body.tools, body.chat_template_kwargs)
+        prompt_ids = engine.encode_chat(body.messages, tools.template_tools, body.chat_template_kwargs)
         sampling = _sampling(engine, body, body.max_new_tokens)
-        if parsing is not None:
+        if tools.template_tools is not None:
             sampling.skip_special_tokens = False  # as SGLang: tool-call markup may be special tokens
         sampling.verify()
         top = (body.top_logprobs or 0) if body.logprobs else 0
         requests = _choices(engine, prompt_ids, sampling, body, top)
+        constrain_tools(engine, tools.constraint, requests)
         engine.admit(requests)
-        if forced is not None:
-            for generation in requests:
-                generation.grammar = CallGrammar(sorted(forced.names), forced.max_calls, engine.token_texts())
         return requests
 
+    parsing = tools.parsing
     stream = (lambda prepared: chat_stream(engine, body, prepared, request, parsing)) if body.stream else None
     results = await _run(engine, request, prepare, stream)
     if isinstance(results, Response):
@@ -161,12 +157,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     for index, result in enumerate(results):
         finish, matched = finish_fields(result)
         content, calls = result.text, None
-        parsed = parsing.parse(result.text) if parsing is not None else None
-        if parsed is not None:
-            content, found = parsed
-            calls = [call.as_openai(i) for i, call in enumerate(found)]
-            if finish == "stop":
-                finish, matched = "tool_calls", None
+        if parsing is not None:
+            content, found = parsing.parse(result.text)
+            if found:
+                calls = [call.as_openai(i) for i, call in enumerate(found)]
+                if finish == "stop":
+                    finish, matched = "tool_calls", None
         choice: dict[str, Any] = {
             "index": index,
             "message": {
@@ -186,23 +182,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             choice["token_ids"] = result.output_ids
         choices.append(choice)
     return _response("chat.completion", engine, body, choices, results)
-
-
-def _tool_parsing(body: ChatCompletionRequest) -> tool_calls.ToolParsing | Response | None:
-    """How the request's completions become tool calls (None: they do not), or a 400 for a named tool
-    that is not among `tools`. "required" and a named tool constrain decoding to a JSON array of calls."""
-    if not body.tools or body.tool_choice == "none":
-        return None
-    names = tool_calls.tool_names(body.tools)
-    choice = body.tool_choice
-    if choice in (None, "auto"):
-        return tool_calls.ToolParsing(names)
-    if choice == "required":
-        return tool_calls.ToolParsing(names, forced=True)
-    named = ((choice.get("function") or {}).get("name")) if isinstance(choice, dict) else None
-    if named not in names:
-        return error_response(f"tool_choice names a function that is not in tools: {choice!r}")
-    return tool_calls.ToolParsing({named}, forced=True, max_calls=1)
 
 
 def _response(

@@ -25,10 +25,7 @@ def chat_stream(
     request: Request,
     parsing: tool_calls.ToolParsing | None,
 ) -> AsyncIterator[str]:
-    splitters = {
-        index: parsing.splitter() if parsing is not None else tool_calls.StreamSplitter()
-        for index in range(len(requests))
-    }
+    splitters = {index: parsing.splitter() for index in range(len(requests))} if parsing is not None else {}
 
     def choice(
         index: int, delta: dict[str, Any], logprobs: Any = None, finish: Any = None, matched: Any = None
@@ -63,7 +60,7 @@ def chat_stream(
                 chunks.append(choice(index, {"tool_calls": [head]}))
                 tail = {"index": position, "function": {"arguments": call.arguments}}
                 chunks.append(choice(index, {"tool_calls": [tail]}))
-            if splitters[index].in_call and finish == "stop":
+            if calls and finish == "stop":
                 finish, matched = "tool_calls", None
         return [*chunks, choice(index, {}, finish=finish, matched=matched)]
 

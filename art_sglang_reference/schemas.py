@@ -54,6 +54,7 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
     @property

@@ -1,30 +1,28 @@
-"""Tool calls in completions, as SGLang 0.5.17 returns them with `--tool-call-parser`.
+"""Tool calls in completions, as SGLang 0.5.17 reads them with `--tool-call-parser`.
 
-The reference engine reads the `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` markup that the
-`hermes`, `qwen25` and `qwen` parsers read (Hermes-style and Qwen2.5 chat templates render tool calls
-this way; whitespace around the JSON is allowed). As SGLang's detector does: the text before the first
-`<tool_call>` stays the message content, each JSON object after a `<tool_call>` naming one of the
-request's tools becomes a call (arguments re-serialised as JSON text), and a stop becomes
-`finish_reason="tool_calls"`. A stream holds text back from the first `<tool_call>` on and sends the calls
-when the completion ends.
-
-With `tool_choice="required"` or a named tool SGLang instead constrains decoding to a JSON array of calls
-(`call_grammar.py`) and reads the whole completion as that array.
+Each parser has its call markup: `hermes` `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+`qwen25`/`qwen` the same with a newline inside each tag. Its reading follows SGLang's detector
+(`detect_and_parse`): the text before the first call stays the message content (stripped), each call's
+JSON naming one of the request's tools becomes a call (arguments re-serialised as JSON text), other names
+are skipped, and what follows the calls is dropped. They differ on a call that is not JSON (cut off by
+max_tokens): hermes then returns no calls and the whole text as content, qwen25 skips that call (and
+only reads closed calls). A stream holds text back from the first call on and sends the calls when the
+completion ends.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-PARSERS = ("hermes", "qwen25", "qwen")
-START, END = "<tool_call>", "</tool_call>"
-_DECODER = json.JSONDecoder()
+TRIGGER = "<tool_call>"  # what starts a call in the structural tag of every parser here
 
 
 @dataclass
@@ -41,67 +39,112 @@ class ToolCall:
         }
 
 
+# (content, calls): the message's content and the calls read from a completion.
+Reading = tuple[str, list[ToolCall]]
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """A parser's markup: what opens and closes one call (SGLang's detector's bot/eot tokens), and how
+    a completion is read."""
+
+    start: str
+    end: str
+    read: Callable[[str, set[str]], Reading]
+
+    def tag(self, name: str) -> tuple[str, str]:
+        """The begin and end of a call of `name` in the structural tag (the detector's structure_info):
+        the arguments go between them."""
+        return f'{self.start}{{"name":"{name}", "arguments":', "}" + self.end
+
+
+_NOT_CALLS = (AttributeError, TypeError)  # what reading JSON that is not call objects raises
+
+
+def _calls(value: Any, names: set[str]) -> list[ToolCall]:
+    """The calls in one call's JSON (an object or a list of them), unknown names skipped; JSON that is
+    not call objects raises one of `_NOT_CALLS`, as SGLang's `parse_base_json` does."""
+    calls = []
+    for action in value if isinstance(value, list) else [value]:
+        name = action.get("name")
+        if name in names:
+            arguments = action.get("parameters") or action.get("arguments", {})
+            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
+        else:
+            logger.warning("the model called a function the request does not offer: %r", name)
+    return calls
+
+
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+_QWEN25_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+
+
+def _read_hermes(text: str, names: set[str]) -> Reading:
+    first = text.find("<tool_call>")
+    if first == -1:
+        return text, []
+    calls: list[ToolCall] = []
+    try:
+        for closed, unclosed in _HERMES_CALL.findall(text):
+            raw = closed or unclosed
+            if raw:
+                calls.extend(_calls(json.loads(raw.strip()), names))
+    except (ValueError, *_NOT_CALLS):  # SGLang catches every error here and keeps the text
+        return text, []
+    return text[:first].strip(), calls
+
+
+def _read_qwen25(text: str, names: set[str]) -> Reading:
+    first = text.find("<tool_call>\n")
+    if first == -1:
+        return text, []
+    calls: list[ToolCall] = []
+    for raw in _QWEN25_CALL.findall(text):
+        try:
+            value = json.loads(raw.strip())
+        except json.JSONDecodeError:
+            continue
+        try:
+            calls.extend(_calls(value, names))
+        except _NOT_CALLS:  # raised through SGLang's detector: its chat route keeps the text
+            return text, []
+    return text[:first].strip(), calls
+
+
+_QWEN25 = CallFormat("<tool_call>\n", "\n</tool_call>", _read_qwen25)
+FORMATS = {
+    "hermes": CallFormat("<tool_call>", "</tool_call>", _read_hermes),
+    "qwen25": _QWEN25,
+    "qwen": _QWEN25,
+}
+
+
 def tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
     return {str((t.get("function") or {}).get("name")) for t in tools or [] if isinstance(t, dict)}
 
 
-@dataclass
+@dataclass(frozen=True)
 class ToolParsing:
-    """How a chat request's completions become calls: `<tool_call>` markup naming one of `names`, or,
-    when `forced` (tool_choice "required" or a named tool), the whole completion read as the JSON array
-    of calls decoding was constrained to; `max_calls` is 1 for a named tool."""
+    """How a chat request's completions become calls: the parser's markup naming one of `names`."""
 
     names: set[str]
-    forced: bool = False
-    max_calls: int | None = None
+    format: CallFormat
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]] | None:
-        """(content, calls), or None when the completion holds no calls (it stays the content)."""
-        if not self.forced:
-            return parse(text, self.names)
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:  # cut off by max_tokens
-            return None
-        calls = [ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
-        return "", calls
+    def parse(self, text: str) -> Reading:
+        """(content, calls); no calls leaves the completion as SGLang leaves it."""
+        return self.format.read(text, self.names)
 
     def splitter(self) -> StreamSplitter:
-        """What a stream holds back: from the first `<tool_call>` on, or everything when forced."""
-        return StreamSplitter(in_call=self.forced)
-
-
-def parse(text: str, names: set[str]) -> tuple[str, list[ToolCall]] | None:
-    """(content before the calls, calls), or None when `text` holds no tool-call markup."""
-    first = text.find(START)
-    if first == -1:
-        return None
-    calls: list[ToolCall] = []
-    position = first
-    while (start := text.find(START, position)) != -1:
-        cursor = start + len(START)
-        while cursor < len(text) and text[cursor] in " \t\r\n":
-            cursor += 1
-        try:
-            value, position = _DECODER.raw_decode(text, cursor)
-        except json.JSONDecodeError:
-            break  # a truncated call: the ones after it cannot be found reliably either
-        for action in value if isinstance(value, list) else [value]:
-            name = action.get("name") if isinstance(action, dict) else None
-            if name in names:
-                arguments = action.get("parameters") or action.get("arguments", {})
-                calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
-            else:
-                logger.warning("the model called a function the request does not offer: %r", name)
-    return text[:first].strip(), calls
+        return StreamSplitter(self.format.start)
 
 
 class StreamSplitter:
     """Splits streamed text into what can be sent as content now and the held-back tool-call part."""
 
-    def __init__(self, in_call: bool = False) -> None:
+    def __init__(self, start: str) -> None:
+        self.start = start
         self.held = ""
-        self.in_call = in_call
+        self.in_call = False
 
     def push(self, piece: str) -> str:
         """Add streamed text; return the content that is certainly not part of a tool call."""
@@ -109,21 +152,23 @@ class StreamSplitter:
             self.held += piece
             return ""
         text = self.held + piece
-        at = text.find(START)
+        at = text.find(self.start)
         if at != -1:
             self.in_call = True
             self.held = text[at:]
             return text[:at]
         keep = next(
-            (k for k in range(min(len(START) - 1, len(text)), 0, -1) if START.startswith(text[-k:])), 0
+            (
+                k
+                for k in range(min(len(self.start) - 1, len(text)), 0, -1)
+                if self.start.startswith(text[-k:])
+            ),
+            0,
         )
         self.held = text[len(text) - keep :]
         return text[: len(text) - keep]
 
-    def finish(self, parsing: ToolParsing) -> tuple[str, list[ToolCall]]:
+    def finish(self, parsing: ToolParsing) -> Reading:
         """(content still to send, the calls) once the completion ended."""
         rest, self.held = self.held, ""
-        if not self.in_call:
-            return rest, []
-        parsed = parsing.parse(rest)
-        return ("", parsed[1]) if parsed is not None else (rest, [])
+        return parsing.parse(rest) if self.in_call else (rest, [])

@@ -93,8 +93,8 @@ def make_problem(rng: random.Random) -> Problem:
 @dataclass(frozen=True)
 class CalculatorTask:
     """Up to `max_turns` model turns per rollout (tool calls, then the answer). `first_tool_choice`
-    "required" makes the server produce a tool call on the first turn (a model that has not learned the
-    tool-call format yet still gets tool results to learn from)."""
+    "required" makes the server start the first turn with a tool call (a model that has not learned the
+    tool-call format yet gets tool results to learn from once its arguments are JSON)."""
 
     name: str = "calculator"
     max_tokens: int = 128

@@ -1,13 +1,14 @@
 """Serving behaviour beyond shapes: bad requests are 4xx and harmless, streaming equals the plain answer,
 logprobs are the model's log-softmax, seeded sampling repeats, stop strings, tool_choice "required" and a
-named tool force a call, the prefix-cache report, flush, release/resume memory, weights from disk, metrics
-and the info endpoints."""
+named tool force a call in the tool-call parser's markup, the prefix-cache report, flush, release/resume
+memory, weights from disk, metrics and the info endpoints."""
 
 from __future__ import annotations
 
 import json
 import math
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -232,46 +233,100 @@ def test_generate_native_api(client: httpx.Client) -> None:
     assert all(t[0] <= 0 for t in meta["output_token_logprobs"])
 
 
-def _tool(name: str) -> dict:
-    # No parameters: the constrained call is short whatever a random model prefers.
-    parameters = {"type": "object", "properties": {}}
-    return {"type": "function", "function": {"name": name, "description": name, "parameters": parameters}}
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_required_and_named_tool_choice_force_a_call(client: httpx.Client, stream: bool) -> None:
-    """Decoding is constrained to a JSON array of calls (SGLang: a JSON-schema grammar), read back as
-    `tool_calls` with finish_reason "tool_calls"; a named tool is the one call."""
-    tools = [_tool("add"), _tool("mul")]
-    for choice, allowed, most in [("required", {"add", "mul"}, None), (_named("mul"), {"mul"}, 1)]:
-        body = {"model": "default", "messages": MESSAGES, "tools": tools, "tool_choice": choice,
-                "max_tokens": 128, "temperature": 0, "stream": stream}  # fmt: skip
-        response = client.post("/v1/chat/completions", json=body)
-        assert response.status_code == 200, response.text
-        if stream:
-            chunks = [c for c in parse_sse(response.text) if c != "[DONE]"]
-            deltas = [c["choices"][0]["delta"] for c in chunks]
-            finish = chunks[-1]["choices"][0]["finish_reason"]
-            names = [
-                call["function"]["name"]
-                for d in deltas
-                for call in d.get("tool_calls") or []
-                if call.get("function", {}).get("name")
-            ]
-            assert not "".join(d.get("content") or "" for d in deltas)
-        else:
-            choice_out = response.json()["choices"][0]
-            finish = choice_out["finish_reason"]
-            calls = choice_out["message"]["tool_calls"] or []
-            names = [call["function"]["name"] for call in calls]
-            assert all(isinstance(json.loads(call["function"]["arguments"]), dict) for call in calls)
-            assert not choice_out["message"]["content"]
-        assert finish == "tool_calls", response.text[-2000:]
-        assert names and set(names) <= allowed and (most is None or len(names) <= most), names
+def _tool(name: str, strict: bool = False) -> dict:
+    # No parameters: a strict tool's arguments can only be `{}`, short whatever a random model prefers.
+    function = {"name": name, "description": name, "parameters": {"type": "object", "properties": {}}}
+    return {"type": "function", "function": {**function, "strict": True} if strict else function}
 
 
 def _named(name: str) -> dict:
     return {"type": "function", "function": {"name": name}}
+
+
+TOOLS = ("add", "mul")
+# How a forced call starts in hermes markup (the contract server's --tool-call-parser), for each tool.
+CALL_STARTS = tuple(f'<tool_call>{{"name":"{name}", "arguments":' for name in TOOLS)
+
+
+@pytest.fixture(scope="module")
+def model_tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _tool_answer(client: httpx.Client, stream: bool, **body: Any) -> tuple[str, list[tuple[str, str]], str]:
+    """(content, calls as (name, arguments), finish_reason) of a greedy chat answer, whole or streamed (the
+    pieces of each call joined)."""
+    response = chat(client, stream=stream, **body)
+    assert response.status_code == 200, response.text
+    if not stream:
+        choice = response.json()["choices"][0]
+        message = choice["message"]
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"] or []]
+        return message["content"] or "", calls, choice["finish_reason"]
+    chunks = [c["choices"][0] for c in parse_sse(response.text) if c != "[DONE]"]
+    content, pieces = "", {}
+    for delta in (chunk["delta"] for chunk in chunks):
+        content += delta.get("content") or ""
+        for call in delta.get("tool_calls") or []:
+            name, arguments = pieces.get(call["index"], ("", ""))
+            function = call["function"]
+            pieces[call["index"]] = (
+                name + (function.get("name") or ""),
+                arguments + (function.get("arguments") or ""),
+            )
+    return content, [pieces[i] for i in sorted(pieces)], chunks[-1]["finish_reason"]
+
+
+def test_required_and_named_tool_choice_start_the_answer_with_a_call_in_the_parsers_markup(
+    client: httpx.Client, model_tokenizer: Any
+) -> None:
+    """SGLang constrains "required" and a named tool with a structural tag in the parser's own markup (not a
+    JSON array): the answer starts with `<tool_call>{"name":"<a tool>", "arguments":`, nothing before it.
+    The tag lists every tool, also for a named choice. Without `strict` the arguments may be any JSON
+    value, so a random model may write one until max_tokens: the call is then not JSON and the whole answer
+    stays the content."""
+    tools = [_tool(name) for name in TOOLS]
+    for tool_choice in ("required", _named("mul")):
+        answer = chat(client, tools=tools, tool_choice=tool_choice, max_tokens=48, return_token_ids=True)
+        assert answer.status_code == 200, answer.text
+        choice = answer.json()["choices"][0]
+        text = model_tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+        assert text.startswith(CALL_STARTS), choice
+        message, finish = choice["message"], choice["finish_reason"]
+        names = {call["function"]["name"] for call in message["tool_calls"] or []}
+        if names:
+            assert names <= set(TOOLS) and not message["content"] and finish in ("tool_calls", "length")
+        else:
+            assert message["content"].startswith(CALL_STARTS) and finish == "length", choice
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_of_a_strict_tool_comes_back_as_tool_calls(
+    client: httpx.Client, model_tokenizer: Any, stream: bool
+) -> None:
+    """`strict: true` holds a forced call's arguments to the tool's schema: with no properties, `{`, any
+    whitespace, `}` (a random model may write whitespace forever: a bias towards `}` closes the object).
+    The stop string `</tool_call>` ends the answer at the call's end, and the parser returns the call as
+    `tool_calls` with finish_reason "tool_calls" (a stop with calls found becomes "tool_calls")."""
+    (brace,) = model_tokenizer.encode("}", add_special_tokens=False)
+    tools = [_tool(name, strict=True) for name in TOOLS]
+    for tool_choice in ("required", _named("mul")):
+        content, calls, finish = _tool_answer(
+            client, stream, tools=tools, tool_choice=tool_choice, stop=["</tool_call>"], max_tokens=64,
+            logit_bias={str(brace): 100},
+        )  # fmt: skip
+        assert finish == "tool_calls" and not content, (finish, content)
+        assert len(calls) == 1 and calls[0][0] in TOOLS and json.loads(calls[0][1]) == {}, calls
+
+
+def test_a_tool_choice_the_tools_cannot_meet_is_400(client: httpx.Client) -> None:
+    tools = [_tool(name) for name in TOOLS]
+    assert "not found in tools list" in _error(
+        chat(client, tools=tools, tool_choice=_named("div"), max_tokens=4)
+    )
+    assert "Tools cannot be empty" in _error(chat(client, tool_choice="required", max_tokens=4))
 
 
 def test_cache_report_counts_a_repeated_prefix_and_flush_clears_it(client: httpx.Client) -> None:
