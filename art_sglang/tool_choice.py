@@ -28,6 +28,10 @@ from typing import Any
 from .constraints import Grammar
 
 Tools = list[dict[str, Any]]
+DEFAULT_PARSER = "hermes"  # SGLangConfig.tool_call_parser's default
+TEMPLATE_TOOLS_FIELD = (
+    "art_template_tools"  # on a choice: the tools its prompt rendered, if not the request's
+)
 TRIGGER = "<tool_call>"  # what starts a call in the structural tag of every parser here
 
 
