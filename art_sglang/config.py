@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .tool_choice import DEFAULT_PARSER
+
 WeightSyncMethod = Literal["lora", "disk", "restart"]
 SharedStrategy = Literal["sleep", "restart", "co_resident"]
 CudaMpsMode = Literal["auto", "on", "off"]
@@ -171,7 +173,7 @@ class SGLangConfig(BaseModel):
         "(clients never hold those); keys reach the server in a private file, never on its command line.",
     )
     tool_call_parser: Annotated[str | None, LaunchFlag()] = Field(
-        "hermes",
+        DEFAULT_PARSER,
         description="SGLang --tool-call-parser: how `<tool_call>` markup in a completion becomes "
         "`message.tool_calls` on requests with `tools` ('hermes', as ART's vLLM server; 'qwen25' for "
         "Qwen2.5's own format; None = tool calls stay in the text).",

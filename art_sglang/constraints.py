@@ -37,7 +37,8 @@ ALLOWED_FIELD = "allowed_token_ids"  # the request's action mask (extra_body)
 MAX_BIAS = 100.0  # OpenAI's bounds of a logit_bias value
 MASK_BIAS = 100.0  # what the gateway adds to each allowed id, in SGLang's logit_bias
 GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema")
-GrammarKind = Literal["regex", "ebnf", "json_schema"]
+# A request states the first three; "structural_tag" is the grammar SGLang gives a tool_choice (tool_choice.py).
+GrammarKind = Literal["regex", "ebnf", "json_schema", "structural_tag"]
 
 
 def grammars_available() -> bool:
@@ -54,7 +55,8 @@ class ConstraintError(ValueError):
 
 
 class Grammar(BaseModel):
-    """A structured-output grammar as SGLang takes it: a regex, an EBNF grammar or a JSON schema (text)."""
+    """A structured-output grammar as SGLang takes it: a regex, an EBNF grammar, a JSON schema or a legacy
+    structural tag (JSON text)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

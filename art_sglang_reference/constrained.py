@@ -21,7 +21,6 @@ from art_sglang import grammars
 from art_sglang.constraints import GRAMMAR_FIELDS, Grammar, constraint_of, grammars_available
 
 from .generation import GenerationRequest
-from .tool_choice import ToolConstraint
 
 
 class ReferenceEngine(Protocol):
@@ -66,7 +65,7 @@ def constrain(engine: ReferenceEngine, fields: Mapping[str, Any], requests: list
 
 
 def constrain_tools(
-    engine: ReferenceEngine, constraint: ToolConstraint | None, requests: list[GenerationRequest]
+    engine: ReferenceEngine, constraint: Grammar | None, requests: list[GenerationRequest]
 ) -> None:
     """Set the tool_choice's constraint on each generation without a grammar of its own: SGLang drops the
     tool constraint of a request that has one ("Constrained decoding is not compatible with tool calls.")."""
@@ -76,11 +75,7 @@ def constrain_tools(
     _require_xgrammar(f"the {constraint.kind} grammar of a tool_choice")
     compiler = _compiler(engine)
     for request in pending:
-        if constraint.kind == "structural_tag":
-            matcher = compiler.structural_tag_matcher(constraint.source)
-        else:
-            matcher = compiler.matcher(Grammar(kind="json_schema", source=constraint.source))
-        request.grammar = StructuredGrammar(matcher)
+        request.grammar = StructuredGrammar(compiler.matcher(constraint))
 
 
 def _require_xgrammar(what: str) -> None:

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from art_sglang.tool_choice import MARKUPS, CallMarkup
 
-TRIGGER = "<tool_call>"  # what starts a call in the structural tag of every parser here
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,18 +44,10 @@ Reading = tuple[str, list[ToolCall]]
 
 
 @dataclass(frozen=True)
-class CallFormat:
-    """A parser's markup: what opens and closes one call (SGLang's detector's bot/eot tokens), and how
-    a completion is read."""
+class CallFormat(CallMarkup):
+    """A parser's markup (art_sglang.tool_choice) and how a completion is read."""
 
-    start: str
-    end: str
     read: Callable[[str, set[str]], Reading]
-
-    def tag(self, name: str) -> tuple[str, str]:
-        """The begin and end of a call of `name` in the structural tag (the detector's structure_info):
-        the arguments go between them."""
-        return f'{self.start}{{"name":"{name}", "arguments":', "}" + self.end
 
 
 _NOT_CALLS = (AttributeError, TypeError)  # what reading JSON that is not call objects raises
@@ -111,16 +103,8 @@ def _read_qwen25(text: str, names: set[str]) -> Reading:
     return text[:first].strip(), calls
 
 
-_QWEN25 = CallFormat("<tool_call>\n", "\n</tool_call>", _read_qwen25)
-FORMATS = {
-    "hermes": CallFormat("<tool_call>", "</tool_call>", _read_hermes),
-    "qwen25": _QWEN25,
-    "qwen": _QWEN25,
-}
-
-
-def tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
-    return {str((t.get("function") or {}).get("name")) for t in tools or [] if isinstance(t, dict)}
+_READERS = {"hermes": _read_hermes, "qwen25": _read_qwen25, "qwen": _read_qwen25}
+FORMATS = {name: CallFormat(markup.start, markup.end, _READERS[name]) for name, markup in MARKUPS.items()}
 
 
 @dataclass(frozen=True)

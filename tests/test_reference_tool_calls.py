@@ -11,7 +11,7 @@ import pytest
 
 from art_sglang.constraints import Grammar, grammars_available
 from art_sglang_reference.tool_calls import FORMATS, ToolParsing
-from art_sglang_reference.tool_choice import ToolConstraint, tool_use
+from art_sglang_reference.tool_choice import tool_use
 
 NAMES = {"add", "mul"}
 HERMES = ToolParsing(NAMES, FORMATS["hermes"])
@@ -104,11 +104,8 @@ def allows(tokenizer: Any) -> Any:
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     compiler = grammars.GrammarCompiler(tokenizer, len(tokenizer), [eos])
 
-    def check(constraint: ToolConstraint, text: str, complete: bool = False) -> bool:
-        if constraint.kind == "structural_tag":
-            matcher = compiler.structural_tag_matcher(constraint.source)
-        else:
-            matcher = compiler.matcher(Grammar(kind="json_schema", source=constraint.source))
+    def check(constraint: Grammar, text: str, complete: bool = False) -> bool:
+        matcher = compiler.matcher(constraint)
         try:
             for token in tokenizer.encode(text, add_special_tokens=False):
                 matcher.advance(token)

@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import aiohttp
 from aiohttp import web
 
+from ..tool_choice import DEFAULT_PARSER
 from .gateway_rules import NOT_FORWARDED, Forward, Refuse, Served, error, route, with_constraint
 from .prefill_sharing import Answer, PrefillSharing, bad_gateway, prompt_key
 from .stranded import StrandedAdapters
@@ -62,6 +63,7 @@ class AdapterGateway:
     `api_key`: the key rollout clients must send (None: any). `upstream_key`: the key the gateway sends to
     the server. `upstream_keep_alive`: seconds the server keeps an idle connection open. `share_lead`:
     seconds the first request of a prompt waits for another with it (None: no prefill sharing).
+    `tool_call_parser`: the server's `--tool-call-parser` (what a tool_choice constrains decoding with).
     `set_served(...)` sets which names may be requested; until it is called nothing is served on the
     inference routes.
     """
@@ -79,6 +81,7 @@ class AdapterGateway:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         upstream_keep_alive: float = 5.0,
         share_lead: float | None = None,
+        tool_call_parser: str | None = DEFAULT_PARSER,
     ):
         self.upstream = upstream.rstrip("/")
         self.read_upstream = self.upstream
@@ -92,7 +95,7 @@ class AdapterGateway:
         self.upstream_keep_alive = upstream_keep_alive
         self.loader: Loader | None = None
         self._loader_loop: asyncio.AbstractEventLoop | None = None
-        self._served = Served()
+        self._served = Served(tool_call_parser=tool_call_parser)
         self._in_flight: Counter[str] = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -154,6 +157,7 @@ class AdapterGateway:
             frozenset(adapters),
             old.base_ids if base_ids is None else frozenset(base_ids),
             old.aliases if aliases is None else dict(aliases),
+            old.tool_call_parser,
         )
 
     @property
@@ -312,11 +316,12 @@ class AdapterGateway:
         return headers
 
     async def _forward(self, request: web.Request, decision: Forward) -> web.StreamResponse:
-        if decision.constraint is not None:
-            # Read whole, so each choice can carry its constraint to training.
+        if decision.annotated:
+            # Read whole, so each choice can carry its constraint (and the tools it was prompted with).
             answer = await self._exchange(decision, self._upstream_headers(request))
             if answer.status == 200:
-                answer = Answer(answer.status, with_constraint(answer.body, decision.constraint))
+                body = with_constraint(answer.body, decision.constraint, decision.template_tools)
+                answer = Answer(answer.status, body)
             return _answer(answer)
         upstream = await self._send(request.method, decision, self._upstream_headers(request))
         if isinstance(upstream, Answer):

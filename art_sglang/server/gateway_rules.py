@@ -21,6 +21,12 @@ success. So:
   dill-deserialized Python); `allowed_token_ids` is forwarded as SGLang's `logit_bias`; the canonical
   constraint goes in `Forward.constraint`, which the gateway attaches to each returned choice. A streamed
   constrained request on a trained model is a 400: its chunks could not carry the constraint to training.
+- A chat request's tools and tool_choice, read as SGLang reads them with the server's `--tool-call-parser`
+  (tool_choice.py): the grammar SGLang decodes a forced call under (a structural tag; without a parser its
+  JSON array schema) joins the constraint unless the request has a grammar of its own (SGLang then drops
+  the tool's), and the tools the template rendered, where they are not the request's ("none": none; a
+  named tool: that one), travel on each choice as `art_template_tools`. A tool_choice that constrains with
+  a parser whose constraint is not reproduced is a 400 on a trained model.
 - A non-streaming chat or text completion on an adapter (or an alias) also gets `return_token_ids: true`
   unless the client set the field itself, so each Choice carries the ids the server sampled and the
   trainer trains on exactly those instead of re-tokenizing the text. (SGLang 0.5.17's stream chunks are
@@ -37,9 +43,11 @@ from typing import Any
 from urllib.parse import unquote
 
 from ..constraints import ALLOWED_FIELD, CONSTRAINT_FIELD, ConstraintError, SamplingConstraint, constraint_of
+from ..tool_choice import DEFAULT_PARSER, TEMPLATE_TOOLS_FIELD, UnknownParser, tool_use
 
 # Paths whose body names a model; the first two can carry the sampled ids (`return_token_ids`).
-INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+CHAT_PATH = "/v1/chat/completions"
+INFERENCE_PATHS = frozenset({CHAT_PATH, "/v1/completions", "/generate"})
 TOKEN_ID_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 READ_PATHS = frozenset({"/v1/models", "/health", "/health_generate"})
 # Headers not forwarded either way: hop-by-hop ones (RFC 9110 7.6.1), those the transport sets itself, and
@@ -53,11 +61,12 @@ NOT_FORWARDED = frozenset(
 @dataclass(frozen=True)
 class Served:
     """What may be requested: loaded adapters, the base model's ids, and aliases (name -> base id) for
-    names served by the base slot (merged weights)."""
+    names served by the base slot (merged weights); the server's `--tool-call-parser`."""
 
     adapters: frozenset[str] = frozenset()
     base_ids: frozenset[str] = frozenset()
     aliases: Mapping[str, str] = field(default_factory=dict)
+    tool_call_parser: str | None = DEFAULT_PARSER
 
     def is_trained(self, name: object) -> bool:
         """Whether `name` selects a trained model: an adapter, an alias, or "<base>:<adapter>"."""
@@ -80,7 +89,8 @@ class Served:
 class Forward:
     """Send `body` to the server as `method path?query`; `names` are the models it asks for; `read`: a
     read-only request (model list, health); `payload`: the body as parsed (inference routes), so later
-    steps need not parse it again; `constraint`: the sampling constraint to attach to each choice."""
+    steps need not parse it again; `constraint`: the sampling constraint to attach to each choice;
+    `template_tools`: the tools the chat template rendered, to attach where they are not the request's."""
 
     path: str
     body: bytes
@@ -88,6 +98,12 @@ class Forward:
     read: bool = False
     payload: Mapping[str, Any] | None = field(default=None, compare=False)
     constraint: SamplingConstraint | None = None
+    template_tools: list[Any] | None = None
+
+    @property
+    def annotated(self) -> bool:
+        """Whether each returned choice gets a field for training (the answer is then read whole)."""
+        return self.constraint is not None or self.template_tools is not None
 
 
 @dataclass(frozen=True)
@@ -149,14 +165,17 @@ def route(
             "prompt once."
         )
         return Refuse(400, error(message, "n_with_adapter", "n"))
-    constraint = constrain(payload, served, completions=path in TOKEN_ID_PATHS)
-    if isinstance(constraint, Refuse):
-        return constraint
+    constrained = constrain(payload, served, completions=path in TOKEN_ID_PATHS, chat=path == CHAT_PATH)
+    if isinstance(constrained, Refuse):
+        return constrained
+    constraint, shown = constrained
     if rewrite(payload, served, token_ids=path in TOKEN_ID_PATHS) or constraint is not None:
         body = json.dumps(payload).encode()
-    # A stream (allowed on untrained models only) is relayed as it comes: it has no choices to annotate.
-    carried = None if payload.get("stream") else constraint
-    return Forward(canonical, body, tuple(names), payload=payload, constraint=carried)
+    if payload.get("stream"):  # allowed on untrained models only: relayed as it comes, nothing to annotate
+        constraint = shown = None
+    return Forward(
+        canonical, body, tuple(names), payload=payload, constraint=constraint, template_tools=shown
+    )
 
 
 def parse_object(body: bytes) -> dict | Refuse:
@@ -185,30 +204,65 @@ def requested_names(payload: dict) -> list[str]:
     return names
 
 
-def constrain(payload: dict, served: Served, *, completions: bool) -> SamplingConstraint | Refuse | None:
-    """The request's sampling constraint, with `payload` rewritten to what SGLang samples it by; a 400 for
-    a malformed one. /generate is only checked for a custom logit processor (its answers are not Choices,
-    so no constraint travels from them to training)."""
+def constrain(
+    payload: dict, served: Served, *, completions: bool, chat: bool = False
+) -> tuple[SamplingConstraint | None, list[Any] | None] | Refuse:
+    """(the request's sampling constraint, the tools its chat template renders where they are not the
+    request's), with `payload` rewritten to what SGLang samples it by; a 400 for a malformed one. /generate
+    is only checked for a custom logit processor (its answers are not Choices, so nothing travels from them
+    to training)."""
     if not completions:
         payload = {"custom_logit_processor": payload.get("custom_logit_processor")}
     try:
         constraint = constraint_of(payload)
     except ConstraintError as exc:
         return Refuse(400, error(str(exc), "invalid_constraint", exc.param))
-    if constraint is None or not completions:
-        return None
-    if payload.get("stream") and any(served.is_trained(name) for name in requested_names(payload)):
+    if not completions:
+        return None, None
+    trained = any(served.is_trained(name) for name in requested_names(payload))
+    tools = _tool_use(payload, served.tool_call_parser, trained) if chat else None
+    if isinstance(tools, Refuse):
+        return tools
+    shown = None
+    if tools is not None:
+        if tools.constraint is not None and (constraint is None or constraint.grammar is None):
+            constraint = (constraint or SamplingConstraint()).model_copy(update={"grammar": tools.constraint})
+        if (tools.template_tools or []) != (payload.get("tools") or []):
+            shown = tools.template_tools or []
+    if constraint is None and shown is None:
+        return None, None
+    if payload.get("stream") and trained:
+        what = (
+            constraint.describe() if constraint is not None else f"only {len(shown or [])} of its tools shown"
+        )
         message = (
-            f"a streamed request with a sampling constraint ({constraint.describe()}) is refused on a trained "
-            "model: the stream cannot carry the constraint to the trainer, which must compute the sampled "
-            "tokens' logprobs under it. Send it without stream."
+            f"a streamed request with a sampling constraint ({what}) is refused on a trained model: the stream "
+            "cannot carry it to the trainer, which must compute the sampled tokens' logprobs under it. Send it "
+            "without stream."
         )
         return Refuse(400, error(message, "stream_with_constraint", "stream"))
     payload.pop(ALLOWED_FIELD, None)
-    bias = constraint.forwarded_bias()
+    bias = constraint.forwarded_bias() if constraint is not None else {}
     if bias:
         payload["logit_bias"] = bias
-    return constraint
+    return constraint, shown
+
+
+def _tool_use(payload: dict, parser: str | None, trained: bool) -> Any:
+    """What the request's tools and tool_choice make SGLang do (tool_choice.ToolUse); None where nothing is
+    to carry or SGLang answers the request with its own 400; a 400 for a constraint not reproduced here."""
+    if not payload.get("tools") and payload.get("tool_choice") is None:
+        return None
+    parallel = payload.get("parallel_tool_calls") is not False
+    try:
+        return tool_use(payload.get("tools"), payload.get("tool_choice"), parallel, parser)
+    except UnknownParser as exc:
+        if not trained:
+            return None
+        message = f"{exc}: the trainer could not compute the sampled tokens' logprobs under it"
+        return Refuse(400, error(message, "unsupported_tool_choice", "tool_choice"))
+    except (ValueError, TypeError, AttributeError, KeyError):
+        return None
 
 
 def rewrite(payload: dict, served: Served, *, token_ids: bool) -> bool:
@@ -250,8 +304,11 @@ def error(message: str, code: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
 
 
-def with_constraint(body: bytes, constraint: SamplingConstraint) -> bytes:
-    """A completion's JSON body with `constraint` on each choice (`art_constraint`); other bodies as they are."""
+def with_constraint(
+    body: bytes, constraint: SamplingConstraint | None, template_tools: list[Any] | None = None
+) -> bytes:
+    """A completion's JSON body with `constraint` (`art_constraint`) and the template's tools
+    (`art_template_tools`) on each choice, where given; other bodies as they are."""
     try:
         payload = json.loads(body)
     except ValueError:
@@ -259,8 +316,12 @@ def with_constraint(body: bytes, constraint: SamplingConstraint) -> bytes:
     choices = payload.get("choices") if isinstance(payload, dict) else None
     if not isinstance(choices, list):
         return body
-    carried = constraint.model_dump(mode="json")
+    fields: dict[str, Any] = {}
+    if constraint is not None:
+        fields[CONSTRAINT_FIELD] = constraint.model_dump(mode="json")
+    if template_tools is not None:
+        fields[TEMPLATE_TOOLS_FIELD] = template_tools
     for choice in choices:
         if isinstance(choice, dict):
-            choice[CONSTRAINT_FIELD] = carried
+            choice.update(fields)
     return json.dumps(payload).encode()

@@ -77,6 +77,7 @@ class InferenceService:
                 unreachable_wait=config.server_timeout,
                 share_lead=config.share_prefill_lead_ms / 1000,
                 upstream_keep_alive=self._servers.processes[0].keep_alive,
+                tool_call_parser=config.tool_call_parser,
             )
             self._gateway.set_prefill_sharing(config.share_prefill)
         self._find_checkpoint: Callable[[str], Path | None] | None = None

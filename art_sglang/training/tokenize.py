@@ -24,6 +24,10 @@ Constraints: a Choice carrying `art_constraint` (constraints.py; only with its i
 marks each of its sampled tokens with the constraint, which the trainer applies to their logits. A grammar
 is replayed over the ids with xgrammar (grammars.py): each token gets the mask of its position. Without
 xgrammar a grammar reaches here only when the user trains without it (`train_unconstrained`): dropped.
+The grammar of a forced tool call (SGLang's structural tag of tool_choice "required"/named) is one of
+them. A history's prompts are rendered with the tools its Choices were sampled with: their
+`art_template_tools` where SGLang's template showed others than the request's (a named tool only, none for
+"none"; validation.py refuses a history whose Choices differ in them).
 
 Sampler logprobs of a choice without ids (validation.py has already checked that they spell the content). Let N be the number
 of entries that spell the content and M the number of re-tokenized content tokens:
@@ -59,6 +63,7 @@ from .validation import (
     histories,
     is_choice,
     logprob_entries,
+    prompt_tools,
     sampled_ids,
     text_checkable,
 )
@@ -199,8 +204,12 @@ class ChatTokenizer:
     ) -> list[TokenizedSequence]:
         sequences: list[TokenizedSequence] = []
         for items, tools in histories(trajectory):
+            # The tools the prompts were rendered with when sampling (validation refused a mix of them
+            # unless the user trains unconstrained: then the history's own).
+            shown = prompt_tools(items, tools)
+            rendered = shown[0] if len(shown) == 1 else tools
             try:
-                sequences += self._tokenize_history(items, tools, group, index, stats)
+                sequences += self._tokenize_history(items, rendered, group, index, stats)
             except TrainingInputError:
                 raise
             except Exception as exc:  # a template error names the trajectory it came from

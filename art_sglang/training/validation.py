@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..constraints import ALLOWED_FIELD, carried, grammars_available
 from ..errors import TrainingInputError
+from ..tool_choice import TEMPLATE_TOOLS_FIELD
 
 if TYPE_CHECKING:
     from ..trajectories import TrajectoryGroup
@@ -52,6 +53,20 @@ def histories(trajectory: WireGroup) -> list[tuple[list[Any], list[Any] | None]]
         for h in trajectory.get("additional_histories") or []
     ]
     return [main, *extra]
+
+
+def prompt_tools(items: list[Any], tools: list[Any] | None) -> list[list[Any] | None]:
+    """The distinct tool sets a history's Choices were prompted with (None: no tools): a Choice's
+    `art_template_tools` where the gateway attached them (SGLang's template showed other tools than the
+    request's: a named tool_choice only that tool, "none" none), else the history's `tools`."""
+    found: list[list[Any] | None] = []
+    for item in items:
+        if is_choice(item):
+            shown = item.get(TEMPLATE_TOOLS_FIELD)
+            shown = (tools if shown is None else shown) or None
+            if shown not in found:
+                found.append(shown)
+    return found
 
 
 def sampled_ids(choice: WireGroup) -> list[int] | None:
@@ -141,6 +156,10 @@ def _validate_trajectory(
     reward = trajectory.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise TrainingInputError(f"{where}: reward must be a finite number, got {reward!r}")
+    for hi, (items, tools) in enumerate(histories(trajectory)):
+        _validate_prompt_tools(
+            items, tools, where if hi == 0 else f"{where}, history {hi}", train_unconstrained
+        )
     choices = [item for items, _ in histories(trajectory) for item in items if is_choice(item)]
     for ci, choice in enumerate(choices):
         _validate_choice(choice, f"{where}, choice {ci}", allow_without_logprobs)
@@ -181,6 +200,35 @@ def _validate_choice(choice: WireGroup, where: str, allow_without_logprobs: bool
             f"{where}: logprobs of the wrong length: {len(entries)} logprob entries do not spell the "
             f"choice's content ({len(content)} characters)"
         )
+
+
+def _validate_prompt_tools(
+    items: list[Any], tools: list[Any] | None, where: str, train_unconstrained: bool
+) -> None:
+    """A conversation is rendered once with one set of tools, so its Choices must all have been prompted
+    with the same (unless `train_unconstrained`: then it is rendered with its `tools`)."""
+    for item in items:
+        shown = item.get(TEMPLATE_TOOLS_FIELD) if is_choice(item) else None
+        if shown is not None and not isinstance(shown, list):
+            raise TrainingInputError(
+                f"{where}: {TEMPLATE_TOOLS_FIELD} must be a list of tools, got {shown!r}"
+            )
+    found = prompt_tools(items, tools)
+    if len(found) > 1 and not train_unconstrained:
+        sets = "; ".join(_tool_set(shown) for shown in found)
+        raise TrainingInputError(
+            f"{where}: its Choices were sampled with different tools in their prompts ({sets}; a named "
+            'tool_choice shows only that tool, "none" none), so one rendering of the conversation cannot '
+            "reproduce every prompt the sampled tokens were scored under. Keep one tool_choice per trajectory "
+            "(or split it into trajectories), or pass train_unconstrained=True to render it with its tools."
+        )
+
+
+def _tool_set(tools: list[Any] | None) -> str:
+    if not tools:
+        return "no tools"
+    names = [str((t.get("function") or {}).get("name")) if isinstance(t, dict) else "?" for t in tools]
+    return "tools " + ", ".join(names)
 
 
 def _validate_constraint(choice: WireGroup, where: str, train_unconstrained: bool) -> None:

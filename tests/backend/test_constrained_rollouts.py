@@ -5,6 +5,7 @@ computation is off by the bias the constraint introduced."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from openai.types.chat.chat_completion import Choice
 from art_sglang.constraints import CONSTRAINT_FIELD, grammars_available
 from art_sglang.server.gateway import AdapterGateway
 from art_sglang.server.process import ServerProcess
+from art_sglang.tool_choice import TEMPLATE_TOOLS_FIELD
 from art_sglang.training.loss import sampled_token_logprobs
 from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats, sampled_constraints
 from art_sglang.training.validation import groups_to_wire
@@ -172,3 +174,62 @@ async def test_the_engine_refuses_what_it_cannot_sample_under(server, extra: dic
     async with httpx.AsyncClient(base_url=server.base_url, timeout=60, trust_env=False) as http:
         response = await http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and message in response.text
+
+
+def _tool(name: str) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {"name": name, "parameters": {"type": "object", "properties": {}}},
+    }
+
+
+TOOLS = [_tool("add"), _tool("mul")]
+
+
+def tool_sequence(chat: ChatTokenizer, choice: Choice) -> Any:
+    trajectory = Trajectory(messages_and_choices=[*MESSAGES, choice], tools=TOOLS, reward=0.0)
+    wire = groups_to_wire([TrajectoryGroup([trajectory])])[0]["trajectories"][0]
+    [sequence] = chat.tokenize_trajectory(wire, group=0, index=0, stats=TokenizeStats())
+    return sequence
+
+
+@torch.no_grad()
+def tool_logprobs(policy: Any, chat: ChatTokenizer, choice: Choice, *, constrained: bool) -> list[float]:
+    sequence = tool_sequence(chat, choice)
+    ids, mask = torch.tensor([sequence.input_ids]), torch.tensor([sequence.sampled_mask])
+    constraints = sampled_constraints([sequence]) if constrained else None
+    return sampled_token_logprobs(policy(input_ids=ids).logits, ids, mask, constraints).tolist()
+
+
+@pytest.mark.skipif(not grammars_available(), reason="needs xgrammar (the grammars extra)")
+async def test_a_forced_tool_call_carries_its_structural_tag_and_is_trained_under_it(
+    client, policy, chat_tokenizer
+) -> None:
+    [choice] = await sample(client, max_tokens=24, tools=TOOLS, tool_choice="required")
+    grammar = getattr(choice, CONSTRAINT_FIELD)["grammar"]
+    assert grammar["kind"] == "structural_tag" and json.loads(grammar["source"])["at_least_one"] is True
+    text = chat_tokenizer.tokenizer.decode(choice.token_ids)  # type: ignore[attr-defined]
+    assert text.startswith('<tool_call>{"name":"')
+    sequence = tool_sequence(chat_tokenizer, choice)
+    engine = [lp for lp, m in zip(sequence.old_logprobs[1:], sequence.sampled_mask[1:], strict=True) if m]
+    assert tool_logprobs(policy, chat_tokenizer, choice, constrained=True) == pytest.approx(
+        engine, abs=TOLERANCE
+    )
+    # The forced markup has logprob ~0 from the engine; scored without the tag it is far less likely.
+    unconstrained = tool_logprobs(policy, chat_tokenizer, choice, constrained=False)
+    assert sum(engine) - sum(unconstrained) > 5.0
+
+
+@pytest.mark.parametrize("tool_choice", ["none", {"type": "function", "function": {"name": "mul"}}])
+async def test_the_trainer_renders_the_prompt_with_the_tools_the_engine_rendered(
+    client, chat_tokenizer, tool_choice: Any
+) -> None:
+    [choice] = await sample(client, max_tokens=4, tools=TOOLS, tool_choice=tool_choice)
+    shown = getattr(choice, TEMPLATE_TOOLS_FIELD)
+    assert shown == ([] if tool_choice == "none" else TOOLS[1:])
+    sequence = tool_sequence(chat_tokenizer, choice)
+    prompt = sequence.input_ids[: sequence.sampled_mask.index(1)]
+    assert prompt == choice.prompt_token_ids  # type: ignore[attr-defined]
+    # Rendered with the trajectory's tools, as before, it was another prompt than the one sampled with.
+    unshown = choice.model_copy(update={TEMPLATE_TOOLS_FIELD: None})
+    assert tool_sequence(chat_tokenizer, unshown).input_ids[: len(prompt)] != prompt

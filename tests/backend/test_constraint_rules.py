@@ -120,3 +120,76 @@ def test_each_returned_choice_carries_the_constraint() -> None:
     carried = [SamplingConstraint.model_validate(c[CONSTRAINT_FIELD]) for c in choices]
     assert carried == [constraint, constraint]
     assert with_constraint(b"not json", constraint) == b"not json"
+
+
+def _tool(name: str) -> dict:
+    return {
+        "type": "function",
+        "function": {"name": name, "parameters": {"type": "object", "properties": {}}},
+    }
+
+
+TOOLS = [_tool("add"), _tool("mul")]
+
+
+def _tools_post(served: Served = SERVED, **extra: object) -> Forward | Refuse:
+    body = {"model": "agent@1", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **extra}
+    return route("POST", "/v1/chat/completions", json.dumps(body).encode(), served)
+
+
+def test_a_forced_tool_call_carries_sglangs_structural_tag_with_the_rest_of_the_constraint() -> None:
+    decision = _tools_post(tool_choice="required", allowed_token_ids=[4, 7])
+    assert isinstance(decision, Forward) and decision.constraint is not None and decision.annotated
+    grammar = decision.constraint.grammar
+    assert grammar is not None and grammar.kind == "structural_tag"
+    tag = json.loads(grammar.source)
+    assert tag["at_least_one"] is True and tag["triggers"] == ["<tool_call>"]
+    assert [s["begin"] for s in tag["structures"]] == [
+        '<tool_call>{"name":"add", "arguments":',
+        '<tool_call>{"name":"mul", "arguments":',
+    ]
+    assert decision.constraint.allowed_token_ids == (4, 7) and decision.template_tools is None
+    # "auto" without a strict tool: SGLang does not constrain, nothing to carry.
+    auto = _tools_post(tool_choice="auto")
+    assert isinstance(auto, Forward) and not auto.annotated
+
+
+def test_a_requests_own_grammar_wins_over_the_tool_constraint_as_in_sglang() -> None:
+    decision = _tools_post(tool_choice="required", regex="a+")
+    assert isinstance(decision, Forward) and decision.constraint is not None
+    assert decision.constraint.grammar == Grammar(kind="regex", source="a+")
+
+
+def test_without_a_parser_the_json_array_schema_is_carried() -> None:
+    served = Served(SERVED.adapters, SERVED.base_ids, tool_call_parser=None)
+    decision = _tools_post(served, tool_choice="required")
+    assert isinstance(decision, Forward) and decision.constraint is not None
+    grammar = decision.constraint.grammar
+    assert grammar is not None and grammar.kind == "json_schema"
+    assert json.loads(grammar.source)["type"] == "array"
+
+
+def test_the_tools_the_template_rendered_travel_when_they_are_not_the_requests() -> None:
+    named = _tools_post(tool_choice={"type": "function", "function": {"name": "mul"}})
+    assert isinstance(named, Forward) and named.template_tools == [TOOLS[1]]
+    assert named.constraint is not None and named.constraint.grammar is not None  # any tool may be called
+    none = _tools_post(tool_choice="none")
+    assert isinstance(none, Forward) and none.template_tools == [] and none.constraint is None
+    body = json.dumps({"choices": [{"index": 0}]}).encode()
+    [choice] = json.loads(with_constraint(body, None, []))["choices"]
+    assert choice == {"index": 0, "art_template_tools": []}
+
+
+def test_a_tool_constraint_the_trainer_cannot_reproduce_or_receive_is_refused_on_a_trained_model() -> None:
+    unknown = Served(SERVED.adapters, SERVED.base_ids, tool_call_parser="llama3")
+    refused = _tools_post(unknown, tool_choice="required")
+    assert (
+        isinstance(refused, Refuse)
+        and refused.status == 400
+        and "llama3" in refused.payload["error"]["message"]
+    )
+    streamed = _tools_post(tool_choice="none", stream=True)
+    assert isinstance(streamed, Refuse) and streamed.payload["error"]["param"] == "stream"
+    # A tool_choice SGLang itself refuses (an unknown tool) is forwarded for its own 400.
+    missing = _tools_post(tool_choice={"type": "function", "function": {"name": "div"}})
+    assert isinstance(missing, Forward) and not missing.annotated

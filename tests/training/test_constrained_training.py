@@ -14,6 +14,7 @@ from openai.types.chat.chat_completion import Choice
 from training_helpers import sampled
 
 from art_sglang import grammars
+from art_sglang.chat_format import template_tools
 from art_sglang.config import TrainerConfig
 from art_sglang.constraints import CONSTRAINT_FIELD, Grammar, SamplingConstraint, carried
 from art_sglang.errors import TrainingInputError
@@ -154,3 +155,75 @@ class _Foreign:
 
     def model_dump(self) -> dict[str, Any]:
         return self._dumped
+
+
+def _tool(name: str) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {"name": name, "parameters": {"type": "object", "properties": {}}},
+    }
+
+
+TOOLS = [_tool("add"), _tool("mul")]
+
+
+def tool_trajectory(*choices: Choice) -> list[dict[str, Any]]:
+    items: list[Any] = [{"role": "user", "content": "add or mul"}]
+    for choice in choices:
+        items += [choice, {"role": "user", "content": "again"}]
+    trajectory = Trajectory(messages_and_choices=items[:-1], tools=TOOLS, reward=1.0)
+    return groups_to_wire([TrajectoryGroup([trajectory])])
+
+
+def test_a_history_is_rendered_with_the_tools_its_choices_were_prompted_with(tokenizer: Any) -> None:
+    chat = ChatTokenizer(tokenizer)
+
+    def prompt_ids(groups: list[dict[str, Any]]) -> list[int]:
+        [sequence] = chat.tokenize_trajectory(
+            groups[0]["trajectories"][0], group=0, index=0, stats=TokenizeStats()
+        )
+        return sequence.input_ids[: sequence.sampled_mask.index(1)]
+
+    def rendered(tools: list[Any] | None) -> list[int]:
+        messages = [{"role": "user", "content": "add or mul"}]
+        return tokenizer.apply_chat_template(
+            messages,
+            tools=template_tools(tools),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+
+    plain = sampled(tokenizer, [5, 6], [-1.0, -1.0], "length")
+    assert prompt_ids(tool_trajectory(plain)) == rendered(TOOLS) != rendered(None)
+    for shown in ([], [TOOLS[1]]):  # "none", a named tool
+        choice = sampled(tokenizer, [5, 6], [-1.0, -1.0], "length", art_template_tools=shown)
+        assert prompt_ids(tool_trajectory(choice)) == rendered(shown or None)
+
+
+def test_a_trajectory_sampled_with_different_tools_in_its_prompts_is_refused_naming_it(
+    tokenizer: Any,
+) -> None:
+    auto = sampled(tokenizer, [5, 6], [-1.0, -1.0], "length")
+    none = sampled(tokenizer, [7], [-1.0], "length", art_template_tools=[])
+    groups = tool_trajectory(auto, none)
+    with pytest.raises(
+        TrainingInputError,
+        match=r"group 0, trajectory 0: its Choices were sampled with different tools in their prompts "
+        r"\(tools add, mul; no tools.*train_unconstrained=True",
+    ):
+        validate_groups(groups, allow_training_without_logprobs=False)
+    validate_groups(groups, allow_training_without_logprobs=False, train_unconstrained=True)
+    validate_groups(tool_trajectory(none, none), allow_training_without_logprobs=False)
+
+
+def test_a_forced_tool_call_without_xgrammar_is_refused_naming_its_structural_tag(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from art_sglang.tool_choice import tool_use
+
+    monkeypatch.setattr("art_sglang.training.validation.grammars_available", lambda: False)
+    constraint = SamplingConstraint(grammar=tool_use(TOOLS, "required", True, "hermes").constraint)
+    choice = constrained_choice(tokenizer, [5, 6], [-1.0, -1.0], constraint.model_dump(mode="json"))
+    with pytest.raises(TrainingInputError, match=r"choice 0: .*a structural_tag grammar.*xgrammar"):
+        validate_groups(wire_groups(choice, rewards=(1.0,)), allow_training_without_logprobs=False)
