@@ -8,7 +8,8 @@ prompt: on an H200 only 32-42 % of such prompt tokens were found cached, against
 
 So the first request of a prompt waits up to `lead` seconds for another with the same prompt (any
 sampling parameters). If none comes it goes alone; a request that shares nothing is delayed by `lead` at
-most. Once a second one comes, one prefill-only request (`max_tokens: 0`) computes the prompt, and every
+most. Once a second one comes, one prefill-only request (`max_tokens: 0`; 1 behind SGLang's router, which
+refuses 0) computes the prompt, and every
 request of the prompt that is waiting or comes while it runs goes as it came once it returns, finding the
 prompt cached; those that come later (within `PROMPT_MEMORY_S` of the first) go at once. With `lead` 0 the
 first request never waits, and the prompt is computed at most twice (by it and by the prefill-only one).
@@ -112,9 +113,10 @@ def _prompt_part(payload: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in payload.items() if key not in SAMPLING_FIELDS}
 
 
-def prefill_body(payload: Mapping[str, Any]) -> bytes:
-    """A request that only computes the prompt (SGLang answers `max_tokens: 0` with an empty choice)."""
-    return json.dumps({**_prompt_part(payload), "max_tokens": 0}).encode()
+def prefill_body(payload: Mapping[str, Any], max_tokens: int = 0) -> bytes:
+    """A request that computes the prompt and at most `max_tokens` more (SGLang answers `max_tokens: 0`
+    with an empty choice)."""
+    return json.dumps({**_prompt_part(payload), "max_tokens": max_tokens}).encode()
 
 
 def bad_gateway(message: str) -> Answer:
@@ -125,11 +127,13 @@ def bad_gateway(message: str) -> Answer:
 @dataclass
 class PrefillCounters:
     """What prefill sharing did since the gateway started: requests held for a shared prefill,
-    prefill-only requests sent, and prompt tokens the held requests found computed."""
+    prefill-only requests answered, prompt tokens the held requests found computed, and prefill-only
+    requests that failed (their prompts' requests went on without a shared prefill)."""
 
     requests_held: int = 0
     prefill_requests: int = 0
     prefill_tokens_saved: int = 0
+    prefill_failures: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -148,13 +152,17 @@ class _Prompt:
 
 class PrefillSharing:
     """Has the requests of a prompt that arrive together wait for one prefill-only request of it (see the
-    module's text). Runs on the gateway's event loop; `exchange` sends one request upstream."""
+    module's text). Runs on the gateway's event loop; `exchange` sends one request upstream;
+    `prefill_tokens`: the prefill-only request's `max_tokens` (0, or 1 where the upstream refuses 0)."""
 
-    def __init__(self, exchange: Exchange, *, lead: float):
+    def __init__(self, exchange: Exchange, *, lead: float, prefill_tokens: int = 0):
         if lead < 0:
             raise ValueError(f"the prefill-sharing lead must not be negative, got {lead}")
+        if prefill_tokens not in (0, 1):
+            raise ValueError(f"a prefill-only request asks for 0 or 1 tokens, not {prefill_tokens}")
         self._exchange = exchange
         self._lead = lead
+        self._prefill_tokens = prefill_tokens
         self._prompts: dict[str, _Prompt] = {}  # oldest first
         self._tasks: set[asyncio.Task[None]] = set()  # prefill-only requests under way
         self.counters = PrefillCounters()
@@ -195,16 +203,22 @@ class PrefillSharing:
     async def _prefill(self, prompt: _Prompt, decision: Forward, headers: dict[str, str]) -> None:
         try:
             assert decision.payload is not None  # prompt_key() admitted only parsed requests
-            answer = await self._exchange(replace(decision, body=prefill_body(decision.payload)), headers)
+            body = prefill_body(decision.payload, self._prefill_tokens)
+            answer = await self._exchange(replace(decision, body=body), headers)
             if answer.status == 200:
                 prompt_tokens = int(json.loads(answer.body)["usage"]["prompt_tokens"])
                 self.counters.requests_held += prompt.waiting
                 self.counters.prefill_requests += 1
                 self.counters.prefill_tokens_saved += max(prompt.waiting - 1, 0) * prompt_tokens
             else:
-                # The requests themselves will get (and report) whatever made the server refuse it.
-                logger.debug("prefill-only request answered %d: %s", answer.status, answer.body[:200])
+                # The requests themselves will get (and report) whatever made the server refuse it; a
+                # refusal of every prefill-only request (a server that takes no such request) is shown
+                # once and counted in the step metrics.
+                self.counters.prefill_failures += 1
+                log = logger.warning if self.counters.prefill_failures == 1 else logger.debug
+                log("a prefill-only request was answered %d: %s", answer.status, answer.body[:300])
         except (ValueError, KeyError, TypeError):
             logger.debug("prefill-only answer without usage", exc_info=True)
         except Exception:
+            self.counters.prefill_failures += 1
             logger.exception("the prefill-only request failed; its prompt's requests go on without it")

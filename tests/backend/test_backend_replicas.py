@@ -185,6 +185,50 @@ async def test_a_multi_turn_conversation_stays_on_its_replica(replicated: Replic
     assert sorted(added) == [0, 3]
 
 
+async def test_a_group_sharing_a_prompt_is_served_by_one_replica(replicated: Replicated) -> None:
+    """GRPO groups through the gateway's prefill sharing behind the router: each group's prefill-only
+    request (one token: the router refuses `max_tokens: 0`) and its rollouts reach one replica, and the
+    rollouts find the prompt that request computed. A group is told apart in the replicas' logs by its
+    prompt's length (each group's prompt has a different number of words)."""
+    service = replicated.service
+    assert service.gateway is not None
+    logs = [p.log_path for p in service.processes]
+    before = [len(chat_lines(log)) for log in logs]
+    counted = service.gateway.prefill_counters()
+    client = replicated.model.openai_client()
+    groups, size, tokens = 3, 4, 2
+
+    async def rollout(group: int) -> None:
+        words = " ".join(["stone"] * (40 + 7 * group))
+        await client.chat.completions.create(
+            model=replicated.model.get_inference_name(),
+            messages=[{"role": "user", "content": f"Group {group} plays a game of {words}."}],
+            max_tokens=tokens,
+            extra_body={"ignore_eos": True},
+        )
+
+    await asyncio.gather(*(rollout(g) for g in range(groups) for _ in range(size)))
+    # A request's log line is written once its response is sent: wait for the rollouts' and the prefills'.
+    deadline = time.monotonic() + 60
+    while sum(len(chat_lines(log)) - before[i] for i, log in enumerate(logs)) < groups * (size + 1):
+        assert time.monotonic() < deadline, [chat_lines(log)[before[i] :] for i, log in enumerate(logs)]
+        await asyncio.sleep(0.1)
+    counters = service.gateway.prefill_counters()
+    assert counters["prefill_requests"] - counted["prefill_requests"] == groups
+    assert counters["prefill_failures"] == counted["prefill_failures"]
+    replicas_of: dict[int, set[int]] = {}
+    rollouts: dict[int, list[dict[str, str]]] = {}
+    for index, log in enumerate(logs):
+        for line in chat_lines(log)[before[index] :]:
+            fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+            replicas_of.setdefault(int(fields["prompt"]), set()).add(index)
+            if int(fields["completion"]) == tokens:
+                rollouts.setdefault(int(fields["prompt"]), []).append(fields)
+    assert len(replicas_of) == groups and all(len(r) == 1 for r in replicas_of.values()), replicas_of
+    for prompt, answered in rollouts.items():
+        assert len(answered) == size and all(int(f["cached"]) >= prompt - 1 for f in answered), answered
+
+
 async def test_no_request_reached_a_replica_without_its_adapter(replicated: Replicated) -> None:
     """Each replica's log, in order: a request on an adapter comes after that replica (in its current
     process) loaded it and before it unloaded it, and every request was answered 200."""

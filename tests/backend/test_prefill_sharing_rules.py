@@ -73,6 +73,7 @@ async def test_a_group_waits_for_one_prefill_and_later_requests_go_at_once() -> 
         "requests_held": 4,
         "prefill_requests": 1,
         "prefill_tokens_saved": 3 * 40,
+        "prefill_failures": 0,
     }
 
 
@@ -104,7 +105,21 @@ async def test_whatever_the_prefill_returns_everyone_goes_on(upstream: Upstream)
     await _settle()
     upstream.answer.set()
     await asyncio.wait_for(asyncio.gather(*waiting), 5)  # each request then meets the error itself
-    assert sharing.counters.prefill_requests == 0
+    assert sharing.counters.prefill_requests == 0 and sharing.counters.prefill_failures == 1
+
+
+async def test_behind_a_router_the_prefill_asks_for_one_token() -> None:
+    """SGLang's router refuses `max_tokens: 0`: the prefill-only request asks for one token there."""
+    upstream = Upstream()
+    sharing = PrefillSharing(upstream, lead=0.0, prefill_tokens=1)
+    await asyncio.wait_for(_turn(sharing), 1)
+    second = _turn(sharing, max_tokens=3)
+    await _settle()
+    assert [body["max_tokens"] for body in upstream.bodies] == [1]
+    upstream.answer.set()
+    await asyncio.wait_for(second, 5)
+    with pytest.raises(ValueError, match="0 or 1 tokens"):
+        PrefillSharing(upstream, lead=0.0, prefill_tokens=2)
 
 
 async def test_a_caller_that_leaves_takes_nobody_with_it() -> None:
