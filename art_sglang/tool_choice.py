@@ -29,9 +29,8 @@ from .constraints import Grammar
 
 Tools = list[dict[str, Any]]
 DEFAULT_PARSER = "hermes"  # SGLangConfig.tool_call_parser's default
-TEMPLATE_TOOLS_FIELD = (
-    "art_template_tools"  # on a choice: the tools its prompt rendered, if not the request's
-)
+# On a choice: the tools its prompt rendered, where they are not the request's.
+TEMPLATE_TOOLS_FIELD = "art_template_tools"
 TRIGGER = "<tool_call>"  # what starts a call in the structural tag of every parser here
 
 
