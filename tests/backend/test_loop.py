@@ -139,6 +139,7 @@ async def test_three_steps_hot_load_and_keep_the_newest_adapters(loop: Loop) -> 
             "rollout/requests_held",
             "rollout/prefill_requests",
             "rollout/prefill_tokens_saved",
+            "rollout/prefill_failures",
         }
         assert all(isinstance(value, int) and value >= 0 for value in shared.values())
         on_server = {
