@@ -247,7 +247,10 @@ def _validate_constraint(choice: WireGroup, where: str, train_unconstrained: boo
             "be computed without the grammar's mask"
         )
     elif ids is None:
-        problem = "it has no token_ids, so the tokens its constraint applied to are not known"
+        problem = (
+            "it has no token_ids (SGLang's router in front of several replicas drops them), so the tokens "
+            "its constraint applied to are not known"
+        )
     if problem is not None and not train_unconstrained:
         raise TrainingInputError(
             f"{where}: a constrained Choice ({constraint.describe()}) cannot be trained as sampled: {problem}. "
