@@ -43,12 +43,12 @@ from typing import Any
 from urllib.parse import unquote
 
 from ..constraints import ALLOWED_FIELD, CONSTRAINT_FIELD, ConstraintError, SamplingConstraint, constraint_of
-from ..tool_choice import DEFAULT_PARSER, TEMPLATE_TOOLS_FIELD, UnknownParser, tool_use
+from ..tool_choice import DEFAULT_PARSER, TEMPLATE_TOOLS_FIELD, ToolUse, UnknownParser, tool_use
 
 # Paths whose body names a model; the first two can carry the sampled ids (`return_token_ids`).
 CHAT_PATH = "/v1/chat/completions"
 INFERENCE_PATHS = frozenset({CHAT_PATH, "/v1/completions", "/generate"})
-TOKEN_ID_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+TOKEN_ID_PATHS = frozenset({CHAT_PATH, "/v1/completions"})
 READ_PATHS = frozenset({"/v1/models", "/health", "/health_generate"})
 # Headers not forwarded either way: hop-by-hop ones (RFC 9110 7.6.1), those the transport sets itself, and
 # the client's key (the gateway sends the server's own).
@@ -248,7 +248,7 @@ def constrain(
     return constraint, shown
 
 
-def _tool_use(payload: dict, parser: str | None, trained: bool) -> Any:
+def _tool_use(payload: dict, parser: str | None, trained: bool) -> ToolUse | Refuse | None:
     """What the request's tools and tool_choice make SGLang do (tool_choice.ToolUse); None where nothing is
     to carry or SGLang answers the request with its own 400; a 400 for a constraint not reproduced here."""
     if not payload.get("tools") and payload.get("tool_choice") is None:

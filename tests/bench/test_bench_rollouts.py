@@ -147,8 +147,8 @@ async def test_art_client_keeps_a_wave_of_connections_open() -> None:
         for _ in range(2):
             inside.clear()
             messages = [{"role": "user", "content": "hi"}]
-            waves = (client.chat.completions.create(model="m", messages=messages) for _ in range(150))
-            answers = await asyncio.wait_for(asyncio.gather(*waves), 60)
+            wave = (client.chat.completions.create(model="m", messages=messages) for _ in range(150))
+            answers = await asyncio.wait_for(asyncio.gather(*wave), 60)
             assert all(a.choices[0].message.content == "hi" for a in answers)
             await asyncio.sleep(0.3)
             assert sum(not t.is_closing() for t in transports) == 150
