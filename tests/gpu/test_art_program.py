@@ -106,6 +106,13 @@ async def test_art_program_with_tools_and_internal_config_on_sglang(
             result = await backend.train(model, groups, learning_rate=1e-4)
             record("art_program_rl_step", step=result.step, metrics=result.metrics)
             assert result.step == step and result.checkpoint_path == str(checkpoints / f"{step:04d}")
+            # The gateway computed each group's prompt once (its prefill sharing is on by default), and
+            # the trainer scores the sampled tokens as SGLang sampled them: with one gradient step the
+            # mean importance ratio is 1 up to bf16 noise (0.998-0.999 in earlier runs).
+            assert result.metrics["rollout/prefill_requests"] >= 1
+            assert result.metrics["rollout/prefill_failures"] == 0
+            assert result.metrics["gradient_steps"] == 1
+            assert abs(result.metrics["ratio_mean"] - 1) < 0.01
             assert model.get_inference_name() == f"art-gpu@{step}"
         await model.log(groups, split="train")
         assert os.path.isdir(
