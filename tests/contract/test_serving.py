@@ -314,8 +314,8 @@ def test_a_forced_call_of_a_strict_tool_comes_back_as_tool_calls(
     tools = [_tool(name, strict=True) for name in TOOLS]
     for tool_choice in ("required", _named("mul")):
         content, calls, finish = _tool_answer(
-            client, stream, tools=tools, tool_choice=tool_choice, stop=["</tool_call>"], max_tokens=64,
-            logit_bias={str(brace): 100},
+            client, stream, tools=tools, tool_choice=tool_choice, stop=["</tool_call>"],
+            stop_regex=["</tool_call>"], max_tokens=64, logit_bias={str(brace): 100},
         )  # fmt: skip
         assert finish == "tool_calls" and not content, (finish, content)
         assert len(calls) == 1 and calls[0][0] in TOOLS and json.loads(calls[0][1]) == {}, calls
