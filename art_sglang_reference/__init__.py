@@ -30,5 +30,9 @@ shapes). Where SGLang's behaviour is kept on purpose, or where a CPU engine must
   one-token generation, as SGLang's is.
 - /update_weights_from_disk reads a local checkpoint of the same shapes; adapters stay loaded; the cache is
   flushed. SIGTERM stops generations in flight at their next token.
+- Stops are found as SGLang finds them: `stop` strings and `stop_regex` only in the last (longest stop
+  string's canonical token count, or a regex's length bound) + 1 tokens, so a stop spelled in more tokens
+  is missed; the length limit is checked first and stop tokens last (ignore_eos turns stop_token_ids off
+  too); a `stop_regex` that does not parse -> 500, as SGLang's unexpected-exception answer.
 - GPU-only flags are accepted and ignored with a log line; unknown flags too. One log line per request.
 """

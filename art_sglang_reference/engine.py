@@ -187,6 +187,11 @@ class ReferenceEngine:
         with self._tokenizer_lock:
             return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def count_tokens(self, text: str) -> int:
+        """Tokens of `text` alone (no special tokens added), as SGLang measures a stop string."""
+        with self._tokenizer_lock:
+            return len(self.tokenizer.encode(text, add_special_tokens=False))
+
     def sampling_defaults(self) -> dict[str, Any]:
         """Defaults from the model's generation_config.json (SGLang's `--sampling-defaults model`)."""
         return dict(self._sampling_defaults)
@@ -262,8 +267,9 @@ class ReferenceEngine:
         generator = None
         if options.seed is not None and not options.greedy:
             generator = torch.Generator().manual_seed(options.seed)
-        stop_ids = set(options.stop_token_ids) | (set() if options.ignore_eos else self.eos_ids)
-        tracker = TextTracker(self.decode, options)
+        # SGLang's ignore_eos turns off stop_token_ids too (schedule_batch.py `_check_token_based_finish`).
+        stop_ids = set() if options.ignore_eos else set(options.stop_token_ids) | self.eos_ids
+        tracker = TextTracker(self, options, stop_ids)
         output_ids: list[int] = []
         output_logprobs: list[TokenLogprob] = []
         input_logprobs: list[TokenLogprob | None] = []
@@ -298,17 +304,10 @@ class ReferenceEngine:
                 entry = self._logprob_entry(logprobs, token, request.top_logprobs)
                 output_ids.append(token)
                 output_logprobs.append(entry)
-                finish = FinishReason("length", length=len(output_ids))
-                if token in stop_ids:
-                    finish = FinishReason("stop", matched=token)
-                    self._emit(request, "", entry)
-                    break
-                delta, stop = tracker.push(token)
+                delta, ended = tracker.push(token, at_limit=len(output_ids) >= max_new)
                 self._emit(request, delta, entry)
-                if stop is not None:
-                    finish = FinishReason("stop", matched=stop)
-                    break
-                if len(output_ids) >= max_new:
+                if ended is not None:
+                    finish = ended
                     break
                 if self._shutting_down or (request.abort is not None and request.abort.is_set()):
                     finish = FinishReason("abort")

@@ -1,15 +1,16 @@
 """One generation's request and result as the reference engine's HTTP layer and model loop exchange
-them, and the incremental decoding of its output text (stable text only, stop strings found)."""
+them, and the incremental decoding of its output text (stable text only, where it stops)."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from .adapters import LoadedAdapter
-from .sampling import SamplingOptions
+from .sampling import SamplingOptions, stop_regex_bound
 
 if TYPE_CHECKING:
     import torch
@@ -75,42 +76,52 @@ class GenerationResult:
     finished: float
 
 
-class TextTracker:
-    """Decodes output tokens incrementally, finds stop strings, and yields only text that can no longer
-    change: an unfinished UTF-8 character or a possible start of a stop string is held back."""
+class TextCodec(Protocol):
+    """The tokenizer calls of a TextTracker (the engine's, which serialise tokenizer use)."""
 
-    def __init__(self, decode: Callable[[list[int], bool], str], options: SamplingOptions) -> None:
-        self._decode = decode
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def count_tokens(self, text: str) -> int: ...
+
+
+class TextTracker:
+    """Decodes a generation's output tokens, says where it ends as SGLang 0.5.17 does, and yields only
+    text that can no longer change: an unfinished UTF-8 character is held back, and everything new while
+    the stop window ends in the start of a stop string (SGLang's stream sends nothing then).
+
+    SGLang looks for stop strings and regexes only in the text of the last W tokens, W = the longest of
+    the stop strings' token counts (their canonical tokenization) and the regexes' length bounds, plus 1
+    (schedule_batch.py `_stop_match_tail_len`, `tail_str`, `_check_str_based_finish`): a stop string the
+    model spells in more tokens than W is never seen."""
+
+    def __init__(self, codec: TextCodec, options: SamplingOptions, stop_ids: set[int]) -> None:
+        self._codec = codec
         self.options = options
+        self._stop_ids = stop_ids
+        self._regexes = [re.compile(pattern) for pattern in options.stop_regex]
+        longest = max((codec.count_tokens(stop) for stop in options.stop), default=0)
+        self._window = max(longest, stop_regex_bound(options.stop_regex)) + 1
         self.ids: list[int] = []
         self.emitted = 0
         self.final: str | None = None
 
     def decode(self) -> str:
-        return self._decode(self.ids, self.options.skip_special_tokens)
+        return self._codec.decode(self.ids, self.options.skip_special_tokens)
 
-    def push(self, token_id: int) -> tuple[str, str | None]:
-        """Add a token; return (new stable text, matched stop string or None)."""
+    def push(self, token_id: int, at_limit: bool) -> tuple[str, FinishReason | None]:
+        """Add a token (the last one allowed if `at_limit`); return (new stable text, why the generation
+        ends here or None)."""
         self.ids.append(token_id)
+        # SGLang's tail_str: decoded with special tokens kept, whatever the request skips.
+        tail = self._codec.decode(self.ids[-self._window :], False) if self._searched else ""
+        finish = self._finish(token_id, tail, at_limit)
+        if finish is not None:
+            self.final = self._final_text(finish)
+            return self._take(self.final, len(self.final)), finish
+        if self._holds_back(tail):
+            return "", None
         text = self.decode()
-        hits = [(text.find(s), s) for s in self.options.stop if s and s in text]
-        if hits:
-            index, stop = min(hits)
-            self.final = text[: index + len(stop)] if self.options.no_stop_trim else text[:index]
-            delta = self.final[self.emitted :]
-            self.emitted = len(self.final)
-            return delta, stop
-        safe = len(text.rstrip("\ufffd"))
-        held = 0
-        for stop in self.options.stop:
-            for k in range(min(len(stop) - 1, safe), held, -1):
-                if text[safe - k : safe] == stop[:k]:
-                    held = k
-                    break
-        safe -= held
-        delta = text[self.emitted : safe] if safe > self.emitted else ""
-        self.emitted = max(self.emitted, safe)
-        return delta, None
+        return self._take(text, len(text.rstrip("\ufffd"))), None
 
     def finish(self) -> tuple[str, str]:
         """(the rest of the text not yet yielded, the whole text)."""
@@ -118,3 +129,49 @@ class TextTracker:
         rest = text[self.emitted :]
         self.emitted = len(text)
         return rest, text
+
+    @property
+    def _searched(self) -> bool:
+        return bool(self.options.stop or self._regexes)
+
+    def _finish(self, token_id: int, tail: str, at_limit: bool) -> FinishReason | None:
+        # SGLang's order (schedule_batch.py `update_finish_state`): the length limit, stop strings in list
+        # order, stop regexes, then stop tokens (none with ignore_eos: `stop_ids` is empty then).
+        if at_limit:
+            return FinishReason("length", length=len(self.ids))
+        for stop in self.options.stop:
+            if stop in tail:
+                return FinishReason("stop", matched=stop)
+        for regex in self._regexes:
+            if regex.search(tail):
+                return FinishReason("stop", matched=regex.pattern)
+        if token_id in self._stop_ids:
+            return FinishReason("stop", matched=token_id)
+        return None
+
+    def _final_text(self, finish: FinishReason) -> str:
+        """The text SGLang's detokenizer returns (detokenizer_manager.py `trim_matched_stop`): without the
+        stop token, and cut at the first occurrence of the matched string (a regex's own text, which a
+        match seldom spells) in the whole text; `no_stop_trim` keeps the token, and the string up to its
+        end."""
+        keep, matched = self.options.no_stop_trim, finish.matched
+        if isinstance(matched, int):
+            return self._codec.decode(self.ids if keep else self.ids[:-1], self.options.skip_special_tokens)
+        text = self.decode()
+        if not matched or (position := text.find(matched)) == -1:
+            return text
+        return text[: position + len(matched)] if keep else text[:position]
+
+    def _holds_back(self, tail: str) -> bool:
+        """Whether the window ends in the start of a stop string (schedule_batch.py
+        `check_match_stop_str_prefix`; regexes hold nothing back)."""
+        return any(
+            tail.endswith(stop[:k])
+            for stop in self.options.stop
+            for k in range(1, min(len(tail), len(stop)) + 1)
+        )
+
+    def _take(self, text: str, end: int) -> str:
+        delta = text[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return delta

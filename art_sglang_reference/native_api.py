@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .adapters import AdapterError
 from .cli import ServerArgs
@@ -27,13 +27,14 @@ from .http_common import (
     sse,
     stream_generations,
 )
-from .sampling import SamplingOptions
+from .sampling import SamplingOptions, StopRegexError
 from .schemas import (
     GenerateRequest,
     LoadLoRARequest,
     MemoryOccupationRequest,
     UnloadLoRARequest,
     UpdateWeightsFromDiskRequest,
+    string_list,
 )
 from .weights import WeightsLoadError
 
@@ -170,6 +171,10 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine) -> A
         engine.admit(requests)
     except (TypeError, ValueError) as exc:
         return error_response(str(exc))
+    except StopRegexError:
+        # What SGLang's server answers to an exception escaping its route (its stream has already said 200
+        # and then breaks off).
+        return PlainTextResponse("Internal Server Error", status_code=500)
     rids = [body.rid or uuid.uuid4().hex for _ in requests]
     if body.stream:
         return StreamingResponse(
@@ -276,14 +281,14 @@ def _native_sampling(params: dict[str, Any]) -> tuple[SamplingOptions, int]:
     """SGLang's `sampling_params` dict -> (options, n). Keys this engine does not implement are ignored."""
     params = dict(params)
     n = int(params.pop("n", 1) or 1)
-    stop = params.get("stop") or []
     fields = {
         "max_new_tokens": params.get("max_new_tokens", 128),
         "temperature": float(params.get("temperature", 1.0)),
         "top_p": float(params.get("top_p", 1.0)),
         "top_k": int(params.get("top_k", -1)),
         "min_p": float(params.get("min_p", 0.0)),
-        "stop": [stop] if isinstance(stop, str) else list(stop),
+        "stop": string_list(params.get("stop")),
+        "stop_regex": string_list(params.get("stop_regex")),
         "stop_token_ids": list(params.get("stop_token_ids") or []),
         "ignore_eos": bool(params.get("ignore_eos", False)),
         "skip_special_tokens": bool(params.get("skip_special_tokens", True)),

@@ -26,8 +26,8 @@ from .http_common import (
 )
 from .openai_format import chat_logprob, completion_logprobs, finish_fields, usage
 from .openai_stream import chat_stream, completion_stream
-from .sampling import SamplingOptions
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .sampling import SamplingOptions, StopRegexError
+from .schemas import ChatCompletionRequest, CompletionRequest, string_list
 from .tool_choice import tool_use
 
 router = APIRouter()
@@ -65,7 +65,8 @@ def _sampling(engine: ReferenceEngine, body: Any, max_new_tokens: int | None) ->
         top_p=pick("top_p", 1.0),
         top_k=pick("top_k", -1),
         min_p=pick("min_p", 0.0),
-        stop=body.stop_list(),
+        stop=string_list(body.stop),
+        stop_regex=string_list(body.stop_regex),
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         skip_special_tokens=body.skip_special_tokens,
@@ -109,12 +110,14 @@ async def _run(
     stream: Callable[[list[GenerationRequest]], AsyncIterator[str]] | None,
 ) -> list[GenerationResult] | Response:
     """Prepare a request in a worker thread (it may wait for the model, to reload an adapter), then stream
-    it (`stream` given) or run it to the end. A bad request becomes SGLang's 400 body, an engine failure
-    its error response."""
+    it (`stream` given) or run it to the end. A bad request becomes SGLang's 400 body (its 500 for a
+    stop_regex that does not parse), an engine failure its error response."""
     try:
         prepared = await asyncio.to_thread(prepare)
     except ValueError as exc:
         return error_response(str(exc))
+    except StopRegexError as exc:  # SGLang's routes turn an exception they do not expect into this 500
+        return error_response(f"Internal server error: {exc}", 500, "InternalServerError")
     if stream is not None:
         return StreamingResponse(stream(prepared), media_type="text/event-stream")
     try:

@@ -8,6 +8,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+def string_list(value: str | list[str] | None) -> list[str]:
+    """`stop` / `stop_regex` as a list: SGLang takes one string or several."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -26,6 +33,7 @@ class _OpenAISampling(_Body):
     min_p: float | None = None
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
+    stop_regex: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
@@ -35,11 +43,6 @@ class _OpenAISampling(_Body):
     stream_options: StreamOptions | None = None
     lora_path: str | None = None
     return_token_ids: bool = False
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
     def include_usage(self) -> bool:

@@ -4,6 +4,7 @@ with peft, and one server per test module started through `ServerProcess`."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -25,6 +26,13 @@ def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     if explicit:
         return explicit
     return str(request.getfixturevalue("tiny_model_path"))
+
+
+@pytest.fixture(scope="session")
+def model_tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
 
 
 @pytest.fixture(scope="session")

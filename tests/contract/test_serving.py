@@ -248,13 +248,6 @@ TOOLS = ("add", "mul")
 CALL_STARTS = tuple(f'<tool_call>{{"name":"{name}", "arguments":' for name in TOOLS)
 
 
-@pytest.fixture(scope="module")
-def model_tokenizer(model_path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
-
-
 def _tool_answer(client: httpx.Client, stream: bool, **body: Any) -> tuple[str, list[tuple[str, str]], str]:
     """(content, calls as (name, arguments), finish_reason) of a greedy chat answer, whole or streamed (the
     pieces of each call joined)."""
