@@ -13,8 +13,6 @@ import httpx
 import pytest
 from contract_helpers import chat
 
-from art_sglang.constraints import grammars_available
-
 
 @pytest.fixture(scope="module")
 def digits(model_path: str) -> list[int]:
@@ -64,10 +62,8 @@ def test_reported_logprobs_are_taken_after_the_bias(
     assert sum(math.exp(entry["logprob"]) for entry in top) == pytest.approx(1.0, abs=1e-3)
 
 
-def test_a_regex_is_honoured_and_its_logprobs_are_taken_under_it(engine: str, client: httpx.Client) -> None:
-    if engine == "reference" and not grammars_available():
-        # SGLang brings its own grammar library; only the reference engine needs it in this process.
-        pytest.skip("the reference engine samples grammars with xgrammar")
+@pytest.mark.usefixtures("grammars")
+def test_a_regex_is_honoured_and_its_logprobs_are_taken_under_it(client: httpx.Client) -> None:
     choice = _first(
         chat(
             client,

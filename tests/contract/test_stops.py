@@ -14,15 +14,11 @@ import httpx
 import pytest
 from contract_helpers import chat, parse_sse
 
-from art_sglang.constraints import grammars_available
-
 STOP = "</tool_call>"
 FORCED = "cool" + STOP
 ANY_CHARACTER = r"[\s\S]"  # matches the first token's text, whatever the model writes
 
-needs_grammars = pytest.mark.skipif(
-    not grammars_available(), reason="the reference engine samples grammars with xgrammar"
-)
+needs_grammars = pytest.mark.usefixtures("grammars")
 
 
 def _bias(tokenizer: Any, pieces: list[str]) -> dict[str, int]:
