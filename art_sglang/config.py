@@ -129,8 +129,12 @@ class SGLangConfig(BaseModel):
     max_lora_rank: Annotated[int, LaunchFlag()] = Field(
         64, ge=1, description="Largest adapter rank the server accepts."
     )
-    lora_target_modules: Annotated[list[str], LaunchFlag()] = Field(
-        default_factory=lambda: ["all"], min_length=1, description="Modules adapters may target ('all')."
+    lora_target_modules: Annotated[list[str] | None, LaunchFlag()] = Field(
+        None,
+        min_length=1,
+        description="Modules adapters may target ('all': every linear layer, lm_head and embed_tokens too). "
+        "None = the trainer's target_modules: LoRA kernels run only where the trained adapters have "
+        "weights (faster decoding than 'all', docs/benchmarks.md).",
     )
     attention_backend: Annotated[str | None, LaunchFlag()] = Field(
         None, description="SGLang --attention-backend; None = its default."
@@ -239,8 +243,8 @@ class SGLangConfig(BaseModel):
 
     @field_validator("lora_target_modules")
     @classmethod
-    def _no_blank_targets(cls, value: list[str]) -> list[str]:
-        if any(not m.strip() for m in value):
+    def _no_blank_targets(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(not m.strip() for m in value):
             raise ValueError("lora_target_modules must not contain empty names")
         return value
 
@@ -289,6 +293,9 @@ class SGLangConfig(BaseModel):
                 args.extend([flag] if value else [])
             elif isinstance(value, list):
                 args.extend([flag, *value])
+            elif field == "lora_target_modules":
+                # Unset outside a backend (whose plan puts the trainer's here): the trainer's default.
+                args.extend([flag, *DEFAULT_LORA_TARGETS])
             elif value is not None:
                 args.extend([flag, str(value)])
         return [*args, *self.extra_args]

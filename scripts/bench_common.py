@@ -64,9 +64,10 @@ def add_server_args(
     parser.add_argument(
         "--lora-target-modules",
         nargs="+",
-        default=["all"],
-        help="SGLang only: the modules the server can adapt ('all' takes lm_head and embed_tokens too; the "
-        "random adapter, like the trainer's, adapts " + " ".join(DEFAULT_LORA_TARGETS) + ")",
+        default=list(DEFAULT_LORA_TARGETS),
+        help="SGLang only: the modules the server can adapt; by default those the random adapter adapts, "
+        "as the backend serves the trainer's (" + " ".join(DEFAULT_LORA_TARGETS) + "); 'all' takes lm_head "
+        "and embed_tokens too",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
@@ -127,7 +128,7 @@ class ServerSettings:
     attention_backend: str | None = None  # the engine's own name
     sampling_backend: str | None = None  # SGLang only
     sglang_args: tuple[str, ...] = ()  # SGLang only: further launch flags as given
-    lora_target_modules: tuple[str, ...] = ("all",)  # SGLang only
+    lora_target_modules: tuple[str, ...] = tuple(DEFAULT_LORA_TARGETS)  # SGLang only
 
 
 def server_settings(args: argparse.Namespace, **changes: Any) -> ServerSettings:

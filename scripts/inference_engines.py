@@ -21,7 +21,7 @@ from typing import Literal
 import httpx
 from bench_common import ServerSettings, sglang_config
 
-from art_sglang.config import SGLangConfig
+from art_sglang.config import DEFAULT_LORA_TARGETS, SGLangConfig
 from art_sglang.server.process import ServerProcess
 
 EngineName = Literal["sglang", "reference", "vllm"]
@@ -44,7 +44,7 @@ def vllm_args(settings: ServerSettings, *, host: str, port: int) -> list[str]:
         raise ValueError("vLLM has no --sampling-backend: leave it unset for --engine vllm")
     if settings.sglang_args:
         raise ValueError("--sglang-args are SGLang's flags: leave them unset for --engine vllm")
-    if settings.lora_target_modules != ("all",):
+    if settings.lora_target_modules != tuple(DEFAULT_LORA_TARGETS):
         raise ValueError("--lora-target-modules is SGLang's flag (vLLM adapts what each adapter names)")
     if settings.max_lora_rank not in VLLM_LORA_RANKS:
         raise ValueError(f"vLLM takes --max-lora-rank in {VLLM_LORA_RANKS}, not {settings.max_lora_rank}")

@@ -9,7 +9,7 @@ from art_sglang.config import LAUNCH_FLAGS, DeviceConfig, SGLangConfig, TrainerC
 
 
 def test_defaults_render_the_flags_the_backend_relies_on() -> None:
-    args = SGLangConfig().server_args("/models/m", 30001)
+    args = SGLangConfig(lora_target_modules=["all"]).server_args("/models/m", 30001)
     joined = " ".join(args)
     assert args[:6] == ["--model-path", "/models/m", "--host", "127.0.0.1", "--port", "30001"]
     assert "--enable-lora" in args

@@ -81,8 +81,9 @@ class BackendSettings:
         self._initial_layout = layout or choose_layout(
             device_config, engine=engine, tensor_parallel_size=config.tensor_parallel_size
         )
-        self._configure(self._initial_layout, config)
-        self._chosen_config = config  # the server's settings before shared mode's memory plan
+        self._configure(self._initial_layout, config, trainer_config)
+        # The server's settings before shared mode's memory plan.
+        self._chosen_config = serve_trained(config, trainer_config)
         self.use_cuda_mps(log=False)  # cuda_mps='on' where it cannot apply fails here, before anything starts
 
     def settings_for(
@@ -114,13 +115,14 @@ class BackendSettings:
         check_compatible(self.sglang_config, settings.trainer)
         return settings
 
-    def _configure(self, layout: DeviceLayout, config: SGLangConfig) -> None:
-        """Set the device layout and the server config that follows from it (shared mode's memory saver)."""
+    def _configure(self, layout: DeviceLayout, config: SGLangConfig, trainer: TrainerConfig) -> None:
+        """Set the device layout and the server config that follows from it and from what the trainer
+        trains (the adapted modules, shared mode's memory saver)."""
         self.layout = layout
         self.handoff_strategy: HandoffStrategy = "none"
         if layout.mode == "shared" and self.shared_strategy != "co_resident":
             self.handoff_strategy = self.shared_strategy
-        config = fit_replicas(config, layout)
+        config = fit_replicas(serve_trained(config, trainer), layout)
         self.sglang_config = with_memory_saver(config) if self.handoff_strategy == "sleep" else config
 
     def apply_first_model(self, settings: ModelSettings, store: ModelStore) -> None:
@@ -131,8 +133,8 @@ class BackendSettings:
         layout = self._initial_layout
         if settings.inference_gpu_ids is not None and settings.trainer_gpu_ids is not None:
             layout = self._layout_for(settings.inference_gpu_ids, settings.trainer_gpu_ids, config)
-        self._configure(layout, config)
-        self._chosen_config = config
+        self._configure(layout, config, settings.trainer)
+        self._chosen_config = serve_trained(config, settings.trainer)
 
     def _layout_for(self, inference: list[int], training: list[int], config: SGLangConfig) -> DeviceLayout:
         if self._devices_given:
@@ -288,6 +290,8 @@ def check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
             f"{sglang.max_lora_rank}): the server could not load the adapters; raise max_lora_rank to "
             f"{trainer.lora_rank} or lower lora_rank"
         )
+    if sglang.lora_target_modules is None:  # the server will serve the trainer's modules (`serve_trained`)
+        return
     served = set(sglang.lora_target_modules)
     if "all" not in served:
         fused = {"qkv_proj": {"q_proj", "k_proj", "v_proj"}, "gate_up_proj": {"gate_proj", "up_proj"}}
@@ -350,6 +354,15 @@ def fit_replicas(config: SGLangConfig, layout: DeviceLayout) -> SGLangConfig:
             "replicas on different GPUs"
         )
     return config
+
+
+def serve_trained(config: SGLangConfig, trainer: TrainerConfig) -> SGLangConfig:
+    """Unless `lora_target_modules` was given, the server adapts exactly the modules the trainer trains: a
+    LoRA kernel on a module no adapter has weights for (lm_head, embed_tokens under 'all') costs every
+    decode step and changes nothing."""
+    if config.lora_target_modules is not None:
+        return config
+    return config.model_copy(update={"lora_target_modules": list(trainer.target_modules)})
 
 
 def with_memory_saver(config: SGLangConfig) -> SGLangConfig:

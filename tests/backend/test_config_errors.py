@@ -11,10 +11,13 @@ from pydantic import ValidationError
 
 import art_sglang as art
 from art_sglang import ConfigError, DeviceConfig, SGLangBackend, SGLangConfig, TrainerConfig
-from art_sglang.planning.backend_settings import BackendSettings
+from art_sglang.config import DEFAULT_LORA_TARGETS
+from art_sglang.planning.backend_settings import BackendSettings, check_compatible
 from art_sglang.planning.devices import DeviceLayout
+from art_sglang.planning.internal_config import model_settings
 from art_sglang.planning.serving_plan import ServingPlan
 from art_sglang.server.inference import InferenceService
+from art_sglang.storage.model_store import ModelStore
 from art_sglang.training.options import TrainOptions
 
 CPU_SHARED = DeviceLayout("shared", "reference", (), (), "forced for tests")
@@ -51,6 +54,28 @@ def test_fused_server_targets_cover_their_parts():
         trainer_config=TrainerConfig(target_modules=["q_proj", "k_proj", "v_proj"]),
     )
     assert backend.layout.mode == "cpu"
+
+
+def test_the_server_adapts_the_trained_modules_unless_told(tmp_path):
+    assert SGLangBackend(engine="reference").sglang_config.lora_target_modules == DEFAULT_LORA_TARGETS
+    trainer = TrainerConfig(target_modules=["q_proj", "v_proj"])
+    backend = SGLangBackend(engine="reference", trainer_config=trainer)
+    assert backend.sglang_config.lora_target_modules == ["q_proj", "v_proj"]
+    assert "--lora-target-modules q_proj v_proj" in " ".join(backend.sglang_config.server_args("m", 1))
+    told = SGLangConfig(lora_target_modules=["all"])
+    assert SGLangBackend(engine="reference", sglang_config=told, trainer_config=trainer).sglang_config == told
+    # The first model's own LoRA (ART's peft_args) decides what the server adapts.
+    settings = BackendSettings(SGLangConfig(), TrainerConfig(), layout=CPU_SHARED, shared_strategy="restart")
+    first = model_settings({"peft_args": {"target_modules": ["o_proj"]}}, settings.trainer_config)
+    settings.apply_first_model(first, ModelStore(tmp_path, "p", "m"))
+    assert settings.sglang_config.lora_target_modules == ["o_proj"]
+    # A second model training other modules than those served is refused, naming them.
+    with pytest.raises(ConfigError, match=r"trains \['q_proj'\].*lora_target_modules=\['o_proj'\]"):
+        check_compatible(settings.sglang_config, TrainerConfig(target_modules=["q_proj"]))
+    # Outside a backend, the default trainer's modules.
+    assert f"--lora-target-modules {' '.join(DEFAULT_LORA_TARGETS)}" in " ".join(
+        SGLangConfig().server_args("m", 1)
+    )
 
 
 def test_bad_strategy_and_engine_names():

@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from art_sglang.config import DEFAULT_LORA_TARGETS
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import bench_engines  # noqa: E402
@@ -163,9 +165,12 @@ def test_sglang_command_line_carries_the_further_flags() -> None:
     assert tuned[-4:] == ["--schedule-policy", "lpm", "--tokenizer-worker-num", "4"]
     assert "--schedule-policy" not in launch(ServerSettings(model="/m"))
     trained = parser.parse_args(["--model", "/m", "--lora-target-modules", "q_proj", "v_proj"])
+    every = parser.parse_args(["--model", "/m", "--lora-target-modules", "all"])
     for settings, served in [
         (server_settings(trained), ["q_proj", "v_proj"]),
-        (ServerSettings(model="/m"), ["all"]),
+        (server_settings(every), ["all"]),
+        (server_settings(parser.parse_args(["--model", "/m"])), DEFAULT_LORA_TARGETS),
+        (ServerSettings(model="/m"), DEFAULT_LORA_TARGETS),
     ]:
         flags = launch(settings)
         at = flags.index("--lora-target-modules")
