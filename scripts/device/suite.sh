@@ -40,6 +40,10 @@
 #     trainer on GPU 1 (2 GPUs)
 #   bench-replicas (~3 min, 2 GPUs, stage.sh router first): rollout tokens/s of 1 replica vs 2 behind
 #     SGLang's router, and the prefix-cache hit rate of cache-aware vs round-robin routing
+#   flags-default flags-all-modules flags-chunk-128 flags-no-overlap (~3.5 min each at 1.5B): the
+#     backend's GRPO runs (32 groups, 384 and 128 tokens) with its defaults and with one serving flag
+#     changed (LoRA on every module, lm_head and embed_tokens too; --max-lora-chunk-size 128;
+#     --disable-overlap-schedule), each into flags-<variant>.json
 #   bench-register, bench-register-no-prefill-graphs (~3 min each): register() of one shared-mode backend,
 #     where SGLang's start went (weights, decode and prefill CUDA graphs), one step, close()
 # Four GPUs (H200x4, stage.sh router first): four-gpu (~4 min) runs SGLangBackend(inference_device=0,
@@ -145,6 +149,18 @@ for name in "$@"; do
                                 --json "$results/bench_rollouts-sglang-${big##*/}.json") ;;
     bench-rollouts-vllm) cmd=("${rollouts[@]}" --side direct --engine vllm "${vllm_kernels[@]}" --workdir "/tmp/work-$name"
                               --json "$results/bench_rollouts-vllm-${big##*/}.json") ;;
+    # One serving flag against the defaults, each on its own server: 384-token answers (where decoding
+    # dominates and the backend trailed vLLM) and 128-token ones, 32 groups of 8.
+    flags-*) cmd=(python3 scripts/bench_rollouts.py --model "$big" "${kernels[@]}" --side backend
+                  --runs grpo-384:32 grpo-128:32 --ttft-requests 0 --workdir "/tmp/work-$name"
+                  --json "$results/$name.json")
+             case ${name#flags-} in
+               default) ;;
+               all-modules) cmd+=(--lora-target-modules all) ;;
+               chunk-128) cmd+=(--sglang-args='--max-lora-chunk-size 128') ;;
+               no-overlap) cmd+=(--sglang-args='--disable-overlap-schedule') ;;
+               *) echo "unknown flag variant $name" >&2; failed=$((failed + 1)); continue ;;
+             esac ;;
     bench-rollouts) cmd=(python3 scripts/bench_rollouts.py --compare "$results/bench_rollouts-sglang-${big##*/}.json"
                          "$results/bench_rollouts-vllm-${big##*/}.json" --json "$results/bench_rollouts-${big##*/}.json"
                          --markdown "$results/bench_rollouts-${big##*/}.md") ;;
