@@ -65,6 +65,7 @@ class AdapterGateway:
     seconds the first request of a prompt waits for another with it (None: no prefill sharing);
     `prefill_tokens`: its prefill-only request's `max_tokens` (1 where the upstream is SGLang's router).
     `tool_call_parser`: the server's `--tool-call-parser` (what a tool_choice constrains decoding with).
+    `routed`: the upstream is SGLang's router in front of replicas (fields it drops are refused).
     `set_served(...)` sets which names may be requested; until it is called nothing is served on the
     inference routes.
     """
@@ -84,6 +85,7 @@ class AdapterGateway:
         share_lead: float | None = None,
         prefill_tokens: int = 0,
         tool_call_parser: str | None = DEFAULT_PARSER,
+        routed: bool = False,
     ):
         self.upstream = upstream.rstrip("/")
         self.read_upstream = self.upstream
@@ -97,7 +99,7 @@ class AdapterGateway:
         self.upstream_keep_alive = upstream_keep_alive
         self.loader: Loader | None = None
         self._loader_loop: asyncio.AbstractEventLoop | None = None
-        self._served = Served(tool_call_parser=tool_call_parser)
+        self._served = Served(tool_call_parser=tool_call_parser, routed=routed)
         self._in_flight: Counter[str] = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -160,6 +162,7 @@ class AdapterGateway:
             old.base_ids if base_ids is None else frozenset(base_ids),
             old.aliases if aliases is None else dict(aliases),
             old.tool_call_parser,
+            old.routed,
         )
 
     @property

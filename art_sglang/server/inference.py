@@ -80,6 +80,7 @@ class InferenceService:
                 prefill_tokens=1 if plan.routed else 0,
                 upstream_keep_alive=self._servers.processes[0].keep_alive,
                 tool_call_parser=config.tool_call_parser,
+                routed=plan.routed,
             )
             self._gateway.set_prefill_sharing(config.share_prefill)
         self._find_checkpoint: Callable[[str], Path | None] | None = None

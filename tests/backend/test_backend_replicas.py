@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 import pytest_asyncio
 from backend_helpers import chat_lines, check_requests_follow_loads, kill_tree, sample_groups, served_by_each
@@ -56,6 +57,19 @@ async def train_step(replicated: Replicated, seed: int) -> int:
     groups = await sample_groups(replicated.model, seed=seed)
     result = await replicated.backend.train(replicated.model, groups, learning_rate=1e-3)
     return result.step
+
+
+async def test_a_field_the_router_would_drop_is_refused_not_ignored(replicated: Replicated) -> None:
+    """SGLang's router re-encodes chat requests without `stop_regex`: through the replicas a rollout asking
+    for it gets a 400 naming it, not an answer that ran past the pattern."""
+    client = replicated.model.openai_client()
+    with pytest.raises(openai.BadRequestError, match="`stop_regex` would not reach the inference servers"):
+        await client.chat.completions.create(
+            model=replicated.model.get_inference_name(),
+            messages=[{"role": "user", "content": "count"}],
+            max_tokens=4,
+            extra_body={"stop_regex": ["[0-9]"]},
+        )
 
 
 async def test_both_replicas_serve_step_zero_behind_the_router(replicated: Replicated) -> None:

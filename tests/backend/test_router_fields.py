@@ -1,0 +1,126 @@
+"""What SGLang's real router (sglang-router) forwards of a request to a replica: a recording replica
+behind it shows which fields arrive. The gateway refuses, behind the router, exactly the fields that
+change an answer and do not arrive (`gateway_rules.ROUTER_DROPS`); if a router release starts forwarding
+one, this test fails and the refusal can go."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from art_sglang.server.gateway_rules import CHAT_PATH, ROUTER_DROPS
+from art_sglang.server.process import claim_port, release_port
+from art_sglang.server.replica_router import ReplicaRouter
+
+pytest.importorskip("sglang_router", reason="sglang-router is in the dev extra (pip install -e '.[dev]')")
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+# What the gateway relies on reaching SGLang through the router: adapter selection, logprobs, grammars,
+# biases, seeds, stops, tools.
+CHAT_KEPT = {
+    "lora_path": "agent@1", "logprobs": True, "top_logprobs": 2, "regex": "a+", "logit_bias": {"5": 10.0},
+    "sampling_seed": 3, "seed": 3, "stop": ["x"], "stop_token_ids": [2], "ignore_eos": True,
+    "no_stop_trim": True, "top_k": 5, "min_p": 0.1, "min_tokens": 1, "repetition_penalty": 1.1,
+    "chat_template_kwargs": {"enable_thinking": False}, "tool_choice": "auto",
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+}  # fmt: skip
+CHAT_DROPPED = {
+    "stop_regex": ["</a>"], "return_prompt_token_ids": True, "cache_salt": "s", "extra_key": "k",
+    "return_token_ids": True,
+}  # fmt: skip
+SAMPLING_KEPT = {"max_new_tokens": 4, "temperature": 1.0, "regex": "a", "stop": ["x"], "sampling_seed": 3}
+SAMPLING_DROPPED = {"stop_regex": "x", "logit_bias": {"5": 10.0}, "custom_params": {"a": 1},
+                    "spaces_between_special_tokens": False}  # fmt: skip
+
+
+class RecordingReplica:
+    """An HTTP server answering what the router asks of a replica, keeping each request body it gets."""
+
+    def __init__(self) -> None:
+        self.bodies: dict[str, dict[str, Any]] = {}
+        self.port = claim_port("127.0.0.1", None)
+        self.runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        async def info(_: web.Request) -> web.Response:
+            return web.json_response({"model_path": "m", "is_generation": True})
+
+        async def record(request: web.Request) -> web.Response:
+            self.bodies[request.path] = await request.json()
+            return web.json_response({"id": "x", "object": "chat.completion", "created": 1, "model": "m",
+                                      "choices": [], "text": "", "meta_info": {}})  # fmt: skip
+
+        app = web.Application()
+        for path in ("/health", "/get_model_info", "/get_server_info", "/v1/models"):
+            app.router.add_get(path, info)
+        app.router.add_post("/{path:.*}", record)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+        release_port(self.port)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def routed(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[str, RecordingReplica]]:
+    replica = RecordingReplica()
+    router = ReplicaRouter(log_path=Path(tmp_path_factory.mktemp("router")) / "router.log")
+    await replica.start()
+    try:
+        await router.start()
+        await router.add_worker(f"http://127.0.0.1:{replica.port}")
+        yield router.base_url, replica
+    finally:
+        await router.stop()
+        await replica.stop()
+
+
+async def _send(base_url: str, path: str, body: dict[str, Any]) -> None:
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+        response = await http.post(f"{base_url}{path}", json=body)
+    assert response.status_code == 200, response.text
+
+
+async def test_a_chat_request_arrives_without_what_the_gateway_refuses(routed) -> None:
+    base_url, replica = routed
+    messages = [{"role": "user", "content": "hi"}]
+    await _send(base_url, CHAT_PATH, {"model": "m", "messages": messages, **CHAT_KEPT, **CHAT_DROPPED})
+    arrived = replica.bodies[CHAT_PATH]
+    assert {k: arrived.get(k) for k in CHAT_KEPT} == CHAT_KEPT
+    assert sorted(k for k in CHAT_DROPPED if k in arrived) == []
+    assert set(ROUTER_DROPS[CHAT_PATH]) <= set(CHAT_DROPPED)
+
+
+async def test_generate_arrives_without_what_the_gateway_refuses(routed) -> None:
+    base_url, replica = routed
+    sampling = {**SAMPLING_KEPT, **SAMPLING_DROPPED}
+    await _send(base_url, "/generate", {"input_ids": [1, 2], "lora_path": "agent@1", "sampling_params": sampling,
+                                        "return_logprob": True, "logprob_start_len": 0})  # fmt: skip
+    arrived = replica.bodies["/generate"]
+    assert (arrived["lora_path"], arrived["return_logprob"], arrived["input_ids"]) == (
+        "agent@1",
+        True,
+        [1, 2],
+    )
+    assert {k: arrived["sampling_params"].get(k) for k in SAMPLING_KEPT} == SAMPLING_KEPT
+    assert sorted(k for k in SAMPLING_DROPPED if k in arrived["sampling_params"]) == []
+    assert set(ROUTER_DROPS["/generate"]) == set(SAMPLING_DROPPED)
+
+
+async def test_a_text_completion_arrives_whole(routed) -> None:
+    base_url, replica = routed
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2, "logprobs": 1, "lora_path": "agent@1",
+            "stop_regex": ["x"], "return_token_ids": True, "logit_bias": {"5": 10.0}}  # fmt: skip
+    await _send(base_url, "/v1/completions", body)
+    arrived = replica.bodies["/v1/completions"]
+    assert {k: arrived.get(k) for k in body} == body
