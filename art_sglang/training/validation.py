@@ -198,8 +198,21 @@ def _validate_choice(choice: WireGroup, where: str, allow_without_logprobs: bool
         content = (choice.get("message") or {}).get("content") or ""
         raise TrainingInputError(
             f"{where}: logprobs of the wrong length: {len(entries)} logprob entries do not spell the "
-            f"choice's content ({len(content)} characters)"
+            f"choice's content ({len(content)} characters); {_first_difference(content.encode(), entries)}"
         )
+
+
+def _first_difference(content: bytes, entries: list[dict[str, Any]]) -> str:
+    """Where the entries' text leaves the content, with a little of each from there: what tells a
+    server that left tokens out of the text (special tokens) from one that answered something else."""
+    joined = b"".join(_entry_bytes(e) for e in entries)
+    at = next((i for i, (a, b) in enumerate(zip(content, joined, strict=False)) if a != b), None)
+    at = min(len(content), len(joined)) if at is None else at
+    show = 24
+    return (
+        f"they differ from byte {at}: the content has {content[at : at + show]!r}, the entries "
+        f"{joined[at : at + show]!r}"
+    )
 
 
 def _validate_prompt_tools(

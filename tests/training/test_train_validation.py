@@ -69,8 +69,15 @@ def test_logprobs_of_the_wrong_length(tokenizer: Any, change: str) -> None:
     bad = Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, choice], reward=0.0)
     with pytest.raises(
         TrainingInputError, match=r"group 0, trajectory 1, choice 0: logprobs of the wrong length"
-    ):
+    ) as raised:
         check([TrajectoryGroup([good(tokenizer), bad])])
+    # Where the entries' text leaves the content, shown from both sides.
+    expected = {
+        "drop_one": "from byte 0: the content has b'ab 12', the entries b' 12'",
+        "add_one": "from byte 5: the content has b'', the entries b'abab'",
+        "other_text": "from byte 4: the content has b'3', the entries b'2'",
+    }[change]
+    assert expected in str(raised.value)
 
 
 def test_choice_without_logprobs(tokenizer: Any) -> None:
