@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -95,8 +96,11 @@ async def train_step(backend: SGLangBackend, model: TrainableModel) -> int:
     return (await backend.train(model, groups, learning_rate=1e-4)).step
 
 
-async def rollout_tokens_per_s(base_url: str, api_key: str, model: str, *, requests: int = 32) -> float:
-    """Completion tokens per second of `requests` concurrent chat completions of 256 tokens."""
+async def rollout_tokens_per_s(
+    base_url: str, api_key: str, model: str, *, requests: int = 64, repeats: int = 3
+) -> float:
+    """Completion tokens per second of `requests` concurrent chat completions of 256 tokens: the median of
+    `repeats` waves (one wave lasts a few seconds, too short to trust alone)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
@@ -108,9 +112,12 @@ async def rollout_tokens_per_s(base_url: str, api_key: str, model: str, *, reque
         )
         return reply.usage.completion_tokens if reply.usage is not None else 0
 
-    began = time.monotonic()
-    tokens = sum(await asyncio.gather(*(one(n) for n in range(requests))))
-    return tokens / (time.monotonic() - began)
+    rates = []
+    for wave in range(repeats):
+        began = time.monotonic()
+        tokens = sum(await asyncio.gather(*(one(wave * requests + n) for n in range(requests))))
+        rates.append(tokens / (time.monotonic() - began))
+    return statistics.median(rates)
 
 
 async def test_steps_reach_both_nodes_and_a_lost_node_is_replaced(
