@@ -81,9 +81,9 @@ class BackendSettings:
         self._initial_layout = layout or choose_layout(
             device_config, engine=engine, tensor_parallel_size=config.tensor_parallel_size
         )
-        self._configure(self._initial_layout, config, trainer_config)
-        # The server's settings before shared mode's memory plan.
-        self._chosen_config = serve_trained(config, trainer_config)
+        config = serve_trained(config, trainer_config)
+        self._configure(self._initial_layout, config)
+        self._chosen_config = config  # the server's settings before shared mode's memory plan
         self.use_cuda_mps(log=False)  # cuda_mps='on' where it cannot apply fails here, before anything starts
 
     def settings_for(
@@ -115,14 +115,13 @@ class BackendSettings:
         check_compatible(self.sglang_config, settings.trainer)
         return settings
 
-    def _configure(self, layout: DeviceLayout, config: SGLangConfig, trainer: TrainerConfig) -> None:
-        """Set the device layout and the server config that follows from it and from what the trainer
-        trains (the adapted modules, shared mode's memory saver)."""
+    def _configure(self, layout: DeviceLayout, config: SGLangConfig) -> None:
+        """Set the device layout and the server config that follows from it (shared mode's memory saver)."""
         self.layout = layout
         self.handoff_strategy: HandoffStrategy = "none"
         if layout.mode == "shared" and self.shared_strategy != "co_resident":
             self.handoff_strategy = self.shared_strategy
-        config = fit_replicas(serve_trained(config, trainer), layout)
+        config = fit_replicas(config, layout)
         self.sglang_config = with_memory_saver(config) if self.handoff_strategy == "sleep" else config
 
     def apply_first_model(self, settings: ModelSettings, store: ModelStore) -> None:
@@ -133,8 +132,9 @@ class BackendSettings:
         layout = self._initial_layout
         if settings.inference_gpu_ids is not None and settings.trainer_gpu_ids is not None:
             layout = self._layout_for(settings.inference_gpu_ids, settings.trainer_gpu_ids, config)
-        self._configure(layout, config, settings.trainer)
-        self._chosen_config = serve_trained(config, settings.trainer)
+        config = serve_trained(config, settings.trainer)
+        self._configure(layout, config)
+        self._chosen_config = config
 
     def _layout_for(self, inference: list[int], training: list[int], config: SGLangConfig) -> DeviceLayout:
         if self._devices_given:
