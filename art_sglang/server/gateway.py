@@ -62,8 +62,7 @@ class AdapterGateway:
 
     `api_key`: the key rollout clients must send (None: any). `upstream_key`: the key the gateway sends to
     the server. `upstream_keep_alive`: seconds the server keeps an idle connection open. `share_lead`:
-    seconds the first request of a prompt waits for another with it (None: no prefill sharing);
-    `prefill_tokens`: its prefill-only request's `max_tokens` (1 where the upstream is SGLang's router).
+    seconds the first request of a prompt waits for another with it (None: no prefill sharing).
     `tool_call_parser`: the server's `--tool-call-parser` (what a tool_choice constrains decoding with).
     `routed`: the upstream is SGLang's router in front of replicas (fields it drops are refused).
     `set_served(...)` sets which names may be requested; until it is called nothing is served on the
@@ -83,7 +82,6 @@ class AdapterGateway:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         upstream_keep_alive: float = 5.0,
         share_lead: float | None = None,
-        prefill_tokens: int = 0,
         tool_call_parser: str | None = DEFAULT_PARSER,
         routed: bool = False,
     ):
@@ -109,7 +107,9 @@ class AdapterGateway:
         self._session: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None  # a new connection per request, for resends
         self._start_error: BaseException | None = None
-        self._sharing = PrefillSharing(self._exchange, lead=share_lead or 0.0, prefill_tokens=prefill_tokens)
+        # The prefill-only request asks for no token, but SGLang's router (sglang-router 0.3.2) refuses
+        # `max_tokens: 0` with a 400: behind it, one.
+        self._sharing = PrefillSharing(self._exchange, lead=share_lead or 0.0, prefill_tokens=int(routed))
         self._sharing_on = share_lead is not None
         self.stranded = StrandedAdapters()  # names SGLang can no longer unload (stranded.py)
 

@@ -76,8 +76,6 @@ class InferenceService:
                 upstream_key=self._servers.server_key,
                 unreachable_wait=config.server_timeout,
                 share_lead=config.share_prefill_lead_ms / 1000,
-                # SGLang's router (sglang-router 0.3.2) refuses `max_tokens: 0` with a 400.
-                prefill_tokens=1 if plan.routed else 0,
                 upstream_keep_alive=self._servers.processes[0].keep_alive,
                 tool_call_parser=config.tool_call_parser,
                 routed=plan.routed,
