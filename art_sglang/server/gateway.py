@@ -2,13 +2,18 @@
 
 What it forwards and how it rewrites requests is `router.route` (pure logic); this module is the
 transport (aiohttp on both sides: a server for the clients, a pooled keep-alive client to the inference
-server) plus what the backend needs to take the server away safely:
+servers) plus what the backend needs to take a server away safely:
+
+- With several replicas the gateway picks the replica of each request itself (`replica_choice`): SGLang's
+  router in front of them would drop fields rollouts need. The router's list of healthy replicas is read
+  every `HEALTH_POLL_S`.
 
 - `hold()` makes new requests wait (up to `hold_timeout`, then 503) instead of failing while the server's
   GPU memory is released or the server restarts; `unhold()` lets them through again. `wait_idle()` waits
   for requests in flight on a name (or on any name) to finish before an adapter is unloaded.
-- A request whose connection the server refuses (it died and the watchdog is restarting it) waits up to
-  `unreachable_wait` seconds for the server to come back instead of failing with 502.
+- A request whose connection a replica refuses goes to another; with none left (one server that died and
+  the watchdog is restarting) it waits up to `unreachable_wait` seconds for one to come back instead of
+  failing with 502.
 - Pooled connections idle for half the server's keep-alive (`upstream_keep_alive`) are not reused (one the
   server closes as it is reused fails); a request whose connection breaks before any answer is resent once.
 - `loader`: a name that is not served is offered to it first (the backend loads an older step whose
@@ -42,6 +47,7 @@ from aiohttp import web
 from ..tool_choice import DEFAULT_PARSER
 from .gateway_rules import NOT_FORWARDED, Forward, Refuse, Served, error, route, with_constraint
 from .prefill_sharing import Answer, PrefillSharing, bad_gateway, prompt_key
+from .replica_choice import ReplicaChoice, affinity_key
 from .stranded import StrandedAdapters
 
 logger = logging.getLogger(__name__)
@@ -49,6 +55,8 @@ logger = logging.getLogger(__name__)
 ANY = "*"  # wait_idle() on every name
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 _UNREACHABLE_POLL_S = 0.2
+# How often the router's list of healthy replicas is read (its own checks run every second).
+HEALTH_POLL_S = 0.5
 
 Loader = Callable[[str], Awaitable[bool]]
 
@@ -58,20 +66,23 @@ class GatewayError(RuntimeError):
 
 
 class AdapterGateway:
-    """Reverse proxy on `host:port` (port 0 picks a free one) in front of `upstream` ("http://host:port").
+    """Reverse proxy on `host:port` (port 0 picks a free one) in front of the server at `upstream`
+    ("http://host:port"; None: none until `set_upstream`, which also names several replicas).
 
     `api_key`: the key rollout clients must send (None: any). `upstream_key`: the key the gateway sends to
     the server. `upstream_keep_alive`: seconds the server keeps an idle connection open. `share_lead`:
     seconds the first request of a prompt waits for another with it (None: no prefill sharing).
     `tool_call_parser`: the server's `--tool-call-parser` (what a tool_choice constrains decoding with).
-    `routed`: the upstream is SGLang's router in front of replicas (fields it drops are refused).
+    `replicated`: the servers are replicas, restarted in the background while the others serve: with none
+    routed a request is answered 503 at once instead of waiting (a start takes minutes, and on a Ray
+    cluster without room for a replica it never comes).
     `set_served(...)` sets which names may be requested; until it is called nothing is served on the
     inference routes.
     """
 
     def __init__(
         self,
-        upstream: str,
+        upstream: str | None,
         *,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -83,10 +94,11 @@ class AdapterGateway:
         upstream_keep_alive: float = 5.0,
         share_lead: float | None = None,
         tool_call_parser: str | None = DEFAULT_PARSER,
-        routed: bool = False,
+        replicated: bool = False,
     ):
-        self.upstream = upstream.rstrip("/")
-        self.read_upstream = self.upstream
+        self.replicas = ReplicaChoice([] if upstream is None else [upstream.rstrip("/")])
+        self._health_url: str | None = None
+        self._replicated = replicated
         self.host = host
         self.port = port
         self.api_key = api_key
@@ -97,7 +109,7 @@ class AdapterGateway:
         self.upstream_keep_alive = upstream_keep_alive
         self.loader: Loader | None = None
         self._loader_loop: asyncio.AbstractEventLoop | None = None
-        self._served = Served(tool_call_parser=tool_call_parser, routed=routed)
+        self._served = Served(tool_call_parser=tool_call_parser)
         self._in_flight: Counter[str] = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -107,9 +119,7 @@ class AdapterGateway:
         self._session: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None  # a new connection per request, for resends
         self._start_error: BaseException | None = None
-        # The prefill-only request asks for no token, but SGLang's router (sglang-router 0.3.2) refuses
-        # `max_tokens: 0` with a 400: behind it, one.
-        self._sharing = PrefillSharing(self._exchange, lead=share_lead or 0.0, prefill_tokens=int(routed))
+        self._sharing = PrefillSharing(self._exchange, lead=share_lead or 0.0)
         self._sharing_on = share_lead is not None
         self.stranded = StrandedAdapters()  # names SGLang can no longer unload (stranded.py)
 
@@ -132,7 +142,7 @@ class AdapterGateway:
             raise GatewayError(
                 f"adapter gateway could not listen on {self.host}:{self.port}: {self._start_error}"
             ) from self._start_error
-        logger.info("adapter gateway on %s -> %s", self.base_url, self.upstream)
+        logger.info("adapter gateway on %s -> %s", self.base_url, ", ".join(self.replicas.routed))
 
     def close(self) -> None:
         """Stop serving and join the thread. Idempotent."""
@@ -162,7 +172,6 @@ class AdapterGateway:
             old.base_ids if base_ids is None else frozenset(base_ids),
             old.aliases if aliases is None else dict(aliases),
             old.tool_call_parser,
-            old.routed,
         )
 
     @property
@@ -174,12 +183,15 @@ class AdapterGateway:
         """Offer names that are not served to `loader`, run on `loop` (the backend's)."""
         self.loader, self._loader_loop = loader, loop
 
-    def set_upstream(self, upstream: str, reads: str | None = None) -> None:
-        """Forward to `upstream` from now on; read-only requests (model list, health) to `reads` if given
-        (SGLang's router answers /v1/models itself, without the adapters: one replica lists them)."""
+    def set_upstream(self, replicas: Iterable[str], health: str | None = None) -> None:
+        """Forward to `replicas` ("http://host:port" each) from now on; none: requests wait for one (up to
+        `unreachable_wait`). `health`: SGLang's router routing to them, whose health checks decide which
+        are passed over."""
         # Pooled connections to an earlier server fail once and are replaced by aiohttp.
-        self.upstream = upstream.rstrip("/")
-        self.read_upstream = (reads or upstream).rstrip("/")
+        self.replicas.set_routed(url.rstrip("/") for url in replicas)
+        self._health_url = health
+        if health is None:
+            self.replicas.set_healthy(None)
 
     def set_prefill_sharing(self, enabled: bool) -> None:
         """Turn prefill sharing on or off for requests that arrive from now on."""
@@ -246,6 +258,7 @@ class AdapterGateway:
         pooled = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.upstream_keep_alive / 2)
         self._session = _client(pooled)
         self._fresh = _client(aiohttp.TCPConnector(limit=0, force_close=True))
+        health = asyncio.ensure_future(self._watch_health())
         try:
             site = web.TCPSite(runner, self.host, self.port)
             try:
@@ -258,6 +271,7 @@ class AdapterGateway:
             self._ready.set()
             await self._stop.wait()
         finally:
+            health.cancel()
             await runner.cleanup()
             await self._session.close()
             await self._fresh.close()
@@ -328,70 +342,112 @@ class AdapterGateway:
                 body = with_constraint(answer.body, decision.constraint, decision.template_tools)
                 answer = Answer(answer.status, body)
             return _answer(answer)
-        upstream = await self._send(request.method, decision, self._upstream_headers(request))
-        if isinstance(upstream, Answer):
-            return _answer(upstream)
+        sent = await self._send(request.method, decision, self._upstream_headers(request))
+        if isinstance(sent, Answer):
+            return _answer(sent)
+        upstream, replica = sent
         try:
             return await self._relay(request, upstream, decision.names)
         finally:
-            self._count(_keys(decision), -1)
+            self._finished(decision, replica)
 
     async def _exchange(self, decision: Forward, headers: dict[str, str]) -> Answer:
         """POST `decision` and read the whole answer (for prefill sharing)."""
-        upstream = await self._send("POST", decision, headers)
-        if isinstance(upstream, Answer):
-            return upstream
+        sent = await self._send("POST", decision, headers)
+        if isinstance(sent, Answer):
+            return sent
+        upstream, replica = sent
         try:
             async with upstream:
                 answer = Answer(upstream.status, await upstream.read())
             self.stranded.note(decision.names, answer.status, answer.body)
             return answer
         except aiohttp.ClientError as exc:
-            return bad_gateway(f"the inference server at {self.upstream} failed: {exc!r}")
+            return bad_gateway(f"the inference server at {replica} failed: {exc!r}")
         finally:
-            self._count(_keys(decision), -1)
+            self._finished(decision, replica)
 
     async def _send(
         self, method: str, decision: Forward, headers: dict[str, str]
-    ) -> aiohttp.ClientResponse | Answer:
-        """Send the request, waiting out a server restart; the server's response (its names counted in
-        flight until the caller is done with it) or the gateway's error response."""
+    ) -> tuple[aiohttp.ClientResponse, str] | Answer:
+        """Send the request to a replica, passing over one that refuses the connection and waiting out a
+        restart when none is left; the server's response and the replica (the request counted in flight
+        until the caller calls `_finished`), or the gateway's error response."""
         assert self._session is not None and self._fresh is not None
         deadline = time.monotonic() + self.unreachable_wait
         keys = _keys(decision)
+        # Only a choice among replicas needs the keys (a prompt's serialization, for long ones a fraction
+        # of a millisecond).
+        several = len(self.replicas.routed) > 1
+        group, affinity = (prompt_key(decision), affinity_key(decision)) if several else (None, None)
+        refused: dict[str, str] = {}  # replica -> why, for this request
         resent = False
         while True:
-            self._count(keys, 1)
-            target = self.read_upstream if decision.read else self.upstream
-            session = self._fresh if resent else self._session  # never a second pooled connection
-            try:
-                return await session.request(
-                    method, target + decision.path, data=decision.body, headers=headers
+            replica = self.replicas.pick(group, affinity, avoid=refused)
+            if replica is None and self._replicated and not self.replicas.routed:
+                message = (
+                    "no inference server replica is up: every one died, and the restarts have not brought "
+                    "one back yet (on a Ray cluster: no node with room for a replica)"
                 )
-            except aiohttp.ClientConnectorError as exc:
-                self._count(keys, -1)
-                # Nothing reached the server: waiting for the restart and sending again is safe.
+                return Answer(503, json.dumps(error(message, "service_unavailable")).encode())
+            if replica is None:
+                # Every routed replica refused this request's connection (or none is routed): wait.
                 if time.monotonic() >= deadline:
-                    return bad_gateway(f"the inference server at {target} is not reachable: {exc}")
+                    problem = "; ".join(refused.values()) or "no inference server is up"
+                    return bad_gateway(f"the inference server is not reachable: {problem}")
                 await asyncio.sleep(_UNREACHABLE_POLL_S)
                 assert self._open is not None
                 await self._open.wait()
+                refused.clear()
+                continue
+            self._count(keys, 1)
+            session = self._fresh if resent else self._session  # never a second pooled connection
+            try:
+                response = await session.request(
+                    method, replica + decision.path, data=decision.body, headers=headers
+                )
+                return response, replica
+            except aiohttp.ClientConnectorError as exc:
+                self._finished(decision, replica)
+                # Nothing reached the server: sending it to another, or again after a restart, is safe.
+                self.replicas.unreachable(replica)
+                refused[replica] = f"{replica}: {exc}"
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                self._count(keys, -1)
+                self._finished(decision, replica)
                 # The connection broke before any answer: the server died (a kept-alive connection to it
                 # is only found broken when reused) or closed it as it was reused. Every forwarded route
-                # is free of side effects, so the request is sent once more, on a new connection (it then
-                # waits for a restart, as above); only once, so a request that itself kills the server
-                # cannot take it down again and again.
+                # is free of side effects, so the request is sent once more, on a new connection (to
+                # another replica if this one refuses it, or after a restart); only once, so a request
+                # that itself kills a server cannot take it down again and again.
                 if resent or time.monotonic() >= deadline:
-                    return bad_gateway(f"the inference server at {self.upstream} failed: {exc!r}")
+                    return bad_gateway(f"the inference server at {replica} failed: {exc!r}")
                 resent = True
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                self._count(keys, -1)
-                return bad_gateway(f"the inference server at {target} failed: {exc!r}")
+                self._finished(decision, replica)
+                return bad_gateway(f"the inference server at {replica} failed: {exc!r}")
             except BaseException:
-                self._count(keys, -1)
+                self._finished(decision, replica)
                 raise
+
+    def _finished(self, decision: Forward, replica: str) -> None:
+        """A request `_send` sent to `replica` is over."""
+        self._count(_keys(decision), -1)
+        self.replicas.done(replica)
+
+    async def _watch_health(self) -> None:
+        """Pass over the replicas SGLang's router finds failing (its list of workers, read every
+        `HEALTH_POLL_S`); while the router does not answer, every routed replica counts."""
+        assert self._fresh is not None
+        while True:
+            url = self._health_url
+            if url is not None:
+                try:
+                    async with self._fresh.get(f"{url}/workers") as response:
+                        workers = (await response.json()).get("workers", [])
+                    self.replicas.set_healthy(w["url"] for w in workers if w.get("is_healthy"))
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, AttributeError):
+                    self.replicas.set_healthy(None)
+            await asyncio.sleep(HEALTH_POLL_S)
 
     def _count(self, keys: tuple[str, ...], delta: int) -> None:
         for key in keys:

@@ -27,10 +27,6 @@ success. So:
   the tool's), and the tools the template rendered, where they are not the request's ("none": none; a
   named tool: that one), travel on each choice as `art_template_tools`. A tool_choice that constrains with
   a parser whose constraint is not reproduced is a 400 on a trained model.
-- Behind SGLang's router (replicas), a request carrying a field the router drops is a 400 naming it
-  (`ROUTER_DROPS`): sglang-router 0.3.2 re-encodes chat and `/generate` requests into its own types, and
-  the answer would silently ignore the field. `return_token_ids` is among what it drops; the trainer then
-  tokenizes completions from their logprobs and text.
 - A non-streaming chat or text completion on an adapter (or an alias) also gets `return_token_ids: true`
   unless the client set the field itself, so each Choice carries the ids the server sampled and the
   trainer trains on exactly those instead of re-tokenizing the text. (SGLang 0.5.17's stream chunks are
@@ -54,14 +50,6 @@ CHAT_PATH = "/v1/chat/completions"
 INFERENCE_PATHS = frozenset({CHAT_PATH, "/v1/completions", "/generate"})
 TOKEN_ID_PATHS = frozenset({CHAT_PATH, "/v1/completions"})
 READ_PATHS = frozenset({"/v1/models", "/health", "/health_generate"})
-# What SGLang's router (sglang-router 0.3.2) leaves out when it re-encodes a request, among the fields that
-# change an answer: top-level fields of a chat request, `sampling_params` fields of a /generate request.
-# Text completions reach the replicas whole. (It also drops fields that change no answer: `rid`,
-# `priority`, `user`; and `return_token_ids`, which the gateway adds and the trainer does without.)
-ROUTER_DROPS: Mapping[str, tuple[str, ...]] = {
-    CHAT_PATH: ("stop_regex", "return_prompt_token_ids", "cache_salt", "extra_key"),
-    "/generate": ("stop_regex", "logit_bias", "custom_params", "spaces_between_special_tokens"),
-}
 # Headers not forwarded either way: hop-by-hop ones (RFC 9110 7.6.1), those the transport sets itself, and
 # the client's key (the gateway sends the server's own).
 NOT_FORWARDED = frozenset(
@@ -73,14 +61,12 @@ NOT_FORWARDED = frozenset(
 @dataclass(frozen=True)
 class Served:
     """What may be requested: loaded adapters, the base model's ids, and aliases (name -> base id) for
-    names served by the base slot (merged weights); the server's `--tool-call-parser`; `routed`: the
-    servers are replicas behind SGLang's router."""
+    names served by the base slot (merged weights); the server's `--tool-call-parser`."""
 
     adapters: frozenset[str] = frozenset()
     base_ids: frozenset[str] = frozenset()
     aliases: Mapping[str, str] = field(default_factory=dict)
     tool_call_parser: str | None = DEFAULT_PARSER
-    routed: bool = False
 
     def is_trained(self, name: object) -> bool:
         """Whether `name` selects a trained model: an adapter, an alias, or "<base>:<adapter>"."""
@@ -179,15 +165,6 @@ def route(
             "prompt once."
         )
         return Refuse(400, error(message, "n_with_adapter", "n"))
-    if served.routed:
-        dropped = router_drops(path, payload)
-        if dropped:
-            message = (
-                f"`{dropped}` would not reach the inference servers: SGLang's router, in front of the "
-                f"replicas, re-encodes {path} requests without it, and the answer would ignore it. "
-                "With one inference server it is honoured."
-            )
-            return Refuse(400, error(message, "dropped_by_router", dropped))
     constrained = constrain(payload, served, completions=path in TOKEN_ID_PATHS, chat=path == CHAT_PATH)
     if isinstance(constrained, Refuse):
         return constrained
@@ -286,14 +263,6 @@ def _tool_use(payload: dict, parser: str | None, trained: bool) -> ToolUse | Ref
         return Refuse(400, error(message, "unsupported_tool_choice", "tool_choice"))
     except (ValueError, TypeError, AttributeError, KeyError):
         return None
-
-
-def router_drops(path: str, payload: Mapping[str, Any]) -> str | None:
-    """The first field of `payload` SGLang's router would leave out of a request to `path`, if any."""
-    fields = payload.get("sampling_params") if path == "/generate" else payload
-    if not isinstance(fields, Mapping):
-        return None
-    return next((name for name in ROUTER_DROPS.get(path, ()) if fields.get(name) is not None), None)
 
 
 def rewrite(payload: dict, served: Served, *, token_ids: bool) -> bool:

@@ -83,6 +83,7 @@ class ServerGroup:
         # too (the router reaches the replicas with what clients send).
         # Hex keys: one starting with "-" would read as a flag where a config file becomes command-line flags.
         self._server_key = secrets.token_hex(32) if own_key else config.api_key
+        self._own_key = own_key
         self._admin_key = secrets.token_hex(32)
         self._replicas = []
         self._cluster = None
@@ -121,12 +122,6 @@ class ServerGroup:
                 log_path=log_path.with_name(f"{log_path.stem}-router{log_path.suffix}"),
                 startup_timeout=config.server_timeout,
             )
-            logger.warning(
-                "%d server replicas behind SGLang's router: the router re-encodes requests and drops "
-                "`return_token_ids`, so completions carry no sampled token ids and the trainer tokenizes "
-                "them from their logprobs and text (as for a server that returns no ids)",
-                len(self._replicas),
-            )
         # Whether the servers are meant to serve now: False before the first start, while the trainer has
         # the GPU (shared mode) and after close(). Crash recovery restarts only a server meant to serve.
         self._serving = False
@@ -161,8 +156,14 @@ class ServerGroup:
 
     @property
     def upstream(self) -> str:
-        """Where requests go: the router, or the one server."""
+        """Where clients without the gateway send requests: the router, or the one server."""
         return self._router.base_url if self._router is not None else self._replicas[0].process.base_url
+
+    @property
+    def health_url(self) -> str | None:
+        """The router whose health checks say which routed replicas fail (None without a router, or
+        while it is down)."""
+        return self._router.base_url if self._router is not None and self._router.is_alive() else None
 
     def up(self) -> list[Server]:
         """The servers that are up (running and brought up)."""
@@ -399,8 +400,9 @@ class ServerGroup:
             return
         url = replica.process.base_url
         if self._router is not None:
-            # Replicas on other nodes listen on the network: they are keyed, and the router sends the key.
-            await self._router.add_worker(url, api_key=self._server_key if self._cluster else None)
+            # Replicas with a key of their own (behind the gateway; on other nodes, which listen on the
+            # network): the router sends it in its health checks and in what it forwards.
+            await self._router.add_worker(url, api_key=self._server_key if self._own_key else None)
         replica.routed_url = url
 
     async def _take_out(self, replica: Replica) -> None:

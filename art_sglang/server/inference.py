@@ -7,8 +7,8 @@ the commands below, and the product rests on one rule, kept here and nowhere els
 routes is loaded on every server a request can reach.** A name is routed only after every server that is
 up loaded it (`add_adapter`), and stops being routed before it is unloaded (`remove_adapter`). A server
 that (re)starts is given every wanted adapter and the base weights before the group routes to it
-(`server_started`): with one server the gateway holds new requests meanwhile; with replicas the router
-leaves the restarting one out while the others serve.
+(`server_started`): with one server the gateway holds new requests meanwhile; with replicas the gateway
+(and SGLang's router) leave the restarting one out while the others serve.
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ class InferenceService:
             plan,
             base_model,
             log_path=log_path,
-            # Replicas on a cluster listen on the network: keyed always (the router sends them the key).
-            own_key=(use_gateway and not plan.routed) or plan.cluster is not None,
+            # Behind the gateway the servers hold a key of their own; replicas on a cluster listen on the
+            # network, so they are keyed always (the router sends them the key).
+            own_key=use_gateway or plan.cluster is not None,
             hooks=self,
             env=env,
         )
@@ -71,16 +72,23 @@ class InferenceService:
         if use_gateway:
             # A request the dead server refuses waits for the restart (as long as a start may take).
             self._gateway = AdapterGateway(
-                "http://127.0.0.1:0",
+                None,
                 api_key=config.api_key,
                 upstream_key=self._servers.server_key,
                 unreachable_wait=config.server_timeout,
                 share_lead=config.share_prefill_lead_ms / 1000,
                 upstream_keep_alive=self._servers.processes[0].keep_alive,
                 tool_call_parser=config.tool_call_parser,
-                routed=plan.routed,
+                replicated=plan.routed,
             )
             self._gateway.set_prefill_sharing(config.share_prefill)
+        elif plan.routed:
+            logger.warning(
+                "%d server replicas behind SGLang's router without the gateway: the router re-encodes "
+                "requests and drops `return_token_ids`, so completions carry no sampled token ids and the "
+                "trainer tokenizes them from their logprobs and text (as for a server that returns no ids)",
+                len(plan.replicas),
+            )
         self._find_checkpoint: Callable[[str], Path | None] | None = None
         self._drain_timeout = drain_timeout
         self._adapters: dict[str, Path] = {}  # loaded (and wanted after every start), oldest first
@@ -361,8 +369,7 @@ class InferenceService:
     def _publish(self) -> None:
         if self._gateway is not None:
             self._gateway.set_served(self._adapters, self._base_ids, self._aliases)
-            routed = self._servers.routed_urls()
-            self._gateway.set_upstream(self._servers.upstream, reads=routed[0] if routed else None)
+            self._gateway.set_upstream(self._servers.routed_urls(), health=self._servers.health_url)
 
     # --- checks ----------------------------------------------------------------------------------------
     async def probe(self, name: str) -> None:

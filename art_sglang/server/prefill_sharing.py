@@ -8,8 +8,7 @@ prompt: on an H200 only 32-42 % of such prompt tokens were found cached, against
 
 So the first request of a prompt waits up to `lead` seconds for another with the same prompt (any
 sampling parameters). If none comes it goes alone; a request that shares nothing is delayed by `lead` at
-most. Once a second one comes, one prefill-only request (`max_tokens: 0`; 1 behind SGLang's router, which
-refuses 0) computes the prompt, and every
+most. Once a second one comes, one prefill-only request (`max_tokens: 0`) computes the prompt, and every
 request of the prompt that is waiting or comes while it runs goes as it came once it returns, finding the
 prompt cached; those that come later (within `PROMPT_MEMORY_S` of the first) go at once. With `lead` 0 the
 first request never waits, and the prompt is computed at most twice (by it and by the prefill-only one).
@@ -113,10 +112,10 @@ def _prompt_part(payload: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in payload.items() if key not in SAMPLING_FIELDS}
 
 
-def prefill_body(payload: Mapping[str, Any], max_tokens: int = 0) -> bytes:
-    """A request that computes the prompt and at most `max_tokens` more (SGLang answers `max_tokens: 0`
-    with an empty choice)."""
-    return json.dumps({**_prompt_part(payload), "max_tokens": max_tokens}).encode()
+def prefill_body(payload: Mapping[str, Any]) -> bytes:
+    """A request that computes the prompt and no token (SGLang answers `max_tokens: 0` with an empty
+    choice)."""
+    return json.dumps({**_prompt_part(payload), "max_tokens": 0}).encode()
 
 
 def bad_gateway(message: str) -> Answer:
@@ -152,17 +151,14 @@ class _Prompt:
 
 class PrefillSharing:
     """Has the requests of a prompt that arrive together wait for one prefill-only request of it (see the
-    module's text). Runs on the gateway's event loop; `exchange` sends one request upstream;
-    `prefill_tokens`: the prefill-only request's `max_tokens` (0, or 1 where the upstream refuses 0)."""
+    module's text). Runs on the gateway's event loop; `exchange` sends one request upstream (with
+    replicas, to the replica the prompt's other requests go to)."""
 
-    def __init__(self, exchange: Exchange, *, lead: float, prefill_tokens: int = 0):
+    def __init__(self, exchange: Exchange, *, lead: float):
         if lead < 0:
             raise ValueError(f"the prefill-sharing lead must not be negative, got {lead}")
-        if prefill_tokens not in (0, 1):
-            raise ValueError(f"a prefill-only request asks for 0 or 1 tokens, not {prefill_tokens}")
         self._exchange = exchange
         self._lead = lead
-        self._prefill_tokens = prefill_tokens
         self._prompts: dict[str, _Prompt] = {}  # oldest first
         self._tasks: set[asyncio.Task[None]] = set()  # prefill-only requests under way
         self.counters = PrefillCounters()
@@ -203,7 +199,7 @@ class PrefillSharing:
     async def _prefill(self, prompt: _Prompt, decision: Forward, headers: dict[str, str]) -> None:
         try:
             assert decision.payload is not None  # prompt_key() admitted only parsed requests
-            body = prefill_body(decision.payload, self._prefill_tokens)
+            body = prefill_body(decision.payload)
             answer = await self._exchange(replace(decision, body=body), headers)
             if answer.status == 200:
                 prompt_tokens = int(json.loads(answer.body)["usage"]["prompt_tokens"])

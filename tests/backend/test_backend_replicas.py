@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import openai
+import httpx
 import pytest
 import pytest_asyncio
 from backend_helpers import chat_lines, check_requests_follow_loads, kill_tree, sample_groups, served_by_each
@@ -21,10 +21,12 @@ from art_sglang import SGLangBackend
 from art_sglang.errors import ServerStartError
 from art_sglang.planning.devices import DeviceLayout
 from art_sglang.server.inference import InferenceService
+from art_sglang.server.replica_router import ReplicaRouter
 
 pytest.importorskip("sglang_router", reason="sglang-router is in the dev extra (pip install -e '.[dev]')")
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
+ANY_CHARACTER = r"[\s\S]"  # matches the first token's text, whatever the model writes
 TWO_CPU_REPLICAS = DeviceLayout(
     "cpu", "reference", (), (), "two CPU replicas for tests", replica_gpus=((), ())
 )
@@ -59,17 +61,38 @@ async def train_step(replicated: Replicated, seed: int) -> int:
     return result.step
 
 
-async def test_a_field_the_router_would_drop_is_refused_not_ignored(replicated: Replicated) -> None:
-    """SGLang's router re-encodes chat requests without `stop_regex`: through the replicas a rollout asking
-    for it gets a 400 naming it, not an answer that ran past the pattern."""
+async def test_requests_reach_each_replica_whole(replicated: Replicated) -> None:
+    """The gateway sends requests to the replicas itself (SGLang's router would leave fields out): each
+    choice carries the ids its replica sampled, and a `stop_regex` ends the answer at its first token, on
+    both replicas."""
+    service = replicated.service
     client = replicated.model.openai_client()
-    with pytest.raises(openai.BadRequestError, match="`stop_regex` would not reach the inference servers"):
-        await client.chat.completions.create(
-            model=replicated.model.get_inference_name(),
-            messages=[{"role": "user", "content": "count"}],
-            max_tokens=4,
-            extra_body={"stop_regex": ["[0-9]"]},
+    logs = [p.log_path for p in service.processes]
+    before = [len(chat_lines(log)) for log in logs]
+    replies = await asyncio.gather(
+        *(
+            client.chat.completions.create(
+                model=replicated.model.get_inference_name(),
+                messages=[{"role": "user", "content": f"Conversation {n}: say anything."}],
+                max_tokens=8,
+                temperature=0,
+                extra_body={"stop_regex": [ANY_CHARACTER]},
+            )
+            for n in range(4)
         )
+    )
+    for reply in replies:
+        choice = reply.choices[0]
+        assert reply.usage is not None and reply.usage.completion_tokens == 1, reply
+        assert (choice.finish_reason, (choice.model_extra or {}).get("matched_stop")) == (
+            "stop",
+            ANY_CHARACTER,
+        )
+        assert len((choice.model_extra or {}).get("token_ids") or []) == 1, choice
+    deadline = time.monotonic() + 60
+    while not all(len(chat_lines(log)) > before[i] for i, log in enumerate(logs)):
+        assert time.monotonic() < deadline, "the requests did not reach both replicas"
+        await asyncio.sleep(0.1)
 
 
 async def test_both_replicas_serve_step_zero_behind_the_router(replicated: Replicated) -> None:
@@ -79,7 +102,7 @@ async def test_both_replicas_serve_step_zero_behind_the_router(replicated: Repli
     urls = {process.base_url for process in service.processes}
     assert await service.router.workers() == dict.fromkeys(urls, True)
     assert await served_by_each(service, "agent@0") == ["yes", "yes"]
-    # Clients use the gateway, which forwards to the router.
+    # Clients use the gateway, which picks a replica among those the router lists as healthy.
     assert replicated.model.inference_base_url == service.openai_base_url
     assert "agent@0" in {m.id for m in (await replicated.model.openai_client().models.list()).data}
 
@@ -121,7 +144,7 @@ async def test_each_step_is_served_by_both_replicas_across_a_replica_crash(
     assert await served_by_each(service, "agent@2") == ["yes", "yes"]
     assert await train_step(replicated, seed=3) == 3
     assert await served_by_each(service, "agent@3") == ["yes", "yes"]
-    # Rollouts reached both replicas through the router.
+    # Rollouts reached both replicas.
     assert all(chat_lines(p.log_path) for p in service.processes)
 
 
@@ -164,15 +187,28 @@ async def test_a_dead_router_is_restarted_with_both_replicas(replicated: Replica
     router = service.router
     assert router is not None
     dead = kill_tree(router.pid)
-    # A request sent meanwhile waits in the gateway for the new router.
+    # A request sent meanwhile is answered: the gateway reaches the replicas without the router (at most it
+    # waits while the watchdog restarts the router).
     reply = await replicated.model.openai_client().chat.completions.create(
         model=replicated.model.get_inference_name(),
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=2,
     )
     assert reply.choices[0].message.content is not None
-    assert router.pid not in (None, dead)
-    assert await router.workers() == {p.base_url: True for p in service.processes}
+    deadline = time.monotonic() + 60
+    while router.pid in (None, dead) or await _listed(router) != {
+        p.base_url: True for p in service.processes
+    }:
+        assert time.monotonic() < deadline, "the watchdog did not restart the router with both replicas"
+        await asyncio.sleep(0.2)
+
+
+async def _listed(router: ReplicaRouter) -> dict[str, bool] | None:
+    """The router's replicas, or None while it does not answer (starting)."""
+    try:
+        return await router.workers()
+    except httpx.TransportError:
+        return None
 
 
 async def test_a_multi_turn_conversation_stays_on_its_replica(replicated: Replicated) -> None:
@@ -200,10 +236,10 @@ async def test_a_multi_turn_conversation_stays_on_its_replica(replicated: Replic
 
 
 async def test_a_group_sharing_a_prompt_is_served_by_one_replica(replicated: Replicated) -> None:
-    """GRPO groups through the gateway's prefill sharing behind the router: each group's prefill-only
-    request (one token: the router refuses `max_tokens: 0`) and its rollouts reach one replica, and the
-    rollouts find the prompt that request computed. A group is told apart in the replicas' logs by its
-    prompt's length (each group's prompt has a different number of words)."""
+    """GRPO groups through the gateway's prefill sharing with two replicas: each group's prefill-only
+    request and its rollouts reach one replica, and the rollouts find the prompt that request computed. A
+    group is told apart in the replicas' logs by its prompt's length (each group's prompt has a different
+    number of words)."""
     service = replicated.service
     assert service.gateway is not None
     logs = [p.log_path for p in service.processes]

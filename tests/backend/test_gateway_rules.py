@@ -109,37 +109,3 @@ def test_a_caller_without_the_key_is_not_told_the_served_names() -> None:
     assert (
         isinstance(refused, Refuse) and refused.status == 401 and "agent@1" not in json.dumps(refused.payload)
     )
-
-
-@pytest.mark.parametrize(
-    ("path", "field", "value"),
-    [
-        ("/v1/chat/completions", "stop_regex", ["</a>"]),
-        ("/v1/chat/completions", "return_prompt_token_ids", True),
-        ("/v1/chat/completions", "cache_salt", "tenant-1"),
-        ("/v1/chat/completions", "extra_key", "k"),
-        ("/generate", "stop_regex", "x"),
-        ("/generate", "logit_bias", {"5": 10}),
-        ("/generate", "custom_params", {"a": 1}),
-        ("/generate", "spaces_between_special_tokens", False),
-    ],
-)
-def test_behind_the_router_a_field_it_would_drop_is_refused(path: str, field: str, value: object) -> None:
-    if path == "/generate":
-        sampling = {"max_new_tokens": 4, field: value}
-        body = json.dumps({"text": "hi", "lora_path": "agent@1", "sampling_params": sampling}).encode()
-    else:
-        body = _chat("agent@1", **{field: value})
-    routed = Served(SERVED.adapters, SERVED.base_ids, SERVED.aliases, routed=True)
-    refused = route("POST", path, body, routed)
-    assert isinstance(refused, Refuse) and refused.status == 400, refused
-    assert refused.payload["error"]["code"] == "dropped_by_router"
-    assert refused.payload["error"]["param"] == field
-    assert (
-        f"`{field}` would not reach the inference servers: SGLang's router"
-        in refused.payload["error"]["message"]
-    )
-    # One server gets the field; behind the router, text completions reach the replicas whole.
-    assert isinstance(route("POST", path, body, SERVED), Forward)
-    completion = json.dumps({"model": "agent@1", "prompt": "hi", "stop_regex": ["x"]}).encode()
-    assert isinstance(route("POST", "/v1/completions", completion, routed), Forward)

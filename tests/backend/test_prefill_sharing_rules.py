@@ -108,20 +108,6 @@ async def test_whatever_the_prefill_returns_everyone_goes_on(upstream: Upstream)
     assert sharing.counters.prefill_requests == 0 and sharing.counters.prefill_failures == 1
 
 
-async def test_behind_a_router_the_prefill_asks_for_one_token() -> None:
-    """SGLang's router refuses `max_tokens: 0`: the prefill-only request asks for one token there."""
-    upstream = Upstream()
-    sharing = PrefillSharing(upstream, lead=0.0, prefill_tokens=1)
-    await asyncio.wait_for(_turn(sharing), 1)
-    second = _turn(sharing, max_tokens=3)
-    await _settle()
-    assert [body["max_tokens"] for body in upstream.bodies] == [1]
-    upstream.answer.set()
-    await asyncio.wait_for(second, 5)
-    with pytest.raises(ValueError, match="0 or 1 tokens"):
-        PrefillSharing(upstream, lead=0.0, prefill_tokens=2)
-
-
 async def test_a_caller_that_leaves_takes_nobody_with_it() -> None:
     upstream = Upstream()
     sharing = PrefillSharing(upstream, lead=30.0)
