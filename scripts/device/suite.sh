@@ -51,9 +51,11 @@
 #   models-7b); bench-trainer-ddp3 (~5 min): trainer tokens/s on 1, 2 and 3 ranks; bench-pipeline-replicas
 #   (~4 min, after stage.sh art): pipelined vs synchronous with 2 replicas (GPUs 0-1) and 2 ranks (GPUs 2-3)
 # replicas-1gpu (~4 min, 1 GPU, stage.sh router first): two replicas on the first visible GPU behind the router
-# ray-cluster-1gpu (~8 min, not run yet; 1 GPU, stage.sh router and ray first): two simulated Ray nodes sharing
-#   the GPU, one SGLang replica each, through `cluster=` on the 1.5B shape: steps, adapter propagation time,
-#   a node lost and added back, rollout tokens/s vs the same two replicas without Ray
+# ray-cluster-1gpu (~8 min, 1 GPU, stage.sh router and ray first): two simulated Ray nodes sharing the GPU,
+#   one SGLang replica each, through `cluster=` on the 1.5B shape: steps, adapter propagation time, a node
+#   lost and added back, rollout tokens/s
+# ray-cluster-baseline (~4 min, 1 GPU, stage.sh router first): rollout tokens/s of the same two replicas
+#   without Ray, run beside ray-cluster-1gpu on the same machine
 # cuda-mps (~3 min, 1 GPU): co-resident server and trainer as clients of the backend's CUDA MPS daemon
 # burst (~3 min, 1 GPU): waves of rollouts with hot-loads and idle gaps past SGLang's keep-alive, none lost
 # shared-prefill (~2 min): the contract test of prefill sharing alone (the contract suite includes it)
@@ -101,7 +103,8 @@ for name in "$@"; do
     faults-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k split) ;;
     faults-shared) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k shared) ;;
     replicas-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_replicas.py) ;;
-    ray-cluster-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_ray_cluster.py) ;;
+    ray-cluster-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_ray_cluster.py -k "not without_ray") ;;
+    ray-cluster-baseline) cmd=("${pytest[@]}" -m gpu tests/gpu/test_ray_cluster.py -k without_ray) ;;
     cuda-mps) cmd=("${pytest[@]}" -m gpu tests/gpu/test_cuda_mps.py) ;;
     burst) cmd=("${pytest[@]}" -m gpu tests/backend/test_gateway_burst.py) ;;
     shared-prefill) cmd=("${pytest[@]}" tests/contract/test_shared_prefill.py --engine sglang --model-path "$tiny") ;;

@@ -6,7 +6,8 @@ write + load) is recorded per step, one node removed without grace leaves the ro
 serves the next step, a node added back gets a replica holding the current step, and rollout tokens/s
 through the two Ray replicas are measured against the same two replicas started without Ray.
 
-    CUDA_VISIBLE_DEVICES=0 pytest -m gpu tests/gpu/test_ray_cluster.py   (stage.sh router and ray first; ~8 min, estimated)
+    CUDA_VISIBLE_DEVICES=0 pytest -m gpu tests/gpu/test_ray_cluster.py   (stage.sh router and ray first; ~12 min:
+    the suites ray-cluster-baseline and ray-cluster-1gpu run its two tests one per device call)
 """
 
 from __future__ import annotations
@@ -120,6 +121,29 @@ async def rollout_tokens_per_s(
     return statistics.median(rates)
 
 
+async def test_rollout_speed_of_the_same_two_replicas_without_ray(tmp_path: Path, model_path: str) -> None:
+    """The baseline: the same two replicas on GPU 0 started by the backend itself, before the Ray ones (the
+    trainer on CPU, as in test_replicas.py: this run measures rollouts only). First in the module, so the
+    GPU is free; `-k without_ray` runs it alone (the two tests do not fit one 10-minute device call)."""
+    gpus = detect_gpus().gpus
+    layout = DeviceLayout("split", "sglang", (0,), (), "baseline: two local replicas on GPU 0",
+                          cuda_ids=tuple(g.cuda_id for g in gpus), replica_gpus=((0,), (0,)))  # fmt: skip
+    local = SGLangBackend(
+        layout=layout, sglang_config=sglang_test_config(**SERVER), path=str(tmp_path / ".art")
+    )
+    model = TrainableModel(name="agent", project="ray-gpu-baseline", base_model=model_path)
+    try:
+        await model.register(local)
+        assert local.inference is not None
+        service = local.inference
+        tokens_per_s = await rollout_tokens_per_s(
+            service.openai_base_url, service.api_key, model.get_inference_name()
+        )
+    finally:
+        await local.close()
+    record("ray-cluster/baseline", rollout_tokens_per_s_without_ray=round(tokens_per_s, 1))
+
+
 async def test_steps_reach_both_nodes_and_a_lost_node_is_replaced(
     cluster_run: tuple[SGLangBackend, TrainableModel], ray_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -140,10 +164,11 @@ async def test_steps_reach_both_nodes_and_a_lost_node_is_replaced(
     record("ray-cluster/steps", adapter_to_both_replicas_s=loads, rollout_tokens_per_s=round(tokens_per_s, 1))
 
     victim, survivor = replicas
+    victim_url = victim.base_url  # the handle forgets its address once the backend restarts it
     node = next(n for n in ray_cluster.worker_nodes if n.node_id == victim.node_id)
     lost = time.monotonic()
     ray_cluster.remove_node(node, allow_graceful=False)
-    while victim.base_url in await service.router.workers():
+    while victim_url in await service.router.workers():
         assert time.monotonic() - lost < 10, "the router still lists the lost node's replica"
         await asyncio.sleep(0.05)
     left_router_s = round(time.monotonic() - lost, 2)
@@ -158,29 +183,3 @@ async def test_steps_reach_both_nodes_and_a_lost_node_is_replaced(
     assert await served_by_each(service, "agent@3") == ["yes", "yes"]
     record("ray-cluster/node-loss", left_router_s=left_router_s,
            replaced_in_router_s=round(time.monotonic() - began, 1))  # fmt: skip
-
-
-async def test_rollout_speed_of_the_same_two_replicas_without_ray(
-    cluster_run: tuple[SGLangBackend, TrainableModel], tmp_path: Path, model_path: str
-) -> None:
-    """The baseline: the same two replicas on GPU 0 started by the backend itself, after the Ray ones are
-    gone (the trainer on CPU, as in test_replicas.py: this run measures rollouts only)."""
-    backend, _ = cluster_run
-    await backend.close()
-    gpus = detect_gpus().gpus
-    layout = DeviceLayout("split", "sglang", (0,), (), "baseline: two local replicas on GPU 0",
-                          cuda_ids=tuple(g.cuda_id for g in gpus), replica_gpus=((0,), (0,)))  # fmt: skip
-    local = SGLangBackend(
-        layout=layout, sglang_config=sglang_test_config(**SERVER), path=str(tmp_path / ".art")
-    )
-    model = TrainableModel(name="agent", project="ray-gpu-baseline", base_model=model_path)
-    try:
-        await model.register(local)
-        assert local.inference is not None
-        service = local.inference
-        tokens_per_s = await rollout_tokens_per_s(
-            service.openai_base_url, service.api_key, model.get_inference_name()
-        )
-    finally:
-        await local.close()
-    record("ray-cluster/baseline", rollout_tokens_per_s_without_ray=round(tokens_per_s, 1))
