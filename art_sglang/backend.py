@@ -59,8 +59,8 @@ class SGLangBackend:
     `cuda_mps` allows: "auto" where the driver's MPS program is found, "on" or "off"), and the CPU
     reference engine with none. `engine` forces "sglang" or "reference". GPUs are asked for in one form,
     `device_config`; `inference_device(s)`/`training_devices` are sugar for it (GPUs in both: ConfigError).
-    `inference_devices=[0, 1]` starts one server replica per listed GPU behind SGLang's router
-    (cache-aware routing), every adapter loaded on each replica before its name is served.
+    `inference_devices=[0, 1]` starts one server replica per listed GPU (the gateway picks each request's
+    replica, SGLang's router checks their health), every adapter loaded on each before its name is served.
     `cluster=ClusterConfig(...)` runs the replicas as Ray actors on a Ray cluster's nodes
     (docs/several-machines.md). `gateway=False` points clients at the server directly (no refusal of
     unloaded model names). `layout` is a finished device layout given alone (CPU tests force shared mode).

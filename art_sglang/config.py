@@ -212,9 +212,10 @@ class SGLangConfig(BaseModel):
 
     router_policy: RouterPolicy = Field(
         "cache_aware",
-        description="How SGLang's router spreads requests over server replicas (inference_devices): "
-        "'cache_aware' sends a prompt to the replica holding its longest cached prefix (so a multi-turn "
-        "rollout stays on its replica) unless the load is uneven.",
+        description="How SGLang's router spreads requests over server replicas (inference_devices) for clients "
+        "that reach it without the gateway (gateway=False): 'cache_aware' sends a prompt to the replica holding "
+        "its longest cached prefix unless the load is uneven. Through the gateway, the gateway picks the "
+        "replica (a GRPO group together, a conversation on its replica) and the router checks their health.",
     )
 
     # --- weight sync ---------------------------------------------------------------------------------
@@ -319,7 +320,7 @@ class DeviceConfig(BaseModel):
     inference_device: int = Field(0, ge=0, description="GPU index of the SGLang server.")
     inference_devices: list[int] | None = Field(
         None,
-        description="First GPU of each SGLang server replica (replicas serve behind SGLang's router; a GPU "
+        description="First GPU of each SGLang server replica (the gateway spreads requests over them; a GPU "
         "listed twice holds two replicas); None = one server on inference_device.",
     )
     training_devices: list[int] = Field(default_factory=lambda: [1], description="GPU indices for training.")

@@ -1,6 +1,6 @@
 """`ServerGroup`: the inference servers of a backend as one — one process, or several replicas behind
 SGLang's router (`ReplicaRouter`); with a cluster in the plan, replicas on the nodes of a Ray cluster
-(`cluster.remote.RemoteServer`, the same `ServerHandle`), always behind the router.
+(`cluster.remote.RemoteServer`, the same `ServerHandle`), always with the router.
 
 It owns the keys, the processes, their admin clients, the router, starting, stopping, crash recovery
 (replicas restarted in the background with a growing pause while the others serve), GPU memory release

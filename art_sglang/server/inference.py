@@ -42,7 +42,7 @@ PROBE_TOKENS = 4  # a few: an adapter that cannot serve may answer its first tok
 
 class InferenceService:
     """The adapter side of serving over the `ServerGroup` (`servers`) of `plan`: one server replica per
-    planned replica, behind SGLang's router when there are several. `env`: added to the servers'
+    planned replica, with SGLang's router checking their health when there are several. `env`: added to the servers'
     environment."""
 
     def __init__(

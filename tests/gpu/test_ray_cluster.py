@@ -1,5 +1,5 @@
 """Two SGLang replicas on two simulated Ray nodes that share the one GPU (`ray.cluster_utils.Cluster`, each
-worker node offering GPU 0), behind SGLang's router; the trainer on the same GPU. Through the backend with
+worker node offering GPU 0), SGLang's router checking them; the trainer on the same GPU. Through the backend with
 `cluster=`: each step's adapter is shipped to both nodes and served by both (checksum of the head's files,
 loaded from each node's own folder), the time from a finished step to its adapter loaded on both (put +
 write + load) is recorded per step, one node removed without grace leaves the router while the other

@@ -100,7 +100,7 @@ def test_a_choice_holding_part_of_a_character_is_accepted_with_its_ids(
     check([choice])
     [seq] = chat.tokenize_trajectory(wire(choice), group=0, index=0, stats=TokenizeStats())
     assert trained(seq) == (ids, [-0.5] * len(ids))
-    # Without its ids (behind SGLang's router) it is not refused either: its text is tokenized again,
+    # Without its ids (a server that returns none, or SGLang's router reached without the gateway) it is not refused either: its text is tokenized again,
     # and its sampler logprobs, which belong to other tokens, are left out.
     without_ids = choice.model_copy(update={"token_ids": None})
     check([without_ids])
