@@ -12,12 +12,14 @@ from typing import Any
 
 import httpx
 import psutil
+from aiohttp import web
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # environments/ is a top-level folder of the checkout
 
 import art_sglang as art  # noqa: E402
+from art_sglang.server.process import claim_port, release_port  # noqa: E402
 from environments.char_share import CharShareTask  # noqa: E402
 
 TASK = CharShareTask(max_tokens=6)
@@ -188,3 +190,34 @@ def simulated_ray_cluster(node: dict[str, Any], **head: Any) -> Iterator[Any]:
         yield cluster
     finally:
         cluster.shutdown()
+
+
+class StandIn:
+    """An HTTP server on a free loopback port answering `routes` (aiohttp route definitions): a stand-in
+    for a replica or the router where a test needs to see or steer what they answer."""
+
+    def __init__(self, routes: list[web.RouteDef]) -> None:
+        self.port = claim_port("127.0.0.1", None)
+        self._routes = routes
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.add_routes(self._routes)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        """Stop answering: the port then refuses connections."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def close(self) -> None:
+        await self.stop()
+        release_port(self.port)

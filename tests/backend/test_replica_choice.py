@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from backend_helpers import StandIn
 
 from art_sglang.server.gateway import HEALTH_POLL_S, AdapterGateway
 from art_sglang.server.gateway_rules import Forward
 from art_sglang.server.prefill_sharing import PROMPT_MEMORY_S
-from art_sglang.server.process import claim_port, release_port
 from art_sglang.server.replica_choice import AFFINITY_PREFIX, UNREACHABLE_S, ReplicaChoice, affinity_key
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
@@ -143,78 +144,52 @@ def test_the_turns_of_a_conversation_share_its_affinity() -> None:
     assert affinity_key(Forward("/v1/models", b"", read=True)) is None
 
 
-@dataclass
-class Replica:
-    """An HTTP server answering every POST with its own name, counting what it got."""
+def _replica(name: str, served: Counter[str]) -> StandIn:
+    """A replica answering every POST with its name, counting them in `served`."""
 
-    name: str
-    port: int = field(default_factory=lambda: claim_port("127.0.0.1", None))
-    served: int = 0
-    runner: web.AppRunner | None = None
+    async def answer(_: web.Request) -> web.Response:
+        served[name] += 1
+        return web.json_response({"replica": name})
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        async def answer(_: web.Request) -> web.Response:
-            self.served += 1
-            return web.json_response({"replica": self.name})
-
-        app = web.Application()
-        app.router.add_post("/{path:.*}", answer)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-            self.runner = None
+    return StandIn([web.post("/{path:.*}", answer)])
 
 
-@dataclass
-class Workers:
+def _router(healthy: dict[str, bool]) -> StandIn:
     """What SGLang's router answers on GET /workers: each replica and whether its health checks pass."""
 
+    async def workers(_: web.Request) -> web.Response:
+        listed = [{"url": url, "is_healthy": ok} for url, ok in healthy.items()]
+        return web.json_response({"workers": listed})
+
+    return StandIn([web.get("/workers", workers)])
+
+
+@dataclass
+class Replicas:
+    servers: list[StandIn]
+    served: Counter[str]
     healthy: dict[str, bool]
-    port: int = field(default_factory=lambda: claim_port("127.0.0.1", None))
-    runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        async def workers(_: web.Request) -> web.Response:
-            listed = [{"url": url, "is_healthy": ok} for url, ok in self.healthy.items()]
-            return web.json_response({"workers": listed})
-
-        app = web.Application()
-        app.router.add_get("/workers", workers)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+    gateway: AdapterGateway
 
 
 @pytest_asyncio.fixture
-async def replicas() -> AsyncIterator[tuple[list[Replica], Workers, AdapterGateway]]:
-    started = [Replica("a"), Replica("b")]
-    router = Workers({r.url: True for r in started})
-    for server in (*started, router):
+async def replicas() -> AsyncIterator[Replicas]:
+    served: Counter[str] = Counter()
+    servers = [_replica("a", served), _replica("b", served)]
+    healthy = {server.url: True for server in servers}
+    router = _router(healthy)
+    for server in (*servers, router):
         await server.start()
     gateway = AdapterGateway(None, unreachable_wait=5)
     gateway.start()
     gateway.set_served(["agent@1"])
-    gateway.set_upstream([r.url for r in started], health=router.url)
+    gateway.set_upstream([server.url for server in servers], health=router.url)
     try:
-        yield started, router, gateway
+        yield Replicas(servers, served, healthy, gateway)
     finally:
         gateway.close()
-        for server in (*started, router):
-            if server.runner is not None:
-                await server.runner.cleanup()
-            release_port(server.port)
+        for server in (*servers, router):
+            await server.close()
 
 
 async def _answered_by(gateway: AdapterGateway, conversations: range) -> list[str]:
@@ -233,35 +208,32 @@ async def _answered_by(gateway: AdapterGateway, conversations: range) -> list[st
 
 
 @pytest.mark.asyncio
-async def test_requests_spread_over_replicas_and_skip_one_that_refuses(replicas) -> None:
-    started, _, gateway = replicas
-    assert sorted(set(await _answered_by(gateway, range(8)))) == ["a", "b"]
-    await started[0].stop()  # its port now refuses connections: no request is lost to it
-    assert set(await _answered_by(gateway, range(8, 16))) == {"b"}
+async def test_requests_spread_over_replicas_and_skip_one_that_refuses(replicas: Replicas) -> None:
+    assert sorted(set(await _answered_by(replicas.gateway, range(8)))) == ["a", "b"]
+    await replicas.servers[0].stop()  # its port now refuses connections: no request is lost to it
+    assert set(await _answered_by(replicas.gateway, range(8, 16))) == {"b"}
 
 
 @pytest.mark.asyncio
-async def test_a_replica_the_router_finds_failing_gets_no_request(replicas) -> None:
-    started, router, gateway = replicas
-    router.healthy[started[1].url] = False
+async def test_a_replica_the_router_finds_failing_gets_no_request(replicas: Replicas) -> None:
+    replicas.healthy[replicas.servers[1].url] = False
     await asyncio.sleep(3 * HEALTH_POLL_S)
-    served = started[1].served
-    assert set(await _answered_by(gateway, range(8))) == {"a"}
-    assert started[1].served == served
-    router.healthy[started[1].url] = True
+    served = replicas.served["b"]
+    assert set(await _answered_by(replicas.gateway, range(8))) == {"a"}
+    assert replicas.served["b"] == served
+    replicas.healthy[replicas.servers[1].url] = True
     await asyncio.sleep(3 * HEALTH_POLL_S)
-    assert sorted(set(await _answered_by(gateway, range(8, 16)))) == ["a", "b"]
+    assert sorted(set(await _answered_by(replicas.gateway, range(8, 16)))) == ["a", "b"]
 
 
 @pytest.mark.asyncio
-async def test_with_no_server_routed_a_request_waits_for_one(replicas) -> None:
+async def test_with_no_server_routed_a_request_waits_for_one(replicas: Replicas) -> None:
     """One server (not `replicated`) is down only while it restarts: a request waits for it."""
-    started, _, gateway = replicas
-    gateway.set_upstream([])
-    waiting = asyncio.ensure_future(_answered_by(gateway, range(1)))
+    replicas.gateway.set_upstream([])
+    waiting = asyncio.ensure_future(_answered_by(replicas.gateway, range(1)))
     await asyncio.sleep(0.5)
     assert not waiting.done()
-    gateway.set_upstream([started[1].url])
+    replicas.gateway.set_upstream([replicas.servers[1].url])
     assert await asyncio.wait_for(waiting, 5) == ["b"]
 
 

@@ -13,9 +13,9 @@ import httpx
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from backend_helpers import StandIn
 
 from art_sglang.server.gateway_rules import CHAT_PATH
-from art_sglang.server.process import claim_port, release_port
 from art_sglang.server.replica_router import ReplicaRouter
 
 pytest.importorskip("sglang_router", reason="sglang-router is in the dev extra (pip install -e '.[dev]')")
@@ -39,49 +39,35 @@ SAMPLING_DROPPED = {"stop_regex": "x", "logit_bias": {"5": 10.0}, "custom_params
                     "spaces_between_special_tokens": False}  # fmt: skip
 
 
-class RecordingReplica:
-    """An HTTP server answering what the router asks of a replica, keeping each request body it gets."""
+def recording_replica(bodies: dict[str, dict[str, Any]]) -> StandIn:
+    """An HTTP server answering what the router asks of a replica, keeping each request body in `bodies`."""
 
-    def __init__(self) -> None:
-        self.bodies: dict[str, dict[str, Any]] = {}
-        self.port = claim_port("127.0.0.1", None)
-        self.runner: web.AppRunner | None = None
+    async def info(_: web.Request) -> web.Response:
+        return web.json_response({"model_path": "m", "is_generation": True})
 
-    async def start(self) -> None:
-        async def info(_: web.Request) -> web.Response:
-            return web.json_response({"model_path": "m", "is_generation": True})
+    async def record(request: web.Request) -> web.Response:
+        bodies[request.path] = await request.json()
+        return web.json_response({"id": "x", "object": "chat.completion", "created": 1, "model": "m",
+                                  "choices": [], "text": "", "meta_info": {}})  # fmt: skip
 
-        async def record(request: web.Request) -> web.Response:
-            self.bodies[request.path] = await request.json()
-            return web.json_response({"id": "x", "object": "chat.completion", "created": 1, "model": "m",
-                                      "choices": [], "text": "", "meta_info": {}})  # fmt: skip
-
-        app = web.Application()
-        for path in ("/health", "/get_model_info", "/get_server_info", "/v1/models"):
-            app.router.add_get(path, info)
-        app.router.add_post("/{path:.*}", record)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-        release_port(self.port)
+    reads = [web.get(path, info) for path in ("/health", "/get_model_info", "/get_server_info", "/v1/models")]
+    return StandIn([*reads, web.post("/{path:.*}", record)])
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def routed(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[str, RecordingReplica]]:
-    replica = RecordingReplica()
+async def routed(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """The router's address, and the bodies its one replica got (by path)."""
+    bodies: dict[str, dict[str, Any]] = {}
+    replica = recording_replica(bodies)
     router = ReplicaRouter(log_path=Path(tmp_path_factory.mktemp("router")) / "router.log")
     await replica.start()
     try:
         await router.start()
-        await router.add_worker(f"http://127.0.0.1:{replica.port}")
-        yield router.base_url, replica
+        await router.add_worker(replica.url)
+        yield router.base_url, bodies
     finally:
         await router.stop()
-        await replica.stop()
+        await replica.close()
 
 
 async def _send(base_url: str, path: str, body: dict[str, Any]) -> None:
@@ -91,20 +77,20 @@ async def _send(base_url: str, path: str, body: dict[str, Any]) -> None:
 
 
 async def test_a_chat_request_arrives_without_token_ids_and_regex_stops(routed) -> None:
-    base_url, replica = routed
+    base_url, bodies = routed
     messages = [{"role": "user", "content": "hi"}]
     await _send(base_url, CHAT_PATH, {"model": "m", "messages": messages, **CHAT_KEPT, **CHAT_DROPPED})
-    arrived = replica.bodies[CHAT_PATH]
+    arrived = bodies[CHAT_PATH]
     assert {k: arrived.get(k) for k in CHAT_KEPT} == CHAT_KEPT
     assert sorted(k for k in CHAT_DROPPED if k in arrived) == []
 
 
 async def test_generate_arrives_without_regex_stops_and_biases(routed) -> None:
-    base_url, replica = routed
+    base_url, bodies = routed
     sampling = {**SAMPLING_KEPT, **SAMPLING_DROPPED}
     await _send(base_url, "/generate", {"input_ids": [1, 2], "lora_path": "agent@1", "sampling_params": sampling,
                                         "return_logprob": True, "logprob_start_len": 0})  # fmt: skip
-    arrived = replica.bodies["/generate"]
+    arrived = bodies["/generate"]
     assert (arrived["lora_path"], arrived["return_logprob"], arrived["input_ids"]) == (
         "agent@1",
         True,
@@ -115,9 +101,9 @@ async def test_generate_arrives_without_regex_stops_and_biases(routed) -> None:
 
 
 async def test_a_text_completion_arrives_whole(routed) -> None:
-    base_url, replica = routed
+    base_url, bodies = routed
     body = {"model": "m", "prompt": "hi", "max_tokens": 2, "logprobs": 1, "lora_path": "agent@1",
             "stop_regex": ["x"], "return_token_ids": True, "logit_bias": {"5": 10.0}}  # fmt: skip
     await _send(base_url, "/v1/completions", body)
-    arrived = replica.bodies["/v1/completions"]
+    arrived = bodies["/v1/completions"]
     assert {k: arrived.get(k) for k in body} == body
