@@ -1,9 +1,10 @@
-"""Rollout throughput of SGLang server replicas behind SGLang's router, and the prefix-cache hit rate its
-routing policy keeps. The same multi-turn workload (conversations of several turns, each group sharing a
-long system prompt, on a LoRA adapter as rollouts during training are) runs on one replica alone, on two
-replicas behind the router with cache-aware routing, and on the same two with round-robin routing. The
-replicas are started once, through the backend's `InferenceService` (the adapter loaded on both); each run
-starts from flushed prefix caches.
+"""Rollout throughput of SGLang server replicas, and the prefix-cache hit rate each way of spreading
+requests over them keeps. The same multi-turn workload (conversations of several turns, each group sharing
+a long system prompt, on a LoRA adapter as rollouts during training are) runs on one replica alone, on two
+replicas through the backend's gateway (which picks the replica itself: `server.replica_choice`), and
+through SGLang's router with cache-aware and with round-robin routing. The replicas are started once,
+through the backend's `InferenceService` (the adapter loaded on both); each run starts from flushed prefix
+caches.
 
     python scripts/bench_replicas.py --model /root/models/qwen2.5-1.5b-shape \\
         --sampling-backend pytorch --json replicas.json --markdown replicas.md    (2 GPUs)
@@ -34,6 +35,7 @@ from bench_common import (
 
 from art_sglang.planning.devices import DeviceLayout
 from art_sglang.planning.serving_plan import ReplicaPlan, ServingPlan, frozen_config
+from art_sglang.server.gateway import AdapterGateway
 from art_sglang.server.inference import InferenceService
 from art_sglang.server.replica_router import ReplicaRouter
 
@@ -110,6 +112,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     service = InferenceService(plan, args.model, log_path=args.workdir / "server.log", use_gateway=False)
     python = config.resolved_server_python() if args.engine == "sglang" else sys.executable
     round_robin = ReplicaRouter(python=python, policy="round_robin", log_path=args.workdir / "router-rr.log")
+    # The gateway as the backend sets it up (prefill sharing's default lead included), without its key.
+    gateway = AdapterGateway(None, share_lead=config.share_prefill_lead_ms / 1000, replicated=True)
     runs = []
     try:
         began = time.monotonic()
@@ -120,10 +124,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for process in service.processes:
             await round_robin.add_worker(process.base_url)
         assert service.router is not None
+        gateway.start()
+        gateway.set_served([ADAPTER], [args.model])
+        gateway.set_upstream([p.base_url for p in service.processes], health=service.router.base_url)
         targets = [
             ("1 replica (GPU 0)", service.processes[0].base_url),
-            ("2 replicas, cache-aware routing", service.router.base_url),
-            ("2 replicas, round-robin routing", round_robin.base_url),
+            ("2 replicas, the backend's gateway", gateway.base_url),
+            ("2 replicas, router: cache-aware routing", service.router.base_url),
+            ("2 replicas, router: round-robin routing", round_robin.base_url),
         ]
         for label, url in targets:
             # Kernels compiled and the adapter touched on every replica before the clock runs.
@@ -134,6 +142,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             runs.append({"setup": label, **(await workload(url, args.model, args))})
             print(runs[-1], flush=True)
     finally:
+        gateway.close()
         await round_robin.stop()
         await service.close()
     env = environment()

@@ -38,8 +38,8 @@
 #     workload and seed, server and trainer co-resident on GPU 0 (CUDA MPS where the driver has it);
 #     bench-pipeline-1gpu-no-mps the same with cuda_mps="off"; bench-pipeline-split: server on GPU 0,
 #     trainer on GPU 1 (2 GPUs)
-#   bench-replicas (~3 min, 2 GPUs, stage.sh router first): rollout tokens/s of 1 replica vs 2 behind
-#     SGLang's router, and the prefix-cache hit rate of cache-aware vs round-robin routing
+#   bench-replicas (~5 min, 2 GPUs, stage.sh router first): rollout tokens/s of 1 replica vs 2 through the
+#     backend's gateway and through SGLang's router (cache-aware, round-robin), with their prefix-cache hit rates
 #   flags-default flags-all-modules flags-chunk-128 flags-no-overlap (~3.5 min each at 1.5B): the
 #     backend's GRPO runs (32 groups, 384 and 128 tokens) with its defaults and with one serving flag
 #     changed (LoRA on every module, lm_head and embed_tokens too; --max-lora-chunk-size 128;
