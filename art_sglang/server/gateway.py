@@ -1,21 +1,13 @@
 """`AdapterGateway`: the loopback HTTP proxy rollouts talk to, in front of the inference server.
 
-What it forwards and how it rewrites requests is `router.route` (pure logic); this module is the
-transport (aiohttp on both sides: a server for the clients, a pooled keep-alive client to the inference
-servers) plus what the backend needs to take a server away safely:
-
-- With several replicas the gateway picks the replica of each request itself (`replica_choice`): SGLang's
-  router in front of them would drop fields rollouts need. The router's list of healthy replicas is read
-  every `HEALTH_POLL_S`.
+What it forwards and how it rewrites requests is `gateway_rules.route` (pure logic); which server a
+request goes to, and what happens when none can be reached, is `upstream.Upstream` (replicas picked by the
+gateway itself, a refused connection tried on another, a restart waited out). This module is the server
+for the clients (aiohttp) plus what the backend needs to take a server away safely:
 
 - `hold()` makes new requests wait (up to `hold_timeout`, then 503) instead of failing while the server's
   GPU memory is released or the server restarts; `unhold()` lets them through again. `wait_idle()` waits
   for requests in flight on a name (or on any name) to finish before an adapter is unloaded.
-- A request whose connection a replica refuses goes to another; with none left (one server that died and
-  the watchdog is restarting) it waits up to `unreachable_wait` seconds for one to come back instead of
-  failing with 502.
-- Pooled connections idle for half the server's keep-alive (`upstream_keep_alive`) are not reused (one the
-  server closes as it is reused fails); a request whose connection breaks before any answer is resent once.
 - `loader`: a name that is not served is offered to it first (the backend loads an older step whose
   checkpoint is on disk); the request goes on if it returns True, else it is answered 404.
 - Bodies over `max_body_bytes` are refused with 413 before they are read; malformed JSON is a 400.
@@ -47,16 +39,13 @@ from aiohttp import web
 from ..tool_choice import DEFAULT_PARSER
 from .gateway_rules import NOT_FORWARDED, Forward, Refuse, Served, error, route, with_constraint
 from .prefill_sharing import Answer, PrefillSharing, bad_gateway, prompt_key
-from .replica_choice import ReplicaChoice, affinity_key
 from .stranded import StrandedAdapters
+from .upstream import Upstream
 
 logger = logging.getLogger(__name__)
 
 ANY = "*"  # wait_idle() on every name
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
-_UNREACHABLE_POLL_S = 0.2
-# How often the router's list of healthy replicas is read (its own checks run every second).
-HEALTH_POLL_S = 0.5
 
 Loader = Callable[[str], Awaitable[bool]]
 
@@ -73,9 +62,7 @@ class AdapterGateway:
     the server. `upstream_keep_alive`: seconds the server keeps an idle connection open. `share_lead`:
     seconds the first request of a prompt waits for another with it (None: no prefill sharing).
     `tool_call_parser`: the server's `--tool-call-parser` (what a tool_choice constrains decoding with).
-    `replicated`: the servers are replicas, restarted in the background while the others serve: with none
-    routed a request is answered 503 at once instead of waiting (a start takes minutes, and on a Ray
-    cluster without room for a replica it never comes).
+    `unreachable_wait`, `upstream_keep_alive` and `replicated`: see `upstream.Upstream`.
     `set_served(...)` sets which names may be requested; until it is called nothing is served on the
     inference routes.
     """
@@ -96,17 +83,15 @@ class AdapterGateway:
         tool_call_parser: str | None = DEFAULT_PARSER,
         replicated: bool = False,
     ):
-        self.replicas = ReplicaChoice([] if upstream is None else [upstream.rstrip("/")])
-        self._health_url: str | None = None
-        self._replicated = replicated
+        self.upstream = Upstream(
+            upstream, keep_alive=upstream_keep_alive, unreachable_wait=unreachable_wait, replicated=replicated
+        )
         self.host = host
         self.port = port
         self.api_key = api_key
         self.upstream_key = upstream_key
         self.hold_timeout = hold_timeout
-        self.unreachable_wait = unreachable_wait
         self.max_body_bytes = max_body_bytes
-        self.upstream_keep_alive = upstream_keep_alive
         self.loader: Loader | None = None
         self._loader_loop: asyncio.AbstractEventLoop | None = None
         self._served = Served(tool_call_parser=tool_call_parser)
@@ -116,8 +101,6 @@ class AdapterGateway:
         self._stop: asyncio.Event | None = None
         self._open: asyncio.Event | None = None  # cleared while held
         self._ready = threading.Event()
-        self._session: aiohttp.ClientSession | None = None
-        self._fresh: aiohttp.ClientSession | None = None  # a new connection per request, for resends
         self._start_error: BaseException | None = None
         self._sharing = PrefillSharing(self._exchange, lead=share_lead or 0.0)
         self._sharing_on = share_lead is not None
@@ -142,7 +125,7 @@ class AdapterGateway:
             raise GatewayError(
                 f"adapter gateway could not listen on {self.host}:{self.port}: {self._start_error}"
             ) from self._start_error
-        logger.info("adapter gateway on %s -> %s", self.base_url, ", ".join(self.replicas.routed))
+        logger.info("adapter gateway on %s -> %s", self.base_url, ", ".join(self.upstream.replicas.routed))
 
     def close(self) -> None:
         """Stop serving and join the thread. Idempotent."""
@@ -184,14 +167,8 @@ class AdapterGateway:
         self.loader, self._loader_loop = loader, loop
 
     def set_upstream(self, replicas: Iterable[str], health: str | None = None) -> None:
-        """Forward to `replicas` ("http://host:port" each) from now on; none: requests wait for one (up to
-        `unreachable_wait`). `health`: SGLang's router routing to them, whose health checks decide which
-        are passed over."""
-        # Pooled connections to an earlier server fail once and are replaced by aiohttp.
-        self.replicas.set_routed(url.rstrip("/") for url in replicas)
-        self._health_url = health
-        if health is None:
-            self.replicas.set_healthy(None)
+        """Forward to `replicas` ("http://host:port" each) from now on (`Upstream.set_replicas`)."""
+        self.upstream.set_replicas(replicas, health)
 
     def set_prefill_sharing(self, enabled: bool) -> None:
         """Turn prefill sharing on or off for requests that arrive from now on."""
@@ -255,10 +232,7 @@ class AdapterGateway:
         # connection and so tells the server to stop generating.
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
-        pooled = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.upstream_keep_alive / 2)
-        self._session = _client(pooled)
-        self._fresh = _client(aiohttp.TCPConnector(limit=0, force_close=True))
-        health = asyncio.ensure_future(self._watch_health())
+        await self.upstream.open(self._open)
         try:
             site = web.TCPSite(runner, self.host, self.port)
             try:
@@ -271,10 +245,8 @@ class AdapterGateway:
             self._ready.set()
             await self._stop.wait()
         finally:
-            health.cancel()
             await runner.cleanup()
-            await self._session.close()
-            await self._fresh.close()
+            await self.upstream.close()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -370,84 +342,15 @@ class AdapterGateway:
     async def _send(
         self, method: str, decision: Forward, headers: dict[str, str]
     ) -> tuple[aiohttp.ClientResponse, str] | Answer:
-        """Send the request to a replica, passing over one that refuses the connection and waiting out a
-        restart when none is left; the server's response and the replica (the request counted in flight
-        until the caller calls `_finished`), or the gateway's error response."""
-        assert self._session is not None and self._fresh is not None
-        deadline = time.monotonic() + self.unreachable_wait
+        """Send the request upstream; its names count in flight while a try is under way (until
+        `_finished` once it was answered)."""
         keys = _keys(decision)
-        # Only a choice among replicas needs the keys (a prompt's serialization, for long ones a fraction
-        # of a millisecond).
-        several = len(self.replicas.routed) > 1
-        group, affinity = (prompt_key(decision), affinity_key(decision)) if several else (None, None)
-        refused: dict[str, str] = {}  # replica -> why, for this request
-        resent = False
-        while True:
-            replica = self.replicas.pick(group, affinity, avoid=refused)
-            if replica is None and self._replicated and not self.replicas.routed:
-                message = (
-                    "no inference server replica is up: every one died, and the restarts have not brought "
-                    "one back yet (on a Ray cluster: no node with room for a replica)"
-                )
-                return Answer(503, json.dumps(error(message, "service_unavailable")).encode())
-            if replica is None:
-                # Every routed replica refused this request's connection (or none is routed): wait.
-                if time.monotonic() >= deadline:
-                    problem = "; ".join(refused.values()) or "no inference server is up"
-                    return bad_gateway(f"the inference server is not reachable: {problem}")
-                await asyncio.sleep(_UNREACHABLE_POLL_S)
-                assert self._open is not None
-                await self._open.wait()
-                refused.clear()
-                continue
-            self._count(keys, 1)
-            session = self._fresh if resent else self._session  # never a second pooled connection
-            try:
-                response = await session.request(
-                    method, replica + decision.path, data=decision.body, headers=headers
-                )
-                return response, replica
-            except aiohttp.ClientConnectorError as exc:
-                self._finished(decision, replica)
-                # Nothing reached the server: sending it to another, or again after a restart, is safe.
-                self.replicas.unreachable(replica)
-                refused[replica] = f"{replica}: {exc}"
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                self._finished(decision, replica)
-                # The connection broke before any answer: the server died (a kept-alive connection to it
-                # is only found broken when reused) or closed it as it was reused. Every forwarded route
-                # is free of side effects, so the request is sent once more, on a new connection (to
-                # another replica if this one refuses it, or after a restart); only once, so a request
-                # that itself kills a server cannot take it down again and again.
-                if resent or time.monotonic() >= deadline:
-                    return bad_gateway(f"the inference server at {replica} failed: {exc!r}")
-                resent = True
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                self._finished(decision, replica)
-                return bad_gateway(f"the inference server at {replica} failed: {exc!r}")
-            except BaseException:
-                self._finished(decision, replica)
-                raise
+        return await self.upstream.send(method, decision, headers, lambda delta: self._count(keys, delta))
 
     def _finished(self, decision: Forward, replica: str) -> None:
         """A request `_send` sent to `replica` is over."""
         self._count(_keys(decision), -1)
-        self.replicas.done(replica)
-
-    async def _watch_health(self) -> None:
-        """Pass over the replicas SGLang's router finds failing (its list of workers, read every
-        `HEALTH_POLL_S`); while the router does not answer, every routed replica counts."""
-        assert self._fresh is not None
-        while True:
-            url = self._health_url
-            if url is not None:
-                try:
-                    async with self._fresh.get(f"{url}/workers") as response:
-                        workers = (await response.json()).get("workers", [])
-                    self.replicas.set_healthy(w["url"] for w in workers if w.get("is_healthy"))
-                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, AttributeError):
-                    self.replicas.set_healthy(None)
-            await asyncio.sleep(HEALTH_POLL_S)
+        self.upstream.finished(replica)
 
     def _count(self, keys: tuple[str, ...], delta: int) -> None:
         for key in keys:
@@ -485,16 +388,6 @@ class AdapterGateway:
 def _keys(decision: Forward) -> tuple[str, ...]:
     """The in-flight counters a request counts in: each name it asks for, and every request's."""
     return (*(decision.names or ("",)), ANY)
-
-
-def _client(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
-    # No cookie jar: cookies the server sets belong to the client that asked, not to every client.
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None),
-        auto_decompress=False,
-        cookie_jar=aiohttp.DummyCookieJar(),
-    )
 
 
 def _bearer(request: web.Request) -> str | None:

@@ -17,10 +17,11 @@ import pytest_asyncio
 from aiohttp import web
 from backend_helpers import StandIn
 
-from art_sglang.server.gateway import HEALTH_POLL_S, AdapterGateway
+from art_sglang.server.gateway import AdapterGateway
 from art_sglang.server.gateway_rules import Forward
 from art_sglang.server.prefill_sharing import PROMPT_MEMORY_S
 from art_sglang.server.replica_choice import AFFINITY_PREFIX, UNREACHABLE_S, ReplicaChoice, affinity_key
+from art_sglang.server.upstream import HEALTH_POLL_S
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 
