@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .adapters import AdapterError
 from .cli import ServerArgs
@@ -172,9 +172,11 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine) -> A
     except (TypeError, ValueError) as exc:
         return error_response(str(exc))
     except StopRegexError:
-        # What SGLang's server answers to an exception escaping its route (its stream has already said 200
-        # and then breaks off).
-        return PlainTextResponse("Internal Server Error", status_code=500)
+        # SGLang 0.5.17 lets this exception escape its /generate route: the web server answers a plain-text
+        # 500 and closes the connection (seen on an H200, 2026-11-27: the client's next request on that
+        # kept-alive connection was reset). Raising it here does the same (its stream has already said
+        # 200 on SGLang and then breaks off).
+        raise
     rids = [body.rid or uuid.uuid4().hex for _ in requests]
     if body.stream:
         return StreamingResponse(
