@@ -71,7 +71,9 @@ async def conversation(
 
 async def workload(url: str, model: str, args: argparse.Namespace) -> dict[str, float]:
     """All conversations at once against `url`; tokens/s and the share of prompt tokens served from cache."""
-    async with httpx.AsyncClient(timeout=600, trust_env=False) as http:
+    # No cap on connections: httpx's default pool (100) would hold all but 100 conversations back.
+    unlimited = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, trust_env=False, limits=unlimited) as http:
         began = time.monotonic()
         totals = await asyncio.gather(
             *(
