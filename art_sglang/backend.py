@@ -100,6 +100,7 @@ class SGLangBackend:
             layout=layout,
             cuda_mps=cuda_mps,
             cluster=cluster,
+            gateway=gateway,
         )
         self._path = path
         self._use_gateway = gateway

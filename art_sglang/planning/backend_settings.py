@@ -45,14 +45,17 @@ class BackendSettings:
         layout: DeviceLayout | None = None,
         cuda_mps: CudaMpsMode = "auto",
         cluster: ClusterConfig | str | None = None,
+        gateway: bool = True,
     ) -> None:
         """`device_config`: the GPUs asked for (`device_request` turns SGLangBackend's GPU arguments into
-        one); `layout`: a finished layout instead (tests force shared mode on CPU with it)."""
+        one); `layout`: a finished layout instead (tests force shared mode on CPU with it); `gateway`: clients
+        reach the servers through the adapter gateway."""
         if shared_strategy not in ("sleep", "restart", "co_resident"):
             raise ConfigError(f"shared_strategy={shared_strategy!r}: use 'sleep', 'restart' or 'co_resident'")
         if cuda_mps not in ("auto", "on", "off"):
             raise ConfigError(f"cuda_mps={cuda_mps!r}: use 'auto', 'on' or 'off'")
         self.cuda_mps = cuda_mps
+        self.gateway = gateway
         if engine not in ("auto", "sglang", "reference"):
             raise ConfigError(f"engine={engine!r}: use 'auto', 'sglang' or 'reference'")
         check_compatible(config, trainer_config)
@@ -121,7 +124,7 @@ class BackendSettings:
         self.handoff_strategy: HandoffStrategy = "none"
         if layout.mode == "shared" and self.shared_strategy != "co_resident":
             self.handoff_strategy = self.shared_strategy
-        config = fit_replicas(config, layout)
+        config = fit_replicas(config, layout, gateway=self.gateway)
         self.sglang_config = with_memory_saver(config) if self.handoff_strategy == "sleep" else config
 
     def apply_first_model(self, settings: ModelSettings, store: ModelStore) -> None:
@@ -325,19 +328,21 @@ def server_updates(settings: ModelSettings, store: ModelStore) -> dict[str, Any]
     return updates
 
 
-def fit_replicas(config: SGLangConfig, layout: DeviceLayout) -> SGLangConfig:
+def fit_replicas(config: SGLangConfig, layout: DeviceLayout, *, gateway: bool = True) -> SGLangConfig:
     """Server replicas sharing a GPU split its memory: mem_fraction_static defaults to an equal share and
-    may not ask for more than the GPU has (`ConfigError` before anything starts)."""
+    may not ask for more than the GPU has (`ConfigError` before anything starts). `gateway`: clients reach
+    the replicas through the adapter gateway (else through SGLang's router)."""
     if len(layout.replicas) > 1 and config.port is not None:
         raise ConfigError(
             f"SGLangConfig(port={config.port}) with several server replicas: each replica needs its own "
             "port; leave port unset (free ports are picked)"
         )
-    if len(layout.replicas) > 1 and config.api_key is not None:
+    if len(layout.replicas) > 1 and config.api_key is not None and not gateway:
+        # Behind the gateway the replicas hold a key of their own and the gateway checks api_key.
         raise ConfigError(
-            "SGLangConfig(api_key=...) with several server replicas: the replicas sit behind SGLang's router, "
-            "which this backend starts without worker keys; leave api_key unset (the gateway is the one door "
-            "clients use), or serve with one replica"
+            "SGLangConfig(api_key=...) with several server replicas and gateway=False: clients would reach the "
+            "replicas through SGLang's router, which this backend starts without worker keys; keep the "
+            "gateway, leave api_key unset, or serve with one replica"
         )
     shares = Counter(gpu for gpus in layout.replicas for gpu in gpus)
     crowd = max(shares.values(), default=1)

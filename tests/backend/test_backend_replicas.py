@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import pytest_asyncio
 from backend_helpers import chat_lines, check_requests_follow_loads, kill_tree, sample_groups, served_by_each
 
 import art_sglang as art
-from art_sglang import SGLangBackend
+from art_sglang import SGLangBackend, SGLangConfig
 from art_sglang.errors import ServerStartError
 from art_sglang.planning.devices import DeviceLayout
 from art_sglang.server.inference import InferenceService
@@ -27,6 +28,7 @@ pytest.importorskip("sglang_router", reason="sglang-router is in the dev extra (
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 ANY_CHARACTER = r"[\s\S]"  # matches the first token's text, whatever the model writes
+KEY = "rollout-key"
 TWO_CPU_REPLICAS = DeviceLayout(
     "cpu", "reference", (), (), "two CPU replicas for tests", replica_gpus=((), ())
 )
@@ -46,7 +48,8 @@ class Replicated:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def replicated(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path):
     path = tmp_path_factory.mktemp("replicas") / ".art"
-    backend = SGLangBackend(path=str(path), layout=TWO_CPU_REPLICAS)
+    # With a key of the rollout clients: the gateway checks it, the replicas hold keys of their own.
+    backend = SGLangBackend(path=str(path), layout=TWO_CPU_REPLICAS, sglang_config=SGLangConfig(api_key=KEY))
     model = art.TrainableModel(name="agent", project="replicas", base_model=str(tiny_model_path))
     try:
         await model.register(backend)
@@ -102,9 +105,21 @@ async def test_both_replicas_serve_step_zero_behind_the_router(replicated: Repli
     urls = {process.base_url for process in service.processes}
     assert await service.router.workers() == dict.fromkeys(urls, True)
     assert await served_by_each(service, "agent@0") == ["yes", "yes"]
-    # Clients use the gateway, which picks a replica among those the router lists as healthy.
+    # Clients use the gateway, which picks a replica among those the router lists as healthy, with the
+    # rollout clients' key; the replicas answer only their own.
     assert replicated.model.inference_base_url == service.openai_base_url
     assert "agent@0" in {m.id for m in (await replicated.model.openai_client().models.list()).data}
+    wrong = openai.AsyncOpenAI(base_url=service.openai_base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await wrong.chat.completions.create(
+            model="agent@0", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+        for process in service.processes:
+            refused = await http.get(
+                f"{process.base_url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}
+            )
+            assert refused.status_code == 401
 
 
 async def test_each_step_is_served_by_both_replicas_across_a_replica_crash(

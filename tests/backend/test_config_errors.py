@@ -225,8 +225,12 @@ def test_replicas_sharing_a_gpu_split_its_memory_and_each_gets_its_gpus(tmp_path
     assert backend.sglang_config.mem_fraction_static == 0.42  # an equal share of 85 %, when not set
     with pytest.raises(ConfigError, match=r"2 server replicas share a GPU.*mem_fraction_static <= 0.45"):
         SGLangBackend(layout=two_on_one, sglang_config=SGLangConfig(mem_fraction_static=0.6))
-    with pytest.raises(ConfigError, match=r"api_key=\.\.\.\) with several server replicas"):
-        SGLangBackend(layout=two_on_one, sglang_config=SGLangConfig(api_key="secret"))
+    # Behind the gateway the replicas have keys of their own; without it clients would meet the router.
+    assert SGLangBackend(
+        layout=two_on_one, sglang_config=SGLangConfig(api_key="secret")
+    ).sglang_config.api_key
+    with pytest.raises(ConfigError, match=r"api_key=\.\.\.\) with several server replicas and gateway=False"):
+        SGLangBackend(layout=two_on_one, sglang_config=SGLangConfig(api_key="secret"), gateway=False)
     with pytest.raises(ConfigError, match=r"port=30000\) with several server replicas"):
         SGLangBackend(layout=two_on_one, sglang_config=SGLangConfig(port=30000))
     plan = _plan(two_on_one)
