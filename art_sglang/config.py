@@ -173,7 +173,7 @@ class SGLangConfig(BaseModel):
     api_key: str | None = Field(
         None,
         description="Key rollout clients must send (model.openai_client() sends it); None = any. The server's "
-        "admin routes get a key of their own, and behind the gateway with one server its other routes too "
+        "admin routes get a key of their own, and behind the gateway its other routes too "
         "(clients never hold those); keys reach the server in a private file, never on its command line.",
     )
     tool_call_parser: Annotated[str | None, LaunchFlag()] = Field(
