@@ -103,7 +103,6 @@ class SGLangBackend:
             gateway=gateway,
         )
         self._path = path
-        self._use_gateway = gateway
         self._plan: ServingPlan | None = None  # made once, before the first server starts
         self._service: InferenceService | None = None
         self._mps: CudaMps | None = None
@@ -291,7 +290,7 @@ class SGLangBackend:
     def _pipelining_problem(self) -> str | None:
         return pipelining_problem(
             self.handoff_strategy,
-            gateway=self._use_gateway,
+            gateway=self._settings.gateway,
             weight_sync=self.sglang_config.weight_sync_method,
         )
 
@@ -449,7 +448,7 @@ class SGLangBackend:
                 self._mps = await start_daemon(self._settings.cuda_mps, store.logs_dir / "cuda-mps.log")
             env = self._mps.client_env if self._mps is not None else {}
             self._service = InferenceService(
-                plan, base_model, log_path=store.server_log, use_gateway=self._use_gateway, env=env
+                plan, base_model, log_path=store.server_log, use_gateway=self._settings.gateway, env=env
             )
             if STRATEGIES[plan.weight_sync].serves_older_steps:
                 self._service.serve_on_demand(lambda name: checkpoint_of(self._models.values(), name))
