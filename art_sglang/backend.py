@@ -34,9 +34,9 @@ from .planning.devices import DeviceLayout, EngineChoice, device_request
 from .planning.internal_config import ModelSettings
 from .planning.serving_plan import HandoffStrategy, ServingPlan
 from .process_tree import gather_all
-from .server.inference import InferenceService
-from .server.served_names import served_name, served_prefix, steps_of
-from .server.watchdog import ServerWatchdog
+from .serving.adapters import InferenceService
+from .serving.served_names import served_name, served_prefix, steps_of
+from .serving.servers.watchdog import ServerWatchdog
 from .storage.model_store import ModelStore, append_lines, name_problem, write_model_files
 from .storage.run_lock import RunLock
 from .training.options import TrainOptions

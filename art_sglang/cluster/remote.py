@@ -19,7 +19,7 @@ from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 from ..config import KEEP_ALIVE_ENV, SGLANG_ENV_DEFAULTS, SGLangConfig
 from ..errors import AdapterLoadError, ServerStartError
 from ..process_tree import EXIT_GRACE_SECONDS, LOG_TAIL_LINES
-from ..server.process import Engine
+from ..serving.servers.process import Engine
 from .config import ClusterConfig
 from .files import adapter_version, checksum, read_adapter
 from .host import ReplicaHost

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from ..errors import ServerRequestError, TrainerError, TrainingError
 from ..planning.serving_plan import ServingPlan
 from ..process_tree import gather_all
-from ..server.inference import InferenceService
+from ..serving.adapters import InferenceService
 from ..training.checkpoints import set_aside
 from ..training.options import StepOutcome
 from ..training.process import TrainerProcess

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..config import WeightSyncMethod
-from ..server.inference import InferenceService
-from ..server.served_names import served_name, served_prefix
+from ..serving.adapters import InferenceService
+from ..serving.served_names import served_name, served_prefix
 from ..storage.model_store import ModelStore
 from .merge import merge_in_subprocess
 

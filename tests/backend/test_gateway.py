@@ -14,8 +14,8 @@ from backend_helpers import server_with_adapter
 from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
-from art_sglang.server.gateway import ANY, AdapterGateway
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.gateway.app import ANY, AdapterGateway
+from art_sglang.serving.servers.process import ServerProcess
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

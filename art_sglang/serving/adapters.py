@@ -28,11 +28,11 @@ from ..errors import AdapterLoadError, ServerCrashedError, ServerRequestError
 from ..planning.serving_plan import ServingPlan
 from ..process_tree import gather_all
 from ..storage.model_store import check_adapter
-from .gateway import ANY, AdapterGateway
-from .group import ServerGroup
-from .replica import Server, ServerHandle
-from .replica_router import ReplicaRouter
+from .gateway.app import ANY, AdapterGateway
 from .served_names import step_of
+from .servers.group import ServerGroup
+from .servers.replica import Server, ServerHandle
+from .servers.replica_health import ReplicaRouter
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class InferenceService:
         self._leases: Counter[str] = Counter()  # names rollouts hold: never unloaded while held
         # No longer routed, still loaded (on every running server) until their requests finish.
         self._unloading: dict[str, Path] = {}
-        # No longer routed, left loaded: SGLang can no longer unload them (stranded.py).
+        # No longer routed, left loaded: SGLang can no longer unload them (stranded_adapters.py).
         self._stranded: dict[str, Path] = {}
         self._aliases: dict[str, str] = {}  # names served by the base slot (merged weights)
         self._base_ids: list[str] = []

@@ -1,5 +1,5 @@
 """`Upstream`: the adapter gateway's side towards the inference servers — its HTTP clients, which replica
-each request goes to (`replica_choice.ReplicaChoice`), and what it does when a server cannot be reached:
+each request goes to (`balancer.ReplicaChoice`), and what it does when a server cannot be reached:
 
 - With several replicas the replica of each request is picked here, not by SGLang's router, which would
   re-encode the request and drop fields rollouts need (`return_token_ids` among them). The router's list
@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterable
 
 import aiohttp
 
-from .gateway_rules import Forward, error
+from .balancer import ReplicaChoice, affinity_key
 from .prefill_sharing import Answer, bad_gateway, prompt_key
-from .replica_choice import ReplicaChoice, affinity_key
+from .rules import Forward, error
 
 # How often the router's list of healthy replicas is read (its own checks run every second).
 HEALTH_POLL_S = 0.5

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..config import SGLangConfig
+from ...config import SGLangConfig
 from .client import ServerClient
 
 # A replica whose restart failed is tried again after this pause, doubled per failure in a row up to the

@@ -22,14 +22,14 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Protocol
 
-from ..errors import ServerCrashedError
-from ..planning.serving_plan import ServingPlan
-from ..process_tree import EXIT_GRACE_SECONDS, gather_all
+from ...errors import ServerCrashedError
+from ...planning.serving_plan import ServingPlan
+from ...process_tree import EXIT_GRACE_SECONDS, gather_all
+from ..sglang_api import MEMORY_TAGS, WEIGHTS_TAG
 from .client import ServerClient
 from .process import ServerProcess
 from .replica import Replica, Server, ServerHandle, replica_log
-from .replica_router import ReplicaRouter
-from .sglang_api import MEMORY_TAGS, WEIGHTS_TAG
+from .replica_health import ReplicaRouter
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class ServerGroup:
         self._cluster = None
         if plan.cluster is not None:
             # Imported here: Ray is an optional extra, loaded only when a cluster is used.
-            from ..cluster.remote import RayCluster, RemoteServer
+            from ...cluster.remote import RayCluster, RemoteServer
 
             self._cluster = RayCluster(plan.cluster)
         for n, planned in enumerate(plan.replicas):
