@@ -22,6 +22,7 @@ from typing import Any
 
 from .cluster.config import ClusterConfig
 from .config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from .cuda_mps import CudaMps, start_daemon
 from .errors import ConfigError, ModelNotRegisteredError
 from .orchestration.pipelining import pin_step, pinned_step, pipelining_problem
 from .orchestration.progress import StepProgress, record_step, reports_while, warn_about
@@ -29,7 +30,6 @@ from .orchestration.registered_model import RegisteredModel, checkpoint_of
 from .orchestration.step_runner import StepRunner
 from .orchestration.weight_sync import STRATEGIES
 from .planning.backend_settings import BackendSettings, check_row_length
-from .planning.cuda_mps import CudaMps, start_daemon
 from .planning.devices import DeviceLayout, EngineChoice, device_request
 from .planning.internal_config import ModelSettings
 from .planning.serving_plan import HandoffStrategy, ServingPlan

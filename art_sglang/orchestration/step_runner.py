@@ -12,7 +12,7 @@ from ..errors import ServerRequestError, TrainerError, TrainingError
 from ..planning.serving_plan import ServingPlan
 from ..process_tree import gather_all
 from ..serving.adapters import InferenceService
-from ..training.checkpoints import set_aside
+from ..storage.checkpoints import set_aside
 from ..training.options import StepOutcome
 from ..training.process import TrainerProcess
 from .registered_model import RegisteredModel

@@ -12,11 +12,11 @@ from typing import Any, Literal
 
 from ..cluster.config import ClusterConfig, cluster_layout
 from ..config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from ..cuda_mps import CONTROL, control_program
 from ..errors import ConfigError
 from ..orchestration.weight_sync import STRATEGIES
 from ..storage.model_store import ModelStore, base_model_problem
 from ..training.options import TrainOptions
-from .cuda_mps import CONTROL, control_program
 from .devices import GPU_FIELDS, DeviceLayout, EngineChoice, choose_layout, detect_gpus, device_request
 from .gpu_budget import SharedPlan, model_weights_bytes, plan_co_resident, plan_shared_gpu
 from .internal_config import ModelSettings, internal_config_of, model_settings

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AdapterLoadError
-from ..training.checkpoints import list_checkpoints
+from .checkpoints import list_checkpoints
 
 if TYPE_CHECKING:
     from ..planning.internal_config import ModelSettings

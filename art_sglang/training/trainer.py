@@ -25,7 +25,7 @@ import torch
 
 from ..config import TrainerConfig
 from ..errors import TrainerError, TrainingError, TrainingInputError
-from . import checkpoints as ckpt
+from ..storage import checkpoints as ckpt
 from .advantages import balance, batch_scale, group_advantages, weighted_sequences
 from .checkpoint_io import (
     CheckpointState,

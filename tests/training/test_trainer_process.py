@@ -23,7 +23,7 @@ from art_sglang.config import SGLangConfig, TrainerConfig
 from art_sglang.errors import TrainerError, TrainingInputError
 from art_sglang.serving.servers.client import ServerClient
 from art_sglang.serving.servers.process import ServerProcess
-from art_sglang.training.checkpoints import list_checkpoints
+from art_sglang.storage.checkpoints import list_checkpoints
 from art_sglang.training.options import TrainOptions
 from art_sglang.training.process import TrainerProcess
 from art_sglang.trajectories import TrajectoryGroup
