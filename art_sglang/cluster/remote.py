@@ -16,11 +16,10 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
-from ..config import KEEP_ALIVE_ENV, SGLANG_ENV_DEFAULTS, SGLangConfig
+from ..config import KEEP_ALIVE_ENV, SGLANG_ENV_DEFAULTS, ClusterConfig, SGLangConfig
 from ..errors import AdapterLoadError, ServerStartError
 from ..process_tree import EXIT_GRACE_SECONDS, LOG_TAIL_LINES
 from ..serving.servers.process import Engine
-from .config import ClusterConfig
 from .files import adapter_version, checksum, read_adapter
 from .host import ReplicaHost
 
@@ -76,6 +75,21 @@ class RayCluster:
             "scheduling_strategy": "SPREAD",
         }
         return self._host_class.options(**options).remote(self.config.adapter_dir)
+
+    def server(
+        self,
+        config: SGLangConfig,
+        base_model: str,
+        *,
+        engine: Engine,
+        admin_api_key: str,
+        env: Mapping[str, str] | None,
+        label: str,
+    ) -> RemoteServer:
+        """One replica on this cluster (`ServerGroup`'s `RemotePlacement`); placed on a node when it starts."""
+        return RemoteServer(
+            self, config, base_model, engine=engine, admin_api_key=admin_api_key, env=env, label=label
+        )
 
     def needs(self) -> str:
         """What one replica asks of a node, in words."""

@@ -13,8 +13,7 @@ from contextlib import asynccontextmanager
 from contextvars import ContextVar
 
 from ..config import WeightSyncMethod
-from ..planning.serving_plan import HandoffStrategy
-from .weight_sync import STRATEGIES
+from ..planning.serving_plan import SYNC_TRAITS, HandoffStrategy
 
 _pinned_steps: ContextVar[dict[str, int] | None] = ContextVar("art_sglang_pinned_steps", default=None)
 
@@ -50,7 +49,7 @@ def pipelining_problem(
             "with gateway=False nothing checks that a rollout's adapter is still loaded (SGLang answers an "
             "unloaded name from the base model): use gateway=True (the default)"
         )
-    if not STRATEGIES[weight_sync].keeps_older_steps:
+    if not SYNC_TRAITS[weight_sync].keeps_older_steps:
         return (
             f"weight_sync_method={weight_sync!r} serves only the newest step (older steps' rollouts would "
             "change policy or be cut off mid-request): use weight_sync_method='lora' (the default)"

@@ -10,17 +10,30 @@ import math
 from collections import Counter
 from typing import Any, Literal
 
-from ..cluster.config import ClusterConfig, cluster_layout
-from ..config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from ..config import ClusterConfig, CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
 from ..cuda_mps import CONTROL, control_program
 from ..errors import ConfigError
-from ..orchestration.weight_sync import STRATEGIES
 from ..storage.model_store import ModelStore, base_model_problem
 from ..training.options import TrainOptions
-from .devices import GPU_FIELDS, DeviceLayout, EngineChoice, choose_layout, detect_gpus, device_request
+from .devices import (
+    GPU_FIELDS,
+    DeviceLayout,
+    EngineChoice,
+    choose_layout,
+    cluster_layout,
+    detect_gpus,
+    device_request,
+)
 from .gpu_budget import SharedPlan, model_weights_bytes, plan_co_resident, plan_shared_gpu
 from .internal_config import ModelSettings, internal_config_of, model_settings
-from .serving_plan import FrozenSGLangConfig, HandoffStrategy, ReplicaPlan, ServingPlan, frozen_config
+from .serving_plan import (
+    SYNC_TRAITS,
+    FrozenSGLangConfig,
+    HandoffStrategy,
+    ReplicaPlan,
+    ServingPlan,
+    frozen_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +180,7 @@ class BackendSettings:
                 f"this backend serves base model {served_base_model!r}; model {model.name!r} uses "
                 f"{model.base_model!r}: one server serves one base model, so use a second SGLangBackend"
             )
-        if not STRATEGIES[self.sglang_config.weight_sync_method].several_models:
+        if not SYNC_TRAITS[self.sglang_config.weight_sync_method].several_models:
             raise ConfigError(
                 "weight_sync_method='disk' merges one model's weights into the server's base weights, so "
                 "only one model can be registered: use weight_sync_method='lora' to serve several"
