@@ -32,6 +32,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
 
 import aiohttp
 from aiohttp import web
@@ -274,13 +275,15 @@ class AdapterGateway:
             return _json(decision.status, decision.payload)
         if not authorized:
             return _json(401, error("invalid API key", "invalid_api_key"))
-        key = prompt_key(decision) if self._sharing_on else None
-        if key is not None:
+        if self._sharing_on or self.upstream.chooses:
+            # Once per request: prefill sharing and the choice among replicas both group requests by it.
+            decision = replace(decision, prompt=prompt_key(decision))
+        if self._sharing_on and decision.prompt is not None:
             keys = _keys(decision)
             # Counted from here: a drain before an unload must wait for a request held in its window.
             self._count(keys, 1)
             try:
-                await self._sharing.wait_turn(key, decision, self._upstream_headers(request))
+                await self._sharing.wait_turn(decision.prompt, decision, self._upstream_headers(request))
             finally:
                 self._count(keys, -1)
         return await self._forward(request, decision)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 import aiohttp
 
 from .balancer import ReplicaChoice, affinity_key
-from .prefill_sharing import Answer, bad_gateway, prompt_key
+from .prefill_sharing import Answer, bad_gateway
 from .rules import Forward, error
 
 # How often the router's list of healthy replicas is read (its own checks run every second).
@@ -73,6 +73,11 @@ class Upstream:
             if session is not None:
                 await session.close()
 
+    @property
+    def chooses(self) -> bool:
+        """Whether each request's replica is chosen (among several routed)."""
+        return len(self.replicas.routed) > 1
+
     async def send(
         self, method: str, decision: Forward, headers: dict[str, str], counted: Counted
     ) -> tuple[aiohttp.ClientResponse, str] | Answer:
@@ -82,9 +87,8 @@ class Upstream:
         assert self._session is not None and self._fresh is not None and self._open is not None
         deadline = time.monotonic() + self.unreachable_wait
         # Only a choice among replicas needs the keys (a prompt's serialization, for long ones a fraction
-        # of a millisecond).
-        several = len(self.replicas.routed) > 1
-        group, affinity = (prompt_key(decision), affinity_key(decision)) if several else (None, None)
+        # of a millisecond; the gateway made the prompt's once).
+        group, affinity = (decision.prompt, affinity_key(decision)) if self.chooses else (None, None)
         refused: dict[str, str] = {}  # replica -> why, for this request
         resent = False
         while True:
