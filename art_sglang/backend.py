@@ -41,7 +41,7 @@ from .storage.run_lock import RunLock
 from .training.options import TrainOptions
 from .training.process import TrainerProcess
 from .training.sft import SFTBatch, prepare_sft
-from .training.validation import groups_to_wire, validate_groups
+from .training.validation import check_groups
 from .trajectories import coerce_groups, coerce_trajectory
 from .types import LocalTrainResult
 
@@ -306,9 +306,8 @@ class SGLangBackend:
         """
         self._check_open()
         train_options = TrainOptions.from_keywords(options)
-        groups = groups_to_wire(coerce_groups(trajectory_groups))
-        # Checked here, before the GPU handoff, so bad input never takes the server away.
-        validate_groups(groups, **train_options.input_rules())
+        # Converted and checked once, here, before the GPU handoff: bad input never takes the server away.
+        groups = check_groups(coerce_groups(trajectory_groups), **train_options.input_rules())
         entry = self._entry(model)
         check_row_length(train_options, entry.trainer.config)
         if entry.pipelined and (problem := self._pipelining_problem()) is not None:
