@@ -24,11 +24,12 @@ from .cluster import ray_cluster
 from .config import ClusterConfig, CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
 from .cuda_mps import CudaMps, start_daemon
 from .errors import ConfigError, ModelNotRegisteredError
-from .orchestration.pipelining import pin_step, pinned_step, pipelining_problem
+from .orchestration.pipelining import pin_step, pinned_step
 from .orchestration.progress import StepProgress, record_step, reports_while, warn_about
 from .orchestration.registered_model import RegisteredModel, checkpoint_of
 from .orchestration.step_runner import StepRunner
-from .planning.backend_settings import BackendSettings, check_row_length
+from .planning.backend_settings import BackendSettings
+from .planning.config_checks import check_row_length, pipelining_problem
 from .planning.devices import DeviceLayout, EngineChoice, device_request
 from .planning.internal_config import ModelSettings
 from .planning.serving_plan import SYNC_TRAITS, HandoffStrategy, ServingPlan

@@ -12,7 +12,8 @@ from pydantic import ValidationError
 import art_sglang as art
 from art_sglang import ConfigError, DeviceConfig, SGLangBackend, SGLangConfig, TrainerConfig
 from art_sglang.config import DEFAULT_LORA_TARGETS
-from art_sglang.planning.backend_settings import BackendSettings, check_compatible
+from art_sglang.planning.backend_settings import BackendSettings
+from art_sglang.planning.config_checks import check_compatible
 from art_sglang.planning.devices import DeviceLayout
 from art_sglang.planning.internal_config import model_settings
 from art_sglang.planning.serving_plan import ServingPlan
