@@ -76,20 +76,10 @@ class RayCluster:
         }
         return self._host_class.options(**options).remote(self.config.adapter_dir)
 
-    def server(
-        self,
-        config: SGLangConfig,
-        base_model: str,
-        *,
-        engine: Engine,
-        admin_api_key: str,
-        env: Mapping[str, str] | None,
-        label: str,
-    ) -> RemoteServer:
-        """One replica on this cluster (`ServerGroup`'s `RemotePlacement`); placed on a node when it starts."""
-        return RemoteServer(
-            self, config, base_model, engine=engine, admin_api_key=admin_api_key, env=env, label=label
-        )
+    def server(self, config: SGLangConfig, base_model: str, **options: Any) -> RemoteServer:
+        """One replica on this cluster, placed on a node when it starts (`ServerGroup`'s `RemotePlacement`;
+        `options`: `RemoteServer`'s)."""
+        return RemoteServer(self, config, base_model, **options)
 
     def needs(self) -> str:
         """What one replica asks of a node, in words."""
