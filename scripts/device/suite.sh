@@ -101,7 +101,9 @@ inference=(python3 scripts/benchmark_inference.py --model "$big")
 pipeline=(python3 scripts/bench_pipeline.py --model "$big" "${kernels[@]}" --steps 8 --max-tokens 384)
 # 470 s: the last run to start (10-35 s at 7B) and the server's stop end before the call's 10 minutes.
 probe=(python3 scripts/probe_rollout_costs.py --model "$big" --lora-rank 16 --seconds 10 --repeats 3 --workdir /tmp/work-probe)
-rollouts=(python3 scripts/bench_rollouts.py --model "$big" --resume --deadline-s 470)
+# Issue 26's runs as they were measured: ART's client only, prefill sharing off too for varying and multiturn.
+rollouts=(python3 scripts/bench_rollouts.py --model "$big" --resume --deadline-s 470 --clients art
+          --off-kinds varying multiturn --runs grpo-128:32 grpo-128:16 varying-384:32 multiturn-64:32 grpo-384:32 grpo-384:16)
 # BENCH_RUNS="grpo-128:32 grpo-128:16" picks the rollout runs (the 7B shape's runs take twice as long).
 # shellcheck disable=SC2206
 [ -z "${BENCH_RUNS:-}" ] || rollouts+=(--runs $BENCH_RUNS)
@@ -176,7 +178,7 @@ for name in "$@"; do
                               --json "$results/bench_rollouts-vllm-${big##*/}.json") ;;
     # One serving flag against the defaults, each on its own server: 384-token answers (where decoding
     # dominates and the backend trailed vLLM) and 128-token ones, 32 groups of 8.
-    flags-*) cmd=(python3 scripts/bench_rollouts.py --model "$big" "${kernels[@]}" --side backend
+    flags-*) cmd=(python3 scripts/bench_rollouts.py --model "$big" "${kernels[@]}" --side backend --clients art
                   --runs grpo-384:32 grpo-128:32 --ttft-requests 0 --workdir "/tmp/work-$name"
                   --json "$results/$name.json")
              case ${name#flags-} in
