@@ -214,10 +214,11 @@ async def server_info(http: httpx.AsyncClient, base_url: str, api_key: str | Non
     """SGLang's /server_info (its launch arguments as it settled them: CUDA-graph batch sizes, chunked
     prefill, KV-cache tokens...), keys scrubbed; None where the server has none."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    with contextlib.suppress(httpx.HTTPError, ValueError):
-        response = await http.get(f"{base_url}/server_info", headers=headers)
-        if response.status_code == 200:
-            return scrubbed(response.json())
+    for path in ("/server_info", "/get_server_info"):  # the second is the older name SGLang still answers
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            response = await http.get(base_url + path, headers=headers)
+            if response.status_code == 200:
+                return scrubbed(response.json())
     return None
 
 
