@@ -205,19 +205,24 @@ def parse_sglang_cache_counters(metrics: str) -> dict[str, float] | None:
     return totals if len(totals) == 2 else None
 
 
-def scrubbed(info: dict[str, Any]) -> dict[str, Any]:
-    """A server's /server_info without its keys (SGLang shows them as they are)."""
-    return {key: ("<set>" if key in SECRET_FIELDS and value else value) for key, value in info.items()}
+def scrubbed(info: Any) -> Any:
+    """A server's /server_info without its keys, at any depth (SGLang shows them as they are)."""
+    if isinstance(info, dict):
+        return {
+            key: "<set>" if key in SECRET_FIELDS and value else scrubbed(value) for key, value in info.items()
+        }
+    return [scrubbed(item) for item in info] if isinstance(info, list) else info
 
 
 async def server_info(http: httpx.AsyncClient, base_url: str, api_key: str | None) -> dict[str, Any] | None:
     """SGLang's /server_info (its launch arguments as it settled them: CUDA-graph batch sizes, chunked
     prefill, KV-cache tokens...), keys scrubbed; None where the server has none."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    with contextlib.suppress(httpx.HTTPError, ValueError):
-        response = await http.get(f"{base_url}/server_info", headers=headers)
-        if response.status_code == 200:
-            return scrubbed(response.json())
+    for path in ("/server_info", "/get_server_info"):  # the second is the older name SGLang still answers
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            response = await http.get(base_url + path, headers=headers)
+            if response.status_code == 200:
+                return scrubbed(response.json())
     return None
 
 

@@ -203,13 +203,13 @@ for name in "$@"; do
         backend-a1) cmd=("${r39[@]}" --side backend --label A1 "${kernels[@]}" --runs $r39_main) ;;
         vllm) cmd=("${r39[@]}" --side direct --engine vllm "${vllm_kernels[@]}" --runs $r39_main) ;;
         backend-a2) cmd=("${r39[@]}" --side backend --label A2 "${kernels[@]}" --routes gateway server
-                         --runs $r39_split --ttft-requests 0) ;;
-        vllm-base) cmd=("${r39[@]}" --side direct --engine vllm --no-lora "${vllm_kernels[@]}" --ttft-requests 0
-                        --runs grpo-128:32@bare grpo-128:16@bare grpo-1024:16@bare) ;;
+                         --clients bare --runs $r39_split) ;;
+        vllm-base) cmd=("${r39[@]}" --side direct --engine vllm --no-lora "${vllm_kernels[@]}" --clients bare
+                        --runs grpo-128:32 grpo-128:16 grpo-1024:16) ;;
         direct-exact) cmd=("${r39[@]}" --side direct --flags backend --request-form gateway "${kernels[@]}"
-                           --runs $r39_split --ttft-requests 0) ;;
+                           --clients bare --runs $r39_split) ;;
         drop-*) cmd=("${r39[@]}" --side direct --flags backend --drop "${name#r39-drop-}" --request-form gateway
-                     "${kernels[@]}" --runs $r39_split --ttft-requests 0) ;;
+                     "${kernels[@]}" --clients bare --runs $r39_split) ;;
         *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
       esac
       # shellcheck disable=SC2206

@@ -193,6 +193,13 @@ def test_run_specs() -> None:
             bench_rollouts.run_spec(bad)
 
 
+def test_server_info_is_kept_without_its_keys() -> None:
+    info = {"api_key": "k1", "admin_api_key": None, "cuda_graph_max_bs": 256,
+            "internal_states": [{"api_key": "k2", "memory_usage": {"kvcache": 9.5}}]}  # fmt: skip
+    assert rollout_targets.scrubbed(info) == {"api_key": "<set>", "admin_api_key": None, "cuda_graph_max_bs": 256,
+                                              "internal_states": [{"api_key": "<set>", "memory_usage": {"kvcache": 9.5}}]}  # fmt: skip
+
+
 def test_sglang_cache_counters_from_prometheus_text() -> None:
     metrics = "\n".join([
         "# TYPE sglang:prompt_tokens_total counter",
