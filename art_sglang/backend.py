@@ -322,7 +322,7 @@ class SGLangBackend:
         async with self._lock:
             started = time.monotonic()
             verbose = train_options.verbose
-            with StepProgress(model.name, entry.step + 1, not (verbose or sys.stderr.isatty())) as bar:
+            with StepProgress(model.name, entry.step, not (verbose or sys.stderr.isatty())) as bar:
                 outcome, timings = await steps.run(
                     entry,
                     lambda trainer: trainer.train(groups, train_options, on_progress=bar),
