@@ -125,7 +125,8 @@ class AdapterGateway:
             raise GatewayError(
                 f"adapter gateway could not listen on {self.host}:{self.port}: {self._start_error}"
             ) from self._start_error
-        logger.info("adapter gateway on %s -> %s", self.base_url, ", ".join(self.upstream.replicas.routed))
+        routed = ", ".join(self.upstream.replicas.routed)  # none yet: set_upstream's line says when
+        logger.info("adapter gateway on %s%s", self.base_url, f" -> {routed}" if routed else "")
 
     def close(self) -> None:
         """Stop serving and join the thread. Idempotent."""
@@ -168,7 +169,13 @@ class AdapterGateway:
 
     def set_upstream(self, replicas: Iterable[str], health: str | None = None) -> None:
         """Forward to `replicas` ("http://host:port" each) from now on (`Upstream.set_replicas`)."""
+        before = list(self.upstream.replicas.routed)
         self.upstream.set_replicas(replicas, health)
+        routed = list(self.upstream.replicas.routed)
+        if routed != before:
+            logger.info(
+                "adapter gateway %s -> %s", self.base_url, ", ".join(routed) or "no server (requests wait)"
+            )
 
     def set_prefill_sharing(self, enabled: bool) -> None:
         """Turn prefill sharing on or off for requests that arrive from now on."""
