@@ -125,8 +125,8 @@ class AdapterGateway:
             raise GatewayError(
                 f"adapter gateway could not listen on {self.host}:{self.port}: {self._start_error}"
             ) from self._start_error
-        routed = ", ".join(self.upstream.replicas.routed)  # none yet: set_upstream's line says when
-        logger.info("adapter gateway on %s%s", self.base_url, f" -> {routed}" if routed else "")
+        if self.upstream.replicas.routed:  # else set_upstream's line comes once there is a server
+            self._log_routing()
 
     def close(self) -> None:
         """Stop serving and join the thread. Idempotent."""
@@ -171,11 +171,12 @@ class AdapterGateway:
         """Forward to `replicas` ("http://host:port" each) from now on (`Upstream.set_replicas`)."""
         before = list(self.upstream.replicas.routed)
         self.upstream.set_replicas(replicas, health)
-        routed = list(self.upstream.replicas.routed)
-        if routed != before:
-            logger.info(
-                "adapter gateway %s -> %s", self.base_url, ", ".join(routed) or "no server (requests wait)"
-            )
+        if list(self.upstream.replicas.routed) != before:
+            self._log_routing()
+
+    def _log_routing(self) -> None:
+        routed = ", ".join(self.upstream.replicas.routed) or "no server (requests wait for one)"
+        logger.info("adapter gateway on %s -> %s", self.base_url, routed)
 
     def set_prefill_sharing(self, enabled: bool) -> None:
         """Turn prefill sharing on or off for requests that arrive from now on."""
