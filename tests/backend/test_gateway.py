@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from pathlib import Path
 
 import httpx
@@ -168,6 +169,22 @@ async def test_a_server_that_is_down_is_a_502(tmp_path: Path) -> None:
         assert down.status_code == 502 and "not reachable" in down.json()["error"]["message"]
     finally:
         gw.close()
+
+
+async def test_the_log_says_where_the_gateway_forwards_once_it_knows(caplog) -> None:
+    gw = AdapterGateway(None)
+    with caplog.at_level(logging.INFO, logger="art_sglang.server.gateway"):
+        gw.start()
+        try:
+            gw.set_upstream(["http://127.0.0.1:9"])
+            gw.set_upstream(["http://127.0.0.1:9"])  # unchanged: no second line
+            gw.set_upstream([])
+        finally:
+            gw.close()
+    assert [record.getMessage() for record in caplog.records] == [
+        f"adapter gateway on {gw.base_url} -> http://127.0.0.1:9",
+        f"adapter gateway on {gw.base_url} -> no server (requests wait for one)",
+    ]
 
 
 async def test_without_the_gateway_names_use_sglangs_own_adapter_form(
