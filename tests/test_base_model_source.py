@@ -55,7 +55,9 @@ def test_offline_mode_is_named(empty_cache: Path, monkeypatch) -> None:
     assert problem is not None and "HF_HUB_OFFLINE is set" in problem and "hf download" in problem
 
 
-async def test_register_refuses_it_before_any_process_starts(tmp_path: Path, empty_cache, monkeypatch) -> None:
+async def test_register_refuses_it_before_any_process_starts(
+    tmp_path: Path, empty_cache, monkeypatch
+) -> None:
     monkeypatch.setattr(huggingface_hub, "model_info", _unreachable)
     model = art.TrainableModel(name="agent", project="p", base_model=MISSING)
     before = len(psutil.Process().children(recursive=True))
