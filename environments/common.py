@@ -321,4 +321,7 @@ def main(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("httpx", "matplotlib"):  # a line per request; the font cache's first build
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    asyncio.run(run(env, parse_args(description, argv, steps=steps), **run_options))
+    try:
+        asyncio.run(run(env, parse_args(description, argv, steps=steps), **run_options))
+    except art.ConfigError as exc:  # a setting to change: the message says which and how
+        raise SystemExit(f"error: {exc}") from None

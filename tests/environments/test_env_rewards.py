@@ -174,6 +174,20 @@ def test_a_bad_learning_rate_is_refused_before_anything_starts(
     assert not art_dir.exists()  # not even the tiny model was built
 
 
+def test_a_base_model_that_cannot_be_had_is_one_line_naming_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    argv = ["char_share", "--model", "nobody-here/no-such-model", "--path", str(tmp_path / ".art")]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("environments.char_share", run_name="__main__")
+    assert str(exited.value.code).startswith("error: base_model 'nobody-here/no-such-model' is not in")
+    assert "hf download nobody-here/no-such-model" in str(exited.value.code)
+
+
 def test_the_tiny_model_says_up_front_what_it_cannot_learn() -> None:
     assert tiny_model_note(CharShareTask()) is None
     note = tiny_model_note(TicTacToeTask())
