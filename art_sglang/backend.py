@@ -37,6 +37,7 @@ from .process_tree import gather_all
 from .serving.adapters import InferenceService
 from .serving.served_names import served_name, served_prefix, steps_of
 from .serving.servers.watchdog import ServerWatchdog
+from .storage.base_model_source import check_base_model_source
 from .storage.model_store import ModelStore, append_lines, name_problem, write_model_files
 from .storage.run_lock import RunLock
 from .training.options import TrainOptions
@@ -138,14 +139,12 @@ class SGLangBackend:
         """Write model.json; for a trainable model start the trainer (resuming its newest checkpoint) and
         the server, and load the current step's adapter as `<name>@<step>`. Registering again is a no-op.
 
-        Everything is checked before anything is written or started: names, the base model, the model's
-        `_internal_config`, and that no other live backend has the model's directory (`ConfigError`). A
-        registration that fails leaves the backend as it was (the first model's failure stops the server
-        it started, so another base model can follow)."""
+        All is checked before anything is written or started (`ConfigError`): names, the base model and
+        that its files can be had, `_internal_config`, that no other live backend has the model's directory.
+        A failed registration leaves the backend as it was (the first model's stops the server it started)."""
         self._check_open()
         for field in ("name", "project"):
-            problem = name_problem(getattr(model, field))
-            if problem is not None:
+            if (problem := name_problem(getattr(model, field))) is not None:
                 raise ConfigError(f"model {field} {problem}")
         store = ModelStore(self._path, model.project, model.name)
         if not model.trainable:
@@ -170,6 +169,7 @@ class SGLangBackend:
                 registered=list(self._models),
                 served_base_model=self._service.base_model if self._service is not None else None,
             )
+            await asyncio.to_thread(check_base_model_source, model.base_model)
             lock = RunLock(store.dir)
             lock.acquire()
             try:
@@ -321,7 +321,7 @@ class SGLangBackend:
         async with self._lock:
             started = time.monotonic()
             verbose = train_options.verbose
-            with StepProgress(model.name, entry.step + 1, not (verbose or sys.stderr.isatty())) as bar:
+            with StepProgress(model.name, entry.step, not (verbose or sys.stderr.isatty())) as bar:
                 outcome, timings = await steps.run(
                     entry,
                     lambda trainer: trainer.train(groups, train_options, on_progress=bar),

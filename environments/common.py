@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import art_sglang as art
 from art_sglang.config import DEFAULT_LORA_TARGETS, SGLangConfig, TrainerConfig
 from art_sglang.tiny_model import build_tiny_model
+from art_sglang.training.options import TrainOptions
 
 from .reward_curve import write_results
 
@@ -39,7 +40,9 @@ REAL_LEARNING_RATE = 1e-5
 
 
 class Environment(Protocol):
-    """A task: scenarios for each step and a rollout that turns one scenario into a scored trajectory."""
+    """A task: scenarios for each step and a rollout that turns one scenario into a scored trajectory.
+    Optional attributes: `ceiling` (the best reward: a step that scores it everywhere ends the run) and
+    `tiny_model_learns` (False when absent: a run on the tiny model says up front that it cannot learn)."""
 
     name: str
     max_tokens: int
@@ -186,7 +189,13 @@ def parse_args(description: str, argv: Sequence[str] | None, *, steps: int = 12)
         "--model", "--base-model", dest="model",
         help="base model (HF id or path); default: the tiny offline model (CPU demo scale)",
     )  # fmt: skip
-    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=steps,
+        help=f"at most this many (default {steps}); a run stops earlier once every rollout of a step\n"
+        "scores the task's best reward",
+    )
     parser.add_argument("--groups", type=int, default=8, help="trajectory groups (scenarios) per step")
     parser.add_argument("--group-size", type=int, default=8, help="rollouts per scenario")
     parser.add_argument(
@@ -210,7 +219,24 @@ def parse_args(description: str, argv: Sequence[str] | None, *, steps: int = 12)
     backend.add_argument("--shared-strategy", choices=["sleep", "restart", "co_resident"], default="sleep")
     backend.add_argument("--weight-sync", choices=["lora", "disk", "restart"], default="lora")
     backend.add_argument("--lora-rank", type=int, default=8)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.learning_rate is not None:  # refused now, not after step 0's rollouts
+        try:
+            TrainOptions.from_keywords({"learning_rate": args.learning_rate})
+        except art.ConfigError as exc:
+            parser.error(f"--learning-rate {args.learning_rate}: {exc}")
+    return args
+
+
+def tiny_model_note(env: Environment) -> str | None:
+    """What a run of `env` on the tiny model should say first: None where the tiny model learns it."""
+    if getattr(env, "tiny_model_learns", False):
+        return None
+    return (
+        f"note: without --model this runs the tiny random model, which checks the loop but cannot learn "
+        f"{env.name} (its reward stays near chance). To see it learn, pass --model with a real model (on a "
+        "GPU); scripts/demo.py runs a task that the tiny model learns on CPU."
+    )
 
 
 async def run(
@@ -221,6 +247,9 @@ async def run(
     tiny = args.model is None
     base_model = str(build_tiny_model(args.tiny_model_dir or root / "tiny-model")) if tiny else args.model
     learning_rate = args.learning_rate or (TINY_LEARNING_RATE if tiny else REAL_LEARNING_RATE)
+    note = tiny_model_note(env) if tiny else None
+    if note is not None:
+        print(note, flush=True)
     if args.max_tokens is not None:
         env = dataclasses.replace(env, max_tokens=args.max_tokens)  # type: ignore[type-var]
     if args.pipelined is None:
@@ -245,8 +274,11 @@ async def run(
         trainer_config=trainer_config,
     ) as backend:
         await model.register(backend)
-        print(f"{backend.layout.describe()}; serving {model.get_inference_name()}", flush=True)
-        print(f"registered in {time.monotonic() - started:.1f} s", flush=True)
+        # The layout is in the backend's log line above.
+        print(
+            f"serving {model.get_inference_name()}: registered in {time.monotonic() - started:.1f} s",
+            flush=True,
+        )
         loop_options: dict[str, Any] = {
             "steps": args.steps,
             "groups_per_step": args.groups,
@@ -287,5 +319,9 @@ def main(
 ) -> None:
     """Entry point of `python -m environments.<name>`; `steps` is the default of --steps."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    asyncio.run(run(env, parse_args(description, argv, steps=steps), **run_options))
+    for noisy in ("httpx", "matplotlib"):  # a line per request; the font cache's first build
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        asyncio.run(run(env, parse_args(description, argv, steps=steps), **run_options))
+    except art.ConfigError as exc:  # a setting to change: the message says which and how
+        raise SystemExit(f"error: {exc}") from None

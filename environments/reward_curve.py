@@ -33,6 +33,8 @@ def write_results(model_dir: Path, rows: list[dict[str, Any]], *, title: str) ->
 
 
 def _plot(figure: Any, rows: list[dict[str, Any]], png: Path, title: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     # Figure without pyplot: no global state and no display backend, so it works in threads and headless.
     steps = [row["step"] for row in rows]
     mean = [row["mean_reward"] for row in rows]
@@ -46,6 +48,7 @@ def _plot(figure: Any, rows: list[dict[str, Any]], png: Path, title: str) -> Non
     axes.fill_between(steps, low, high, color="tab:blue", alpha=0.3, linewidth=0, label="mean ± std")
     axes.plot(steps, mean, color="tab:blue", marker="o", markersize=3, label="mean reward")
     axes.set_xlabel("step (the adapter that produced the rollouts)")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no ticks at 2.5
     axes.set_ylabel("reward")
     axes.set_title(title)
     axes.grid(alpha=0.3)

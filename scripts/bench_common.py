@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import shlex
@@ -20,6 +21,8 @@ import httpx
 from openai import AsyncOpenAI
 
 from art_sglang.config import DEFAULT_LORA_TARGETS, SGLangConfig
+
+COMMIT_ENV = "ART_SGLANG_COMMIT"
 
 
 def add_server_args(
@@ -129,6 +132,7 @@ class ServerSettings:
     sampling_backend: str | None = None  # SGLang only
     sglang_args: tuple[str, ...] = ()  # SGLang only: further launch flags as given
     lora_target_modules: tuple[str, ...] = tuple(DEFAULT_LORA_TARGETS)  # SGLang only
+    lora: bool = True  # vLLM only: False serves the base weights without --enable-lora
 
 
 def server_settings(args: argparse.Namespace, **changes: Any) -> ServerSettings:
@@ -249,20 +253,6 @@ def art_openai_client(base_url: str, api_key: str, *, aiohttp_transport: bool = 
     return AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=maker(timeout=timeout, limits=limits))
 
 
-def _nvidia_smi(query: str) -> list[str] | None:
-    """One line per GPU for an nvidia-smi `--query-gpu` field, or None without nvidia-smi."""
-    try:
-        done = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return [line.strip() for line in done.stdout.splitlines() if line.strip()]
-
-
 def version_in(python: str, package: str) -> str | None:
     """`package`'s version as the interpreter `python` sees it (a server's own stack), or None."""
     done = subprocess.run(
@@ -282,8 +272,36 @@ def device_name(env: dict[str, Any]) -> str:
     return gpus[0] if len(gpus) == 1 else f"{len(gpus)}x {gpus[0]}"
 
 
+def gpu_processes() -> list[dict[str, Any]]:
+    """The processes holding GPU memory now, with their MiB (nvidia-smi; empty without it)."""
+    rows = _nvidia_smi_rows("--query-compute-apps=pid,process_name,used_memory") or []
+    return [{"pid": int(pid), "name": name, "used_mib": float(used)} for pid, name, used in rows]
+
+
+def _nvidia_smi_rows(query: str) -> list[list[str]] | None:
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return [[part.strip() for part in line.split(",")] for line in done.stdout.splitlines() if line.strip()]
+
+
+def _commit() -> str | None:
+    """The checkout's commit: `$ART_SGLANG_COMMIT` (a copy without .git, as on the GPU machine), else git's."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
+    done = subprocess.run(
+        ["git", "-C", str(Path(__file__).resolve().parent), "describe", "--always", "--dirty"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return done.stdout.strip() or None
+
+
 def environment() -> dict[str, Any]:
-    """Where the numbers were taken: GPU, versions, date."""
+    """Where the numbers were taken: GPU (name, memory, driver, and its UUID, which tells whether two calls
+    ran on one machine), host, versions, date and time, commit."""
     from importlib.metadata import PackageNotFoundError, version
 
     def v(name: str) -> str | None:
@@ -293,10 +311,18 @@ def environment() -> dict[str, Any]:
             return None
 
     packages = ("art-sglang", "torch", "transformers", "peft", "unsloth", "trl", "openai")
+    rows = _nvidia_smi_rows("--query-gpu=name,memory.total,driver_version,uuid") or []
     return {
         "date": time.strftime("%Y-%m-%d"),
-        "gpus": _nvidia_smi("name") or [],
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "gpus": [name for name, *_ in rows],
+        "gpu_details": [
+            dict(zip(("name", "memory_mib", "driver", "uuid"), row, strict=False)) for row in rows
+        ],
+        "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "commit": _commit(),
         "versions": {name: v(name) for name in packages},
     }
 

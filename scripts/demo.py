@@ -3,8 +3,9 @@ the mean reward and the timings of every step, then where the reward curve (PNG)
 (JSON) and the run's history.jsonl are.
 
 Without --model it builds the tiny offline model and runs on CPU through the reference engine (about a
-minute on 2 cores; the reward climbs from 0.3 to near 1.0 in 22 steps). With --model and a GPU it drives
-real SGLang.
+minute on 2 cores, more on a busy machine): the reward climbs from 0.3 to 1.0 in about 20 steps, and the
+run stops at the first step whose every rollout scores 1.0 (at most --steps). With --model and a GPU it
+drives real SGLang.
 
     python scripts/demo.py                                   # CPU, tiny model
     python scripts/demo.py --model Qwen/Qwen2.5-0.5B-Instruct --learning-rate 1e-5 --steps 20

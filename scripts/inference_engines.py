@@ -46,20 +46,20 @@ def vllm_args(settings: ServerSettings, *, host: str, port: int) -> list[str]:
         raise ValueError("--sglang-args are SGLang's flags: leave them unset for --engine vllm")
     if settings.lora_target_modules != tuple(DEFAULT_LORA_TARGETS):
         raise ValueError("--lora-target-modules is SGLang's flag (vLLM adapts what each adapter names)")
-    if settings.max_lora_rank not in VLLM_LORA_RANKS:
+    if settings.lora and settings.max_lora_rank not in VLLM_LORA_RANKS:
         raise ValueError(f"vLLM takes --max-lora-rank in {VLLM_LORA_RANKS}, not {settings.max_lora_rank}")
     args = [
         # --model, not a positional path: vLLM 0.24 would take the positional for a hub name.
         "--model", settings.model,
         "--host", host,
         "--port", str(port),
-        "--enable-lora",
-        "--max-lora-rank", str(settings.max_lora_rank),
-        "--max-loras", str(settings.max_loras_per_batch),
         # usage.prompt_tokens_details.cached_tokens, as SGLang's --enable-cache-report
         "--enable-prompt-tokens-details",
         "--enable-prefix-caching" if settings.prefix_cache else "--no-enable-prefix-caching",
     ]  # fmt: skip
+    if settings.lora:  # else base weights alone, as a server of merged weights
+        args += ["--enable-lora", "--max-lora-rank", str(settings.max_lora_rank),
+                 "--max-loras", str(settings.max_loras_per_batch)]  # fmt: skip
     if settings.mem_fraction is not None:
         args += ["--gpu-memory-utilization", str(settings.mem_fraction)]
     if settings.attention_backend is not None:
@@ -90,19 +90,36 @@ class VLLMProcess(ServerProcess):
 
 
 class EngineServer:
-    """One engine's server for a benchmark: `start()`, `stop()`, and its adapter API."""
+    """One engine's server for a benchmark: `start()`, `stop()`, and its adapter API. SGLang (or the
+    reference engine) takes `config` instead of `settings`' flags where given, and `keys` (the ordinary
+    routes' key, the admin routes' key) as the backend passes them (a file its command line names)."""
 
     def __init__(
-        self, engine: EngineName, settings: ServerSettings, *, log_path: Path, port: int | None = None
+        self,
+        engine: EngineName,
+        settings: ServerSettings,
+        *,
+        log_path: Path,
+        port: int | None = None,
+        config: SGLangConfig | None = None,
+        keys: tuple[str, str] | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
+        self._admin_headers = {"Authorization": f"Bearer {keys[1]}"} if keys else {}
         if engine == "vllm":
+            if config is not None or keys is not None:
+                raise ValueError("vLLM takes its flags from settings alone")
             python = os.environ.get(VLLM_PYTHON_ENV) or sys.executable
             self.process: ServerProcess = VLLMProcess(settings, python=python, log_path=log_path, port=port)
         else:
-            config = sglang_config(settings, port=port)
-            self.process = ServerProcess(config, settings.model, engine=engine, log_path=log_path)
+            config = (config or sglang_config(settings)).model_copy(update={"port": port})
+            if keys:
+                config = config.model_copy(update={"api_key": keys[0]})
+            admin = keys[1] if keys else None
+            self.process = ServerProcess(
+                config, settings.model, engine=engine, log_path=log_path, admin_api_key=admin
+            )
 
     @property
     def base_url(self) -> str:
@@ -136,7 +153,7 @@ class EngineServer:
 
     async def _post(self, http: httpx.AsyncClient, verb: str, body: dict[str, str]) -> None:
         route = f"/v1/{verb}_lora_adapter" if self.engine == "vllm" else f"/{verb}_lora_adapter"
-        response = await http.post(self.base_url + route, json=body)
+        response = await http.post(self.base_url + route, json=body, headers=self._admin_headers)
         if response.status_code != 200:
             raise RuntimeError(f"{self.engine} {route} -> {response.status_code}: {response.text[:500]}")
 

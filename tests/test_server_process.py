@@ -4,6 +4,7 @@ test needs a behaviour no real engine shows on demand (exits at once, never heal
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import signal
@@ -19,6 +20,7 @@ import pytest
 
 from art_sglang.config import SGLANG_ENV_DEFAULTS, SGLangConfig
 from art_sglang.errors import ServerStartError
+from art_sglang.serving.servers import process as process_module
 from art_sglang.serving.servers.client import ServerClient
 from art_sglang.serving.servers.process import ServerProcess
 
@@ -131,13 +133,21 @@ async def test_missing_server_python(tmp_path: Path) -> None:
     assert server.pid is None
 
 
-async def test_never_healthy_times_out_and_is_killed(tmp_path: Path) -> None:
+async def test_never_healthy_times_out_and_is_killed(tmp_path: Path, monkeypatch, caplog) -> None:
     script = "import time; print('loading weights...', flush=True); time.sleep(600)"
     server = ScriptServer(script, tmp_path, server_timeout=1.5)
-    with pytest.raises(ServerStartError, match=r"not healthy within 1.5 s(.|\n)*loading weights"):
+    monkeypatch.setattr(process_module, "_REPORT_SECONDS", 0.5)
+    with (
+        caplog.at_level(logging.INFO, logger=process_module.__name__),
+        pytest.raises(ServerStartError, match=r"not healthy within 1.5 s(.|\n)*loading weights"),
+    ):
         await server.start()
     assert server.pid is None
     assert not server.is_alive()
+    # The wait is reported in whole log lines (a redrawn counter ran into other components' lines).
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines[0].startswith(f"starting the {server.label} on port {server.port} (log: {server.log_path})")
+    assert any(f"the {server.label} is still starting" in line for line in lines[1:]), lines
 
 
 async def test_stop_kills_whole_tree_even_when_sigterm_is_ignored(tmp_path: Path) -> None:

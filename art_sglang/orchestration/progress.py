@@ -22,10 +22,12 @@ Report = TypeVar("Report")
 
 
 class StepProgress:
-    """A tqdm bar over the step's gradient micro-batches, fed by the trainer's progress events."""
+    """A tqdm bar over the step's gradient micro-batches, fed by the trainer's progress events. `step`
+    is the model's step before training: the bar reads "step N -> N+1", N as in "rollouts step N"."""
 
     def __init__(self, name: str, step: int, disable: bool):
-        self.bar = tqdm(desc=f"train {name} step {step}", unit="batch", disable=disable, file=sys.stderr)
+        desc = f"train {name} step {step} -> {step + 1}"
+        self.bar = tqdm(desc=desc, unit="batch", disable=disable, file=sys.stderr)
 
     def __call__(self, event: dict[str, Any]) -> None:
         if event.get("phase") == "train":

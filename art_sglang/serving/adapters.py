@@ -204,7 +204,8 @@ class InferenceService:
         # A name being unloaded is still on the other servers, and may be routed again before it is gone.
         for name, path in {**self._unloading, **self._adapters}.items():
             await self._load_on_server(server, name, path)
-        logger.info("%s holds adapters: %s", server.label, ", ".join(self._adapters) or "none")
+        if self._adapters:  # a fresh backend has none yet: its first step's adapter comes next
+            logger.info("%s loaded adapters %s", server.label, ", ".join(self._adapters))
 
     async def weights_resumed(self, server: Server) -> bool:
         """Load every adapter again after the weights came back (whether the LoRA pool survives a weights

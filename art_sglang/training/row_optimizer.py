@@ -90,23 +90,25 @@ class RowOptimizer:
             (row_loss,) = ranks.sum_gradients(self._state.params, [row_loss])
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self._state.params, max_norm))
             where = f"row {row_index + 1} of {len(rows)}"
+            multiplier = len(row) ** options.num_trajectories_learning_rate_multiplier_power
+            rate = f"learning rate {options.learning_rate * multiplier}"
             if not math.isfinite(row_loss):
                 raise TrainingError(
-                    f"the loss is not finite ({row_loss}) in {where}; the step was not applied"
+                    f"the loss is not finite ({row_loss}) in {where} ({rate}); the step was not applied"
                 )
             if not math.isfinite(grad_norm):
                 raise TrainingError(
-                    f"the gradient norm is not finite ({grad_norm}) in {where}; the step was not applied"
+                    f"the gradient norm is not finite ({grad_norm}) in {where} ({rate}: a rate too large for "
+                    "the model, in this step or an earlier one, overflows the weights and then the "
+                    "gradients); the step was not applied"
                 )
-            multiplier = len(row) ** options.num_trajectories_learning_rate_multiplier_power
             for group in self._state.optimizer.param_groups:
                 group.update(self._state.hyperparameters(options.learning_rate * multiplier))
             self._state.optimizer.step()
             self._state.optimizer.zero_grad(set_to_none=True)
             if not all(bool(torch.isfinite(p).all()) for p in self._state.params):
                 raise TrainingError(
-                    f"the updated weights are not finite after {where} (learning rate "
-                    f"{options.learning_rate * multiplier}); the step was not applied"
+                    f"the updated weights are not finite after {where} ({rate}); the step was not applied"
                 )
             sums.loss += row_loss
             sums.kl += row_kl

@@ -15,8 +15,9 @@ import art_sglang as art
 from environments.common import complete
 
 PROMPTS = ("Write a short sentence.", "Say something.", "Describe the sea.", "Name a colour.")
-# Steps of a default run: the tiny model at its learning rate (environments/common.py) climbed from 0.3 to
-# the ceiling in 16-22 steps on seeds 0-4 (a run stops once every rollout scores it).
+# At most this many steps in a default run: the tiny model at its learning rate (environments/common.py)
+# climbed from 0.3 to the ceiling in 16-22 steps on seeds 0-4 (seed 0: 20), and a run stops once every
+# rollout of a step scores it.
 STEPS = 22
 
 
@@ -30,6 +31,7 @@ class CharShareTask:
     max_tokens: int = 12
     temperature: float = 1.0
     ceiling: float = 1.0  # the best reward: answers of all-vowel tokens
+    tiny_model_learns: bool = True  # the only task that does (environments/common.py says so for others)
 
     def share(self, text: str) -> float | None:
         """Share of the non-whitespace characters of `text` in the class; None when there are none."""

@@ -34,6 +34,22 @@
 #     and as n=8 per group, 3 repeats each, into probe_costs-<model>.json; probe-costs-trained-modules (~5 min):
 #     the gateway and bare ways with SGLang adapting only the trainer's modules (not lm_head/embed_tokens);
 #     probe-costs-vllm (~5 min, after stage.sh vllm 0..5): vLLM with ART's client and with a bare one
+#   Issue 39's side-by-side (scripts/bench_rollouts.py on models with Qwen2.5's vocabulary; ART's client and a
+#     bare one; each suite one server start, JSON r39-<suite>-<model>.json; A/B/A: r39-backend-a1, r39-vllm,
+#     r39-backend-a2 on one machine, back to back). Minutes on an H100 at 1.5B (starts: backend ~2, vLLM ~2.5,
+#     SGLang ~1.5), one call each:
+#     models-random (~1 min, once; models-random-7b ~2 min): builds qwen2.5-1.5b-random (-7b-random), which
+#       RMODEL=/root/models/qwen2.5-7b-random then points these suites at
+#     r39-backend-a1 (~7), r39-vllm (~7.5): bare client on grpo-128:32 grpo-128:16 grpo-1024:16 varying-384:32
+#       multiturn-64:32, ART's client too on the 128-token ones; lone-request TTFT
+#     r39-backend-a2 (~5): the backend again, bare, grpo-128:32 and grpo-1024:16, through its gateway and
+#       straight to its own server (the gateway's share of the backend's cost, on the same live server)
+#     r39-direct-exact (~3): SGLang launched exactly as the backend launches it (flags, keys, the gateway's
+#       request form), no gateway, no trainer; r39-drop-<suspect> (~3 each): the same without one suspect
+#       (memory-saver, weights-backup, metrics, keys, token-ids, original-logprob, tool-parser)
+#     r39-vllm-base (~4.5): vLLM serving the base weights, no LoRA (ART's merged mode's stand-in), bare
+#     r39-compare (seconds): every r39-*-<model>.json into bench_rollouts39-<model>.json/.md (docs' table)
+#     RUNS='KIND-TOKENS:GROUPS[@CLIENT] ...' replaces a suite's runs; ART_SGLANG_COMMIT=<sha> records the commit
 #   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
 #     workload and seed, server and trainer co-resident on GPU 0 (CUDA MPS where the driver has it);
 #     bench-pipeline-1gpu-no-mps the same with cuda_mps="off"; bench-pipeline-split: server on GPU 0,
@@ -85,10 +101,18 @@ inference=(python3 scripts/benchmark_inference.py --model "$big")
 pipeline=(python3 scripts/bench_pipeline.py --model "$big" "${kernels[@]}" --steps 8 --max-tokens 384)
 # 470 s: the last run to start (10-35 s at 7B) and the server's stop end before the call's 10 minutes.
 probe=(python3 scripts/probe_rollout_costs.py --model "$big" --lora-rank 16 --seconds 10 --repeats 3 --workdir /tmp/work-probe)
-rollouts=(python3 scripts/bench_rollouts.py --model "$big" --resume --deadline-s 470)
+# Issue 26's runs as they were measured: ART's client only, prefill sharing off too for varying and multiturn.
+rollouts=(python3 scripts/bench_rollouts.py --model "$big" --resume --deadline-s 470 --clients art
+          --off-kinds varying multiturn --runs grpo-128:32 grpo-128:16 varying-384:32 multiturn-64:32 grpo-384:32 grpo-384:16)
 # BENCH_RUNS="grpo-128:32 grpo-128:16" picks the rollout runs (the 7B shape's runs take twice as long).
 # shellcheck disable=SC2206
 [ -z "${BENCH_RUNS:-}" ] || rollouts+=(--runs $BENCH_RUNS)
+# Issue 39: models with Qwen2.5's vocabulary; every suite starts its own server (470 s: the last run and the
+# server's stop end before the call's 10 minutes; a cut suite goes on with --resume when called again).
+rmodel=${RMODEL:-/root/models/qwen2.5-1.5b-random}
+r39=(python3 scripts/bench_rollouts.py --model "$rmodel" --resume --deadline-s 470)
+r39_main="grpo-128:32 grpo-128:16 grpo-1024:16@bare varying-384:32@bare multiturn-64:32@bare"
+r39_split="grpo-128:32@bare grpo-1024:16@bare"
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
 for name in "$@"; do
@@ -154,7 +178,7 @@ for name in "$@"; do
                               --json "$results/bench_rollouts-vllm-${big##*/}.json") ;;
     # One serving flag against the defaults, each on its own server: 384-token answers (where decoding
     # dominates and the backend trailed vLLM) and 128-token ones, 32 groups of 8.
-    flags-*) cmd=(python3 scripts/bench_rollouts.py --model "$big" "${kernels[@]}" --side backend
+    flags-*) cmd=(python3 scripts/bench_rollouts.py --model "$big" "${kernels[@]}" --side backend --clients art
                   --runs grpo-384:32 grpo-128:32 --ttft-requests 0 --workdir "/tmp/work-$name"
                   --json "$results/$name.json")
              case ${name#flags-} in
@@ -168,6 +192,29 @@ for name in "$@"; do
                          "$results/bench_rollouts-vllm-${big##*/}.json" --json "$results/bench_rollouts-${big##*/}.json"
                          --markdown "$results/bench_rollouts-${big##*/}.md") ;;
     models-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-shape) ;;
+    models-random) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-1.5b-random) ;;
+    models-random-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-random) ;;
+    r39-compare) cmd=(python3 scripts/bench_rollouts.py --compare "$results"/r39-*-"${rmodel##*/}".json
+                      --json "$results/bench_rollouts39-${rmodel##*/}.json"
+                      --markdown "$results/bench_rollouts39-${rmodel##*/}.md") ;;
+    r39-*)
+      # shellcheck disable=SC2206
+      case ${name#r39-} in
+        backend-a1) cmd=("${r39[@]}" --side backend --label A1 "${kernels[@]}" --runs $r39_main) ;;
+        vllm) cmd=("${r39[@]}" --side direct --engine vllm "${vllm_kernels[@]}" --runs $r39_main) ;;
+        backend-a2) cmd=("${r39[@]}" --side backend --label A2 "${kernels[@]}" --routes gateway server
+                         --clients bare --runs $r39_split) ;;
+        vllm-base) cmd=("${r39[@]}" --side direct --engine vllm --no-lora "${vllm_kernels[@]}" --clients bare
+                        --runs grpo-128:32 grpo-128:16 grpo-1024:16) ;;
+        direct-exact) cmd=("${r39[@]}" --side direct --flags backend --request-form gateway "${kernels[@]}"
+                           --clients bare --runs $r39_split) ;;
+        drop-*) cmd=("${r39[@]}" --side direct --flags backend --drop "${name#r39-drop-}" --request-form gateway
+                     "${kernels[@]}" --clients bare --runs $r39_split) ;;
+        *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
+      esac
+      # shellcheck disable=SC2206
+      [ -z "${RUNS:-}" ] || cmd+=(--runs $RUNS)
+      cmd+=(--workdir "/tmp/work-$name" --json "$results/$name-${rmodel##*/}.json") ;;
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
     # 512 conversations with CUDA graphs on: at 128 without graphs (the first H200x2 run) one replica was
     # not saturated, so a second could not double the throughput.

@@ -5,6 +5,8 @@ alias rewrite used by disk sync, holding requests, an API key, and a server that
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from pathlib import Path
 
 import httpx
@@ -169,6 +171,22 @@ async def test_a_server_that_is_down_is_a_502(tmp_path: Path) -> None:
         gw.close()
 
 
+async def test_the_log_says_where_the_gateway_forwards_once_it_knows(caplog) -> None:
+    gw = AdapterGateway(None)
+    with caplog.at_level(logging.INFO, logger="art_sglang.serving.gateway.app"):
+        gw.start()
+        try:
+            gw.set_upstream(["http://127.0.0.1:9"])
+            gw.set_upstream(["http://127.0.0.1:9"])  # unchanged: no second line
+            gw.set_upstream([])
+        finally:
+            gw.close()
+    assert [record.getMessage() for record in caplog.records] == [
+        f"adapter gateway on {gw.base_url} -> http://127.0.0.1:9",
+        f"adapter gateway on {gw.base_url} -> no server (requests wait for one)",
+    ]
+
+
 async def test_without_the_gateway_names_use_sglangs_own_adapter_form(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:
@@ -182,9 +200,10 @@ async def test_without_the_gateway_names_use_sglangs_own_adapter_form(
         assert service is not None and service.gateway is None
         assert model.inference_base_url == f"{service.process.base_url}/v1"
         assert model.get_inference_name() == f"{tiny_model_path}:plain@0"
-        reply = await model.openai_client().chat.completions.create(
-            model=model.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=2
-        )
+        async with model.openai_client() as client:  # closed here, not by the GC once the loop is gone
+            reply = await client.chat.completions.create(
+                model=model.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
         assert reply.choices[0].message.content is not None
 
 
@@ -195,8 +214,12 @@ async def test_a_stream_the_client_leaves_stops_on_the_server(gateway, server) -
         http.stream("POST", "/v1/chat/completions", json=body) as response,
     ):
         assert response.status_code == 200
-        async for _ in response.aiter_bytes():
-            break  # leave after the first chunk
+        # Leave after the first chunk, closing the iterator here: one abandoned mid-stream is finalized
+        # whenever the GC gets to it, maybe after this test's event loop closed, where httpcore's cleanup
+        # raises inside anyio (an unraisable-exception warning in whichever test runs then).
+        async with contextlib.aclosing(response.aiter_bytes()) as chunks:
+            async for _ in chunks:
+                break
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30, trust_env=False) as http:
         for _ in range(20):  # 3000 tokens would take far longer than these 2 s
             running = (await http.get("/server_info")).json()["internal_states"][0]["running_requests"]

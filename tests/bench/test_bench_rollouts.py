@@ -1,6 +1,7 @@
 """scripts/bench_rollouts.py: its run loop against a fake gateway with a prefill-sharing switch (on and off
 alternate, the counters are per run, --resume and --deadline-s), and end to end on CPU through
-SGLangBackend on the reference engine, then compared with a vLLM result made from it."""
+SGLangBackend on the reference engine (both clients, both routes), directly on the reference engine with
+the backend's exact launch, then compared with a vLLM result made from it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import bench_rollouts  # noqa: E402
+import rollout_targets  # noqa: E402
 
 
 class FakeGateway:
@@ -59,16 +61,17 @@ class FakeCompletions:
             yield SimpleNamespace(choices=[SimpleNamespace(delta=SimpleNamespace(content=text))])
 
 
-def fake_target() -> tuple[bench_rollouts.Target, FakeGateway, FakeCompletions]:
+def fake_target() -> tuple[rollout_targets.Target, FakeGateway, FakeCompletions]:
     gateway = FakeGateway()
     completions = FakeCompletions(gateway)
     client = SimpleNamespace(chat=SimpleNamespace(completions=completions))
-    backend = SimpleNamespace(inference=SimpleNamespace(gateway=gateway))
-    return bench_rollouts.Target(client, "m@0", backend=backend), gateway, completions  # type: ignore[arg-type]
+    senders = {"art": rollout_targets.ArtSender(client)}
+    return rollout_targets.Target("m@0", senders, gateway=gateway), gateway, completions  # type: ignore[arg-type]
 
 
 def loop_args(tmp_path: Path, **changes: Any) -> argparse.Namespace:
     values = {"side": "backend", "engine": "sglang", "off_kinds": ["grpo", "multiturn"], "repeats": 3, "min_seconds": 0.0,
+              "clients": ["art"],
               "deadline_s": None, "json": tmp_path / "out.json", "group_size": 8, "turns": 3,
               "runs": [bench_rollouts.run_spec("grpo-128:2"), bench_rollouts.run_spec("multiturn-64:1")]}  # fmt: skip
     return argparse.Namespace(**{**values, **changes})
@@ -77,8 +80,9 @@ def loop_args(tmp_path: Path, **changes: Any) -> argparse.Namespace:
 async def test_merging_on_and_off_alternate_on_one_target(tmp_path: Path) -> None:
     target, gateway, completions = fake_target()
     args = loop_args(tmp_path)
-    document: dict[str, Any] = {"results": [], "varying_logit_bias": {}}
-    await bench_rollouts.measure(target, None, args, document, "body", 0.0)  # type: ignore[arg-type]
+    document: dict[str, Any] = {"results": [], "varying_logit_bias": {}, "side": "backend", "engine": "sglang",
+                                "variant": "lora", "label": "A1"}  # fmt: skip
+    await bench_rollouts.measure({"gateway": target}, None, args, document, "body", 0.0)  # type: ignore[arg-type]
     # Per run spec: on, off, then off, on, then on, off: neither setting always runs first.
     assert gateway.switches == [True, False, False, True, True, False] * 2
     entries = {(e["run"], e["merging"]): e for e in document["results"]}
@@ -92,22 +96,29 @@ async def test_merging_on_and_off_alternate_on_one_target(tmp_path: Path) -> Non
     # As ART's rollouts: non-streamed, logprobs on, ignore_eos for the fixed-length workloads.
     call = completions.calls[0]
     assert call["logprobs"] is True and "stream" not in call and call["extra_body"] == {"ignore_eos": True}
+    assert all(
+        e["label"] == "A1" and e["client"] == "art" and e["route"] == "gateway" for e in document["results"]
+    )
+    assert all(
+        e["spread"]["min"] <= e["median"]["output_tokens_per_s"] <= e["spread"]["max"]
+        for e in document["results"]
+    )
     # The multiturn conversations resend their history: the third turn carries two answers.
     assert max(len(c["messages"]) for c in completions.calls) == 1 + 3 + 2
     assert json.loads(args.json.read_text())["results"] == document["results"]
 
     # --resume: what the document holds is not run again; --deadline-s: nothing starts after it.
     calls = len(completions.calls)
-    await bench_rollouts.measure(target, None, args, document, "body", 0.0)  # type: ignore[arg-type]
+    await bench_rollouts.measure({"gateway": target}, None, args, document, "body", 0.0)  # type: ignore[arg-type]
     assert len(completions.calls) == calls
     late = loop_args(tmp_path, deadline_s=1.0, runs=[bench_rollouts.run_spec("varying-384:1")])
-    await bench_rollouts.measure(target, None, late, document, "body", -10.0)  # type: ignore[arg-type]
+    await bench_rollouts.measure({"gateway": target}, None, late, document, "body", -10.0)  # type: ignore[arg-type]
     assert len(completions.calls) == calls and len(document["results"]) == 4
 
     # varying: no ignore_eos, the end-of-sequence bias of its length instead.
     varying = loop_args(tmp_path, repeats=1, runs=[bench_rollouts.run_spec("varying-384:1")])
     document["varying_logit_bias"] = {"384": {"2": 3.5}}
-    await bench_rollouts.measure(target, None, varying, document, "body", 0.0)  # type: ignore[arg-type]
+    await bench_rollouts.measure({"gateway": target}, None, varying, document, "body", 0.0)  # type: ignore[arg-type]
     assert completions.calls[-1]["extra_body"] == {"logit_bias": {"2": 3.5}} and len(document["results"]) == 5
     # A kind outside --off-kinds runs with prefill sharing on only.
     assert [e["merging"] for e in document["results"] if e["run"] == "varying-384:1"] == ["on"]
@@ -168,19 +179,25 @@ async def test_lone_requests_time_the_first_token_per_setting(tmp_path: Path) ->
 
 
 def test_a_gateway_without_a_switch_runs_one_setting() -> None:
-    target = bench_rollouts.Target(
-        None, "m", backend=SimpleNamespace(inference=SimpleNamespace(gateway=object()))
-    )  # type: ignore[arg-type]
+    target = rollout_targets.Target("m", {}, gateway=object())
     assert target.merge_settings(["on", "off"]) == [None] and target.merge_counters() is None
-    assert bench_rollouts.Target(None, "m").merge_settings(["on", "off"]) == [None]  # type: ignore[arg-type]
+    assert rollout_targets.Target("m", {}).merge_settings(["on", "off"]) == [None]
 
 
 def test_run_specs() -> None:
     spec = bench_rollouts.run_spec("varying-384:32")
     assert (spec.kind, spec.tokens, spec.groups, spec.name) == ("varying", 384, 32, "varying-384:32")
-    for bad in ("grpo:32", "grpo-128", "tree-1:2", "grpo-x:2"):
+    assert spec.clients == () and bench_rollouts.run_spec("grpo-1024:16@bare").clients == ("bare",)
+    for bad in ("grpo:32", "grpo-128", "tree-1:2", "grpo-x:2", "grpo-1:2@curl"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench_rollouts.run_spec(bad)
+
+
+def test_server_info_is_kept_without_its_keys() -> None:
+    info = {"api_key": "k1", "admin_api_key": None, "cuda_graph_max_bs": 256,
+            "internal_states": [{"api_key": "k2", "memory_usage": {"kvcache": 9.5}}]}  # fmt: skip
+    assert rollout_targets.scrubbed(info) == {"api_key": "<set>", "admin_api_key": None, "cuda_graph_max_bs": 256,
+                                              "internal_states": [{"api_key": "<set>", "memory_usage": {"kvcache": 9.5}}]}  # fmt: skip
 
 
 def test_sglang_cache_counters_from_prometheus_text() -> None:
@@ -191,8 +208,8 @@ def test_sglang_cache_counters_from_prometheus_text() -> None:
         'sglang:cached_tokens_total{model_name="/m"} 900.0',
         "sglang:cache_hit_rate 0.6",
     ])  # fmt: skip
-    assert bench_rollouts.parse_sglang_cache_counters(metrics) == {"prompt": 1500.0, "cached": 900.0}
-    assert bench_rollouts.parse_sglang_cache_counters("sglang:num_running_reqs 3.0") is None
+    assert rollout_targets.parse_sglang_cache_counters(metrics) == {"prompt": 1500.0, "cached": 900.0}
+    assert rollout_targets.parse_sglang_cache_counters("sglang:num_running_reqs 3.0") is None
 
 
 def test_the_eos_bias_gives_the_mean_length(tiny_model_path: Path) -> None:
@@ -205,51 +222,94 @@ def test_the_eos_bias_gives_the_mean_length(tiny_model_path: Path) -> None:
     assert weight / (vocab - eos + weight) == pytest.approx(1 / 128, rel=1e-2)
 
 
-def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: Path) -> None:
-    out = tmp_path / "backend.json"
-    done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_rollouts.py"), "--side", "backend", "--engine", "reference",
-         "--model", str(tiny_model_path), "--runs", "grpo-2:2", "multiturn-2:1", "--off-kinds", "grpo", "multiturn",
-         "--group-size", "2", "--turns", "2", "--prompt-tokens", "32", "--min-seconds", "0",
-         "--repeats", "1", "--ttft-requests", "1", "--workdir", str(tmp_path / "work"), "--json", str(out),
-         "--markdown", str(tmp_path / "backend.md")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+def bench(*args: str, tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_rollouts.py"), *args, "--workdir", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: Path) -> None:
+    common = ["--engine", "reference", "--model", str(tiny_model_path), "--group-size", "2", "--turns", "2",
+              "--prompt-tokens", "32", "--min-seconds", "0", "--repeats", "1"]  # fmt: skip
+    out = tmp_path / "backend.json"
+    bench("--side", "backend", *common, "--runs", "grpo-2:2", "multiturn-2:1@bare", "--off-kinds", "grpo",
+          "--routes", "gateway", "server", "--label", "A1", "--ttft-requests", "1", "--json", str(out),
+          "--markdown", str(tmp_path / "backend.md"), tmp_path=tmp_path)  # fmt: skip
     result = json.loads(out.read_text())
     assert result["side"] == "backend" and result["device"] == "CPU" and result["start_s"] > 0
-    assert result["client"].startswith("ART's")
-    runs = {e["run"]: e for e in result["results"] if e["merging"] != "on"}  # as forwarded one by one
-    assert set(runs) == {"grpo-2:2", "multiturn-2:1"}
-    grpo = runs["grpo-2:2"]["runs"][0]
-    assert grpo["requests"] == 4 and grpo["mean_completion_tokens"] == 2
+    assert result["label"] == "A1" and set(result["clients"]) == {"art", "bare"}
+    assert result["machine"]["cpu_count"] and result["versions"]["torch"]
+    assert result["model_description"]["vocab_size"] == 2048  # the CPU suite's tiny model
+    # The server's launch as the backend made it: keys in a file its command line names, never on it.
+    assert "--config" in result["launch"]["command"] and "--api-key" not in result["launch"]["command"]
+    assert result["launch"]["environment"]["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+    assert result["server_info"]["api_key"] == "<set>" and result["server_info"]["enable_metrics"] is True
+    configurations = {(e["run"], e["route"], e["merging"], e["client"]) for e in result["results"]}
+    # Through the gateway grpo runs with prefill sharing on and off (--off-kinds grpo), multi-turn on only.
+    gateway = {("grpo-2:2", "gateway", m, c) for m in ("on", "off") for c in ("art", "bare")}
+    server = {("grpo-2:2", "server", None, c) for c in ("art", "bare")}
+    multiturn = {("multiturn-2:1", "gateway", "on", "bare"), ("multiturn-2:1", "server", None, "bare")}
+    assert configurations == gateway | server | multiturn
+    for entry in result["results"]:
+        run = entry["runs"][0]
+        assert run["requests"] == 4 and run["mean_completion_tokens"] == 2
     # The reference engine caches a group's shared prompt; its /metrics agree with the usage reports.
-    assert 0 < grpo["cached_share"] == pytest.approx(grpo["server_cached_share"], rel=0.05)
-    assert runs["multiturn-2:1"]["runs"][0]["requests"] == 4
-    # One setting while the gateway has no prefill-sharing switch, else on and off (each run, each lone request).
-    settings = {e["merging"] for e in result["results"]}
-    assert (settings, set(result["lone_requests"])) in (({None}, {"-"}), ({"on", "off"}, {"on", "off"}))
+    plain = next(
+        e for e in result["results"] if (e["route"], e["merging"], e["client"]) == ("server", None, "bare")
+    )
+    assert (
+        0
+        < plain["runs"][0]["cached_share"]
+        == pytest.approx(plain["runs"][0]["server_cached_share"], rel=0.05)
+    )
 
-    # A vLLM result of the same work (made from this one), compared: the ratios are backend / vLLM.
-    vllm = copy.deepcopy(result)
-    vllm.update(side="direct", engine="vllm")
-    vllm["results"] = [e for e in vllm["results"] if e["merging"] != "on"]  # vLLM has no merge switch
+    # SGLang (here the reference engine) launched directly exactly as the backend launched it, one suspect
+    # dropped, requests in the gateway's form.
+    direct = tmp_path / "direct.json"
+    bench("--side", "direct", *common, "--runs", "grpo-2:2@bare", "--flags", "backend", "--drop", "metrics",
+          "--request-form", "gateway", "--ttft-requests", "0", "--json", str(direct), tmp_path=tmp_path)  # fmt: skip
+    exact = json.loads(direct.read_text())
+    assert exact["variant"] == "lora, backend flags -metrics, gateway form"
+    theirs, mine = result["sglang_config"], exact["sglang_config"]
+    assert {k for k in theirs if theirs[k] != mine.get(k)} <= {"enable_metrics", "port"}
+    assert theirs["enable_metrics"] and not mine["enable_metrics"]
+    assert "--config" in exact["launch"]["command"]
+    assert [e["runs"][0]["requests"] for e in exact["results"]] == [4]
+
+    # A vLLM result of the same work (made from the direct one), compared: the ratios are backend / vLLM.
+    vllm = copy.deepcopy(exact)
+    vllm.update(engine="vllm", variant="lora")
     for entry in vllm["results"]:
-        entry.update(side="direct", engine="vllm", merging=None)
+        entry.update(engine="vllm", variant="lora")
+        for r in entry["runs"]:
+            r["output_tokens_per_s"] *= 2
         entry["median"]["output_tokens_per_s"] *= 2
-    vllm_rate = {e["run"]: e["median"]["output_tokens_per_s"] for e in vllm["results"]}
     (tmp_path / "vllm.json").write_text(json.dumps(vllm))
     compared = tmp_path / "both.json"
-    bench_rollouts.main(["--compare", str(out), str(tmp_path / "vllm.json"), "--json", str(compared),
+    bench_rollouts.main(["--compare", str(out), str(direct), str(tmp_path / "vllm.json"), "--json", str(compared),
                          "--markdown", str(tmp_path / "both.md")])  # fmt: skip
     document = json.loads(compared.read_text())
-    assert {(r["run"], r["merging"]) for r in document["ratios_to_vllm"]} == {
-        (e["run"], e["merging"]) for e in result["results"]
-    }
-    rates = {(e["run"], e["merging"]): e["median"]["output_tokens_per_s"] for e in result["results"]}
-    for ratio in document["ratios_to_vllm"]:
-        expected = rates[ratio["run"], ratio["merging"]] / vllm_rate[ratio["run"]]
-        assert ratio["output_tokens_per_s"] == pytest.approx(expected)
-    assert set(document["lone_requests"]) == {"backend reference", "direct vllm"}
-    rows = [line for line in (tmp_path / "both.md").read_text().splitlines() if line.startswith("| ")]
-    assert len(rows) == 1 + len(result["results"]) + 2  # the backend's rows and vLLM's
+    assert document["one_machine"] is None and len(document["sources"]) == 3  # no GPU: no UUID to compare
+    ratios = {(r["backend"], r["to"], r["client"]): r for r in document["ratios"] if r["run"] == "grpo-2:2"}
+    mine_rate = next(
+        e["median"]["output_tokens_per_s"]
+        for e in result["results"]
+        if (e["run"], e["route"], e["merging"], e["client"]) == ("grpo-2:2", "gateway", "on", "bare")
+    )
+    vllm_rate = vllm["results"][0]["median"]["output_tokens_per_s"]
+    assert ratios["backend A1", "vLLM+LoRA", "bare"]["output_tokens_per_s"] == pytest.approx(
+        mine_rate / vllm_rate
+    )
+    assert (
+        "backend's server, no gateway A1",
+        "SGLang direct+LoRA, backend flags -metrics, gateway form",
+        "bare",
+    ) in {(b, t.replace("reference direct", "SGLang direct"), c) for b, t, c in ratios}
+    assert set(document["lone_requests"]) == {"backend reference lora A1"}
+    lines = (tmp_path / "both.md").read_text().splitlines()
+    start = next(n for n, line in enumerate(lines) if line.startswith("| workload |"))
+    assert "backend / vLLM+LoRA, bare" in lines[start] and "vLLM+LoRA · bare" in lines[start]
+    assert [line.split(" | ")[0] for line in lines[start + 2 : start + 4]] == [
+        "| grpo-2:2",
+        "| multiturn-2:1",
+    ]

@@ -22,8 +22,9 @@ if str(REPO) not in sys.path:
 from environments.arithmetic import ArithmeticTask, Problem, final_answer  # noqa: E402
 from environments.calculator import CALCULATOR, CalculatorTask, call_tool, evaluate  # noqa: E402
 from environments.char_share import CharShareTask, answer_tokens  # noqa: E402
-from environments.common import train_loop  # noqa: E402
-from environments.tictactoe import opponent_move, parse_move, render, winner  # noqa: E402
+from environments.common import tiny_model_note, train_loop  # noqa: E402
+from environments.reward_curve import write_results  # noqa: E402
+from environments.tictactoe import TicTacToeTask, opponent_move, parse_move, render, winner  # noqa: E402
 
 
 def test_char_share_weighs_every_token_the_same() -> None:
@@ -159,6 +160,52 @@ def test_entry_point_help(
     assert exited.value.code == 0
     shown = capsys.readouterr().out
     assert "--model" in shown and "--group-size" in shown and "--engine" in shown
+
+
+def test_a_bad_learning_rate_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    art_dir = tmp_path / ".art"
+    monkeypatch.setattr(sys, "argv", ["char_share", "--learning-rate", "-1", "--path", str(art_dir)])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("environments.char_share", run_name="__main__")
+    assert exited.value.code == 2
+    assert "--learning-rate -1.0: invalid train() option: learning_rate" in capsys.readouterr().err
+    assert not art_dir.exists()  # not even the tiny model was built
+
+
+def test_a_base_model_that_cannot_be_had_is_one_line_naming_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    argv = ["char_share", "--model", "nobody-here/no-such-model", "--path", str(tmp_path / ".art")]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("environments.char_share", run_name="__main__")
+    assert str(exited.value.code).startswith("error: base_model 'nobody-here/no-such-model' is not in")
+    assert "hf download nobody-here/no-such-model" in str(exited.value.code)
+
+
+def test_the_tiny_model_says_up_front_what_it_cannot_learn() -> None:
+    assert tiny_model_note(CharShareTask()) is None
+    note = tiny_model_note(TicTacToeTask())
+    assert note is not None and "cannot learn tic-tac-toe" in note and "--model" in note
+    assert "scripts/demo.py" in note
+
+
+def test_the_reward_curve_ticks_whole_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    figure_module = pytest.importorskip("matplotlib.figure")
+    drawn: list[Any] = []
+    monkeypatch.setattr(figure_module.Figure, "savefig", lambda figure, *_, **__: drawn.append(figure))
+    rows = [
+        {"step": step, "mean_reward": 0.5, "std_reward": 0.1, "min_reward": 0.3, "max_reward": 0.7}
+        for step in range(20)
+    ]
+    write_results(tmp_path, rows, title="t")
+    ticks = drawn[0].axes[0].get_xticks()
+    assert len(ticks) > 2 and all(float(t).is_integer() for t in ticks), ticks
 
 
 class _ScoredTask:

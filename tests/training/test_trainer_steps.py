@@ -173,3 +173,16 @@ def test_an_unreadable_optimizer_state_resumes_the_adapter_with_a_fresh_optimize
     assert [n for n in resumed.notes if "optimizer.pt" in n and "fresh optimizer" in n], resumed.notes
     outcome = resumed.train(batch(tokenizer), TrainOptions(learning_rate=5e-2), lambda _: None)
     assert outcome.trained and outcome.step == 2
+
+
+def test_a_learning_rate_too_large_is_named_when_the_step_overflows(
+    tiny_model_path: Path, tmp_path: Path, tokenizer: Any
+) -> None:
+    trainer = Trainer(str(tiny_model_path), tmp_path / "ckpt", TrainerConfig())
+    trainer.resume_or_init()
+    options = TrainOptions(learning_rate=1e6)
+    with pytest.raises(
+        TrainerError, match=r"gradient norm is not finite .*\(learning rate 1000000\.0: a rate too large"
+    ):
+        for _ in range(3):  # the first step leaves huge but finite weights; the next one overflows
+            trainer.train(batch(tokenizer), options, lambda _: None)

@@ -126,7 +126,8 @@ class AdapterGateway:
             raise GatewayError(
                 f"adapter gateway could not listen on {self.host}:{self.port}: {self._start_error}"
             ) from self._start_error
-        logger.info("adapter gateway on %s -> %s", self.base_url, ", ".join(self.upstream.replicas.routed))
+        if self.upstream.replicas.routed:  # else set_upstream's line comes once there is a server
+            self._log_routing()
 
     def close(self) -> None:
         """Stop serving and join the thread. Idempotent."""
@@ -169,7 +170,14 @@ class AdapterGateway:
 
     def set_upstream(self, replicas: Iterable[str], health: str | None = None) -> None:
         """Forward to `replicas` ("http://host:port" each) from now on (`Upstream.set_replicas`)."""
+        before = list(self.upstream.replicas.routed)
         self.upstream.set_replicas(replicas, health)
+        if list(self.upstream.replicas.routed) != before:
+            self._log_routing()
+
+    def _log_routing(self) -> None:
+        routed = ", ".join(self.upstream.replicas.routed) or "no server (requests wait for one)"
+        logger.info("adapter gateway on %s -> %s", self.base_url, routed)
 
     def set_prefill_sharing(self, enabled: bool) -> None:
         """Turn prefill sharing on or off for requests that arrive from now on."""

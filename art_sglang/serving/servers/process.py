@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import random
 import socket
@@ -21,7 +22,6 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
-from tqdm import tqdm
 
 from art_sglang.config import KEEP_ALIVE_ENV, SGLANG_ENV_DEFAULTS, SGLangConfig
 from art_sglang.errors import ServerStartError
@@ -33,7 +33,10 @@ ENGINE_MODULES: dict[Engine, str] = {
     "sglang": "sglang.launch_server",
     "reference": "art_sglang_reference",
 }
+logger = logging.getLogger(__name__)
+
 _POLL_SECONDS = 0.25
+_REPORT_SECONDS = 30.0  # between "still starting" lines
 
 # Ports handed to servers of this interpreter and not released yet, so that servers started at the same
 # time never get the same "free" port before either has bound it.
@@ -210,33 +213,31 @@ class ServerProcess(ManagedProcess):
         timeout = self.config.server_timeout
         url = f"{self.base_url}/health"  # open without a key
         began = time.monotonic()
-        bar = tqdm(
-            desc=f"Starting {self.engine} server",
-            total=round(timeout),
-            bar_format="{desc}: {n_fmt}/{total_fmt} s",
-            file=sys.stderr,
-            mininterval=1.0,
-        )
+        # Log lines, not a live counter: other components log while a server starts (the trainer does), and
+        # a counter redrawn on stderr ran into their lines.
+        logger.info("starting the %s on port %d (log: %s), waiting up to %g s", self.label, self.port,
+                    self.log_path, timeout)  # fmt: skip
+        reported = began
         # trust_env=False: a proxy from the environment must not intercept a local server.
         async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
-            try:
-                while True:
-                    code = peek_exit_code(self._popen)
-                    if code is not None:
-                        raise ServerStartError(self._start_failure(command, f"exited with code {code}"))
-                    try:
-                        if (await http.get(url)).status_code == 200:
-                            return
-                    except httpx.TransportError:
-                        pass  # not listening yet
-                    if time.monotonic() - began >= timeout:
-                        raise ServerStartError(
-                            self._start_failure(command, f"was not healthy within {timeout:g} s")
-                        )
-                    bar.update(int(time.monotonic() - began) - bar.n)
-                    await asyncio.sleep(_POLL_SECONDS)
-            finally:
-                bar.close()
+            while True:
+                code = peek_exit_code(self._popen)
+                if code is not None:
+                    raise ServerStartError(self._start_failure(command, f"exited with code {code}"))
+                try:
+                    if (await http.get(url)).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass  # not listening yet
+                now = time.monotonic()
+                if now - began >= timeout:
+                    raise ServerStartError(
+                        self._start_failure(command, f"was not healthy within {timeout:g} s")
+                    )
+                if now - reported >= _REPORT_SECONDS:
+                    reported = now
+                    logger.info("the %s is still starting (%.0f of %g s)", self.label, now - began, timeout)
+                await asyncio.sleep(_POLL_SECONDS)
 
     def _start_failure(self, command: list[str], what: str) -> str:
         return (
