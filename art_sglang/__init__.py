@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from .backend import SGLangBackend
 from .backend_protocol import Backend
-from .cluster import ClusterConfig
-from .config import DeviceConfig, SGLangConfig, TrainerConfig
+from .config import ClusterConfig, DeviceConfig, SGLangConfig, TrainerConfig
 from .errors import (
     AdapterLoadError,
     AdapterNotLoadedError,

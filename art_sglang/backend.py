@@ -20,30 +20,30 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any
 
-from .cluster.config import ClusterConfig
-from .config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from .cluster import ray_cluster
+from .config import ClusterConfig, CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from .cuda_mps import CudaMps, start_daemon
 from .errors import ConfigError, ModelNotRegisteredError
-from .orchestration.pipelining import pin_step, pinned_step, pipelining_problem
+from .orchestration.pipelining import pin_step, pinned_step
 from .orchestration.progress import StepProgress, record_step, reports_while, warn_about
 from .orchestration.registered_model import RegisteredModel, checkpoint_of
 from .orchestration.step_runner import StepRunner
-from .orchestration.weight_sync import STRATEGIES
-from .planning.backend_settings import BackendSettings, check_row_length
-from .planning.cuda_mps import CudaMps, start_daemon
+from .planning.backend_settings import BackendSettings
+from .planning.config_checks import check_row_length, pipelining_problem
 from .planning.devices import DeviceLayout, EngineChoice, device_request
 from .planning.internal_config import ModelSettings
-from .planning.serving_plan import HandoffStrategy, ServingPlan
+from .planning.serving_plan import SYNC_TRAITS, HandoffStrategy, ServingPlan
 from .process_tree import gather_all
-from .server.inference import InferenceService
-from .server.served_names import served_name, served_prefix, steps_of
-from .server.watchdog import ServerWatchdog
+from .serving.adapters import InferenceService
+from .serving.served_names import served_name, served_prefix, steps_of
+from .serving.servers.watchdog import ServerWatchdog
 from .storage.base_model_source import check_base_model_source
 from .storage.model_store import ModelStore, append_lines, name_problem, write_model_files
 from .storage.run_lock import RunLock
 from .training.options import TrainOptions
 from .training.process import TrainerProcess
 from .training.sft import SFTBatch, prepare_sft
-from .training.validation import groups_to_wire, validate_groups
+from .training.validation import check_groups
 from .trajectories import coerce_groups, coerce_trajectory
 from .types import LocalTrainResult
 
@@ -188,7 +188,7 @@ class SGLangBackend:
     ) -> RegisteredModel:
         """Write the model's files, start its trainer (resuming its checkpoint) and serve its step."""
         model.base_path = self._path  # as ART's LocalBackend: model.log() writes where we do
-        await asyncio.to_thread(write_model_files, store, model, settings)
+        await asyncio.to_thread(write_model_files, store, model, settings.template_text)
         await self._ensure_service(model.base_model, store)
         assert self._steps is not None and self._plan is not None
         trainer = TrainerProcess(
@@ -307,9 +307,8 @@ class SGLangBackend:
         """
         self._check_open()
         train_options = TrainOptions.from_keywords(options)
-        groups = groups_to_wire(coerce_groups(trajectory_groups))
-        # Checked here, before the GPU handoff, so bad input never takes the server away.
-        validate_groups(groups, **train_options.input_rules())
+        # Converted and checked once, here, before the GPU handoff: bad input never takes the server away.
+        groups = check_groups(coerce_groups(trajectory_groups), **train_options.input_rules())
         entry = self._entry(model)
         check_row_length(train_options, entry.trainer.config)
         if entry.pipelined and (problem := self._pipelining_problem()) is not None:
@@ -448,9 +447,10 @@ class SGLangBackend:
                 self._mps = await start_daemon(self._settings.cuda_mps, store.logs_dir / "cuda-mps.log")
             env = self._mps.client_env if self._mps is not None else {}
             self._service = InferenceService(
-                plan, base_model, log_path=store.server_log, use_gateway=self._settings.gateway, env=env
-            )
-            if STRATEGIES[plan.weight_sync].serves_older_steps:
+                plan, base_model, log_path=store.server_log, use_gateway=self._settings.gateway, env=env,
+                placement=ray_cluster,
+            )  # fmt: skip
+            if SYNC_TRAITS[plan.weight_sync].serves_older_steps:
                 self._service.serve_on_demand(lambda name: checkpoint_of(self._models.values(), name))
             self._steps = StepRunner.for_plan(plan, self._service)
             self._watchdog = ServerWatchdog(self._service.servers)

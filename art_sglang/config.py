@@ -1,6 +1,7 @@
 """Configuration models. Every server flag the backend relies on is an `SGLangConfig` field marked
 `LaunchFlag`: its name, help text and validation live in that one field, and `SGLangConfig.server_args`
-renders the command line from the marked fields."""
+renders the command line from the marked fields. Where the GPUs are asked for is `DeviceConfig` (this
+machine) or `ClusterConfig` (replicas on the nodes of a Ray cluster)."""
 
 from __future__ import annotations
 
@@ -346,6 +347,40 @@ class DeviceConfig(BaseModel):
                 "training GPU once (the trainer runs one data-parallel rank per GPU)"
             )
         return value
+
+
+class ClusterConfig(BaseModel):
+    """Inference replicas as Ray actors on the nodes of a running Ray cluster (`ray start`). The backend,
+    the gateway, SGLang's router, the trainer and the checkpoints stay on this machine."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    address: str = Field(
+        "auto", description="The Ray cluster to join (ray.init's address): 'auto' finds the local node's."
+    )
+    inference_replicas: int = Field(1, ge=1, description="Server replicas, each a Ray actor on some node.")
+    gpus_per_replica: float = Field(
+        1,
+        ge=0,
+        description="GPUs each replica holds (at least tensor_parallel_size; 0 for CPU test engines).",
+    )
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources each replica needs besides its GPUs (to keep replicas on chosen nodes).",
+    )
+    adapter_dir: str | None = Field(
+        None,
+        description="Node-local folder the replicas write adapters into (a subfolder each); None = the node's "
+        "temporary folder.",
+    )
+    shared_filesystem: bool = Field(
+        False,
+        description="Every node reads the checkpoint folder at the same path: adapters are loaded from it "
+        "directly instead of being shipped.",
+    )
+    placement_timeout: float = Field(
+        300.0, gt=0, description="Seconds a replica may wait for a node with room before its start fails."
+    )
 
 
 class TrainerConfig(BaseModel):

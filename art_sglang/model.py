@@ -22,7 +22,7 @@ from pydantic_core import PydanticSerializationError
 
 from .backend_protocol import Backend
 from .errors import ConfigError, ModelNotRegisteredError
-from .server.served_names import served_name
+from .serving.served_names import served_name
 from .storage.history import append_row, read_rows
 from .storage.model_store import HISTORY_FILE, name_problem
 from .tracking import WandbReporter, metric_key

@@ -13,7 +13,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from art_sglang.server.sglang_api import ADMIN_ROUTES
+from art_sglang.serving.sglang_api import ADMIN_ROUTES
 
 from .cli import ServerArgs
 from .engine import ReferenceEngine

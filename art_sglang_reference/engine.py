@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 
 from art_sglang.chat_format import template_messages, template_tools
 from art_sglang.cpu_threads import limit_threads_for_small_model
-from art_sglang.server.sglang_api import KV_CACHE_TAG, WEIGHTS_TAG
+from art_sglang.serving.sglang_api import KV_CACHE_TAG, WEIGHTS_TAG
 from art_sglang.token_bounds import longest_token_bytes, min_tokens
 
 from .adapters import BASE_KEY, AdapterRegistry, AdapterUses, LoadedAdapter, adapter_rank

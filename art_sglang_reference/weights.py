@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from art_sglang.server.sglang_api import MEMORY_TAGS
+from art_sglang.serving.sglang_api import MEMORY_TAGS
 
 
 class WeightsLoadError(ValueError):

@@ -28,9 +28,9 @@ from bench_common import (
     write_results,
 )
 
-from art_sglang.server.client import ServerClient
-from art_sglang.server.gateway import AdapterGateway
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.gateway.app import AdapterGateway
+from art_sglang.serving.servers.client import ServerClient
+from art_sglang.serving.servers.process import ServerProcess
 
 ADAPTER = "bench@1"
 

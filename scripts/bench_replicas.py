@@ -1,7 +1,7 @@
 """Rollout throughput of SGLang server replicas, and the prefix-cache hit rate each way of spreading
 requests over them keeps. The same multi-turn workload (conversations of several turns, each group sharing
 a long system prompt, on a LoRA adapter as rollouts during training are) runs on one replica alone, on two
-replicas through the backend's gateway (which picks the replica itself: `server.replica_choice`), and
+replicas through the backend's gateway (which picks the replica itself: `serving.gateway.balancer`), and
 through SGLang's router with cache-aware and with round-robin routing. The replicas are started once,
 through the backend's `InferenceService` (the adapter loaded on both); each run starts from flushed prefix
 caches.
@@ -35,9 +35,9 @@ from bench_common import (
 
 from art_sglang.planning.devices import DeviceLayout
 from art_sglang.planning.serving_plan import ReplicaPlan, ServingPlan, frozen_config
-from art_sglang.server.gateway import AdapterGateway
-from art_sglang.server.inference import InferenceService
-from art_sglang.server.replica_router import ReplicaRouter
+from art_sglang.serving.adapters import InferenceService
+from art_sglang.serving.gateway.app import AdapterGateway
+from art_sglang.serving.servers.replica_health import ReplicaRouter
 
 ADAPTER = "bench@1"
 INSTRUCTIONS = "You are an agent in a long game. Think about the board, then answer with one move. "

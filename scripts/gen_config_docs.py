@@ -15,8 +15,7 @@ from pydantic import BaseModel
 
 # This checkout's art_sglang, whether or not the package is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from art_sglang.cluster import ClusterConfig
-from art_sglang.config import DeviceConfig, SGLangConfig, TrainerConfig
+from art_sglang.config import ClusterConfig, DeviceConfig, SGLangConfig, TrainerConfig
 from art_sglang.training.options import TrainOptions
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"

@@ -22,7 +22,7 @@ import httpx
 from bench_common import ServerSettings, sglang_config
 
 from art_sglang.config import DEFAULT_LORA_TARGETS, SGLangConfig
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.servers.process import ServerProcess
 
 EngineName = Literal["sglang", "reference", "vllm"]
 VLLM_PYTHON_ENV = "ART_SGLANG_VLLM_PYTHON"  # the interpreter that has vLLM (its own stack, like SGLang's)

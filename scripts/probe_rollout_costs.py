@@ -50,7 +50,7 @@ from bench_common import (
 )
 from inference_engines import EngineServer
 
-from art_sglang.server.gateway import AdapterGateway
+from art_sglang.serving.gateway.app import AdapterGateway
 
 ADAPTER = "probe"
 WAYS = (

@@ -91,11 +91,11 @@ def test_a_checkpoint_written_again_under_its_path_is_a_new_version(tmp_path: Pa
 
 async def test_with_a_shared_filesystem_the_checkpoint_path_is_loaded_as_is(tmp_path: Path) -> None:
     pytest.importorskip("ray", reason="ray is in the dev extra")
-    from art_sglang.cluster.remote import RayCluster, RemoteServer
+    from art_sglang.cluster import ray_cluster
 
-    cluster = RayCluster(ClusterConfig(shared_filesystem=True))
-    server = RemoteServer(
-        cluster, SGLangConfig(), "model", engine="reference", admin_api_key="k", env=None, label="replica"
+    cluster = ray_cluster(ClusterConfig(shared_filesystem=True))
+    server = cluster.server(
+        SGLangConfig(), "model", engine="reference", admin_api_key="k", env=None, label="replica"
     )
     assert await server.stage("agent@1", tmp_path) == str(tmp_path)  # nothing shipped, no actor asked
     assert server.staged == {}

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from art_sglang import ConfigError
-from art_sglang.planning.cuda_mps import CudaMps, start_daemon
+from art_sglang.cuda_mps import CudaMps, start_daemon
 
 # -f: make the control socket, note the environment, run until asked to quit; otherwise: a `quit` on
 # stdin is passed to the running daemon.
@@ -73,7 +73,7 @@ async def test_a_daemon_that_does_not_start_is_a_config_error_with_its_log(tmp_p
 
 async def test_a_failed_daemon_is_a_warning_with_auto_and_an_error_with_on(tmp_path, monkeypatch, caplog):
     stand_in(tmp_path, BROKEN, monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="art_sglang.planning.cuda_mps"):
+    with caplog.at_level(logging.WARNING, logger="art_sglang.cuda_mps"):
         assert await start_daemon("auto", tmp_path / "auto.log") is None
     assert "Going on without CUDA MPS" in caplog.text and "already running" in caplog.text
     with pytest.raises(ConfigError, match="CUDA MPS could not start"):
@@ -83,7 +83,7 @@ async def test_a_failed_daemon_is_a_warning_with_auto_and_an_error_with_on(tmp_p
 OWNER = """
 import asyncio, sys
 from pathlib import Path
-from art_sglang.planning.cuda_mps import CudaMps, start_daemon
+from art_sglang.cuda_mps import CudaMps, start_daemon
 
 async def main():
     daemon = CudaMps(Path(sys.argv[1]))  # held: the handle kills its daemon when collected

@@ -1,6 +1,6 @@
-"""The packages' shape: no import circle (every import counts, at module level, inside functions and under
-TYPE_CHECKING, read from the source with `ast`, so a circle fails here before it fails at import time),
-and no module longer than a newcomer reads in one go."""
+"""The packages' shape: one order of layers with no import climbing back up, no import circle (every import
+counts, at module level, inside functions and under TYPE_CHECKING, read from the source with `ast`, so a
+circle fails here before it fails at import time), and no module longer than a newcomer reads in one go."""
 
 from __future__ import annotations
 
@@ -11,6 +11,43 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODULE_LINES = 460
+
+# art_sglang's layers, bottom to top (docs/architecture.md, "Layers"): each names its parts, a part its
+# modules (dotted, under art_sglang; a package stands for every module in it, the longest name wins). A
+# module imports its own part and the layers below; parts side by side import neither each other nor up.
+HELPERS = (
+    "errors",
+    "types",
+    "process_tree",
+    "chat_format",
+    "token_bounds",
+    "cpu_threads",
+    "tiny_model",
+    "gather_context",
+    "constraints",
+    "tool_choice",
+    "grammars",
+    "trajectories",
+    "tracking",
+    "gather",
+    "backend_protocol",
+)
+LAYERS: list[dict[str, tuple[str, ...]]] = [
+    {"helpers": HELPERS},
+    {"config": ("config",)},
+    {"storage": ("storage",), "cuda_mps": ("cuda_mps",)},
+    {"training": ("training",)},
+    {"planning": ("planning",)},
+    {"serving": ("serving", "serving.sglang_api", "serving.served_names")},
+    {"servers": ("serving.servers",), "gateway": ("serving.gateway",)},
+    {"adapters": ("serving.adapters",)},
+    {"cluster": ("cluster",), "model": ("model",)},
+    {"orchestration": ("orchestration",)},
+    {"backend": ("backend",)},
+    {"face": ("",)},  # art_sglang/__init__.py: the public names
+]
+# What the reference engine, a program of its own, shares with the client.
+REFERENCE_USES = {"helpers", "config", "serving"}
 
 
 def module_files(package: Path) -> dict[str, Path]:
@@ -78,6 +115,72 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def import_graph(package: Path) -> dict[str, set[str]]:
     files = module_files(package)
     return {name: imports_of(name, path, set(files)) for name, path in files.items()}
+
+
+def part_of(module: str) -> tuple[int, str] | None:
+    """(layer, part) of an art_sglang module; None where no layer names it."""
+    name = module.removeprefix("art_sglang").removeprefix(".")
+    found = [
+        (len(prefix), layer, part)
+        for layer, parts in enumerate(LAYERS)
+        for part, prefixes in parts.items()
+        for prefix in prefixes
+        if name == prefix or name.startswith(prefix + ".") or (prefix == "" and name == "")
+    ]
+    return max(found)[1:] if found else None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import that climbs to a higher layer or crosses to a part beside its own, in words."""
+    wrong = []
+    for module, targets in sorted(graph.items()):
+        here = part_of(module)
+        for target in sorted(targets):
+            there = part_of(target)
+            if here is None or there is None or here == there or there[0] < here[0]:
+                continue
+            wrong.append(f"{module} ({here[1]}) imports {target} ({there[1]})")
+    return wrong
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = [module for module in import_graph(ROOT / "art_sglang") if part_of(module) is None]
+    assert not unplaced, f"name these modules' layer in LAYERS (and docs/architecture.md): {unplaced}"
+
+
+def test_no_import_climbs_back_up() -> None:
+    wrong = upward_imports(import_graph(ROOT / "art_sglang"))
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+def test_the_reference_engine_shares_only_the_bottom_layers() -> None:
+    used = set()
+    for path in (ROOT / "art_sglang_reference").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and (node.module or "").startswith("art_sglang.")
+            ):
+                used.add(node.module)
+            elif isinstance(node, ast.ImportFrom) and node.module == "art_sglang":
+                used.update(f"art_sglang.{alias.name}" for alias in node.names)
+    assert used  # the reference engine was read
+    wrong = {module for module in used if (part_of(module) or (0, "?"))[1] not in REFERENCE_USES}
+    assert not wrong, f"the reference engine imports {sorted(wrong)}: share only {sorted(REFERENCE_USES)}"
+
+
+def test_an_import_against_the_layers_is_found() -> None:
+    graph = {
+        "art_sglang.storage.model_store": {"art_sglang.planning.internal_config"},  # climbs
+        "art_sglang.serving.gateway.app": {"art_sglang.serving.servers.group"},  # beside
+        "art_sglang.serving.adapters": {"art_sglang.serving.gateway.app", "art_sglang.config"},  # down
+        "art_sglang.training.trainer": {"art_sglang.training.loss"},  # its own part
+    }
+    assert upward_imports(graph) == [
+        "art_sglang.serving.gateway.app (gateway) imports art_sglang.serving.servers.group (servers)",
+        "art_sglang.storage.model_store (storage) imports art_sglang.planning.internal_config (planning)",
+    ]
 
 
 @pytest.mark.parametrize("package", ["art_sglang", "art_sglang_reference"])

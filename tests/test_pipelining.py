@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from art_sglang.orchestration.pipelining import pin_step, pinned_step, pipelining_problem
+from art_sglang.orchestration.pipelining import pin_step, pinned_step
+from art_sglang.planning.config_checks import pipelining_problem
 
 
 def test_only_a_backend_without_handoff_with_gateway_and_lora_sync_pipelines() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from art_sglang.server.served_names import (
+from art_sglang.serving.served_names import (
     parse_served_name,
     served_name,
     served_prefix,

@@ -21,8 +21,8 @@ from art_sglang.errors import (
     ServerRequestError,
     ServerUnavailableError,
 )
-from art_sglang.server.client import ModelCard, ServerClient
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.servers.client import ModelCard, ServerClient
+from art_sglang.serving.servers.process import ServerProcess
 
 API_KEY = "test-key"
 ADMIN_KEY = "admin-test-key"

@@ -20,9 +20,9 @@ import pytest
 
 from art_sglang.config import SGLANG_ENV_DEFAULTS, SGLangConfig
 from art_sglang.errors import ServerStartError
-from art_sglang.server import process as process_module
-from art_sglang.server.client import ServerClient
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.servers import process as process_module
+from art_sglang.serving.servers.client import ServerClient
+from art_sglang.serving.servers.process import ServerProcess
 
 # A minimal HTTP server: GET /health -> 200 once it is up. It writes its environment to the log and says
 # when SIGTERM arrives; with `--stubborn` it ignores SIGTERM and first starts a grandchild that ignores

@@ -1,6 +1,17 @@
-"""Inference replicas on the nodes of a Ray cluster (`SGLangBackend(cluster=...)`). Only `ClusterConfig`
-is imported here: Ray itself is imported by `remote` and `host`, which load only when a cluster is used."""
+"""Inference replicas on the nodes of a Ray cluster (`SGLangBackend(cluster=ClusterConfig(...))`): the Ray
+side only. Ray itself is imported by `remote` and `host`, which load only when a cluster is used."""
 
-from .config import ClusterConfig
+from __future__ import annotations
 
-__all__ = ["ClusterConfig"]
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import ClusterConfig
+    from .remote import RayCluster
+
+
+def ray_cluster(config: ClusterConfig) -> RayCluster:
+    """The cluster `ServerGroup` places the replicas of `config` on (Ray, an optional extra, imported now)."""
+    from .remote import RayCluster
+
+    return RayCluster(config)

@@ -20,7 +20,7 @@ import ray
 from ..config import SGLangConfig, find_server_python
 from ..errors import ServerStartError
 from ..process_tree import LOG_TAIL_LINES
-from ..server.process import Engine, ServerProcess
+from ..serving.servers.process import Engine, ServerProcess
 from .files import AdapterBytes, remove_adapter, write_adapter
 
 _EXIT_POLL_S = 0.2

@@ -16,11 +16,10 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
-from ..config import KEEP_ALIVE_ENV, SGLANG_ENV_DEFAULTS, SGLangConfig
+from ..config import KEEP_ALIVE_ENV, SGLANG_ENV_DEFAULTS, ClusterConfig, SGLangConfig
 from ..errors import AdapterLoadError, ServerStartError
 from ..process_tree import EXIT_GRACE_SECONDS, LOG_TAIL_LINES
-from ..server.process import Engine
-from .config import ClusterConfig
+from ..serving.servers.process import Engine
 from .files import adapter_version, checksum, read_adapter
 from .host import ReplicaHost
 
@@ -76,6 +75,11 @@ class RayCluster:
             "scheduling_strategy": "SPREAD",
         }
         return self._host_class.options(**options).remote(self.config.adapter_dir)
+
+    def server(self, config: SGLangConfig, base_model: str, **options: Any) -> RemoteServer:
+        """One replica on this cluster, placed on a node when it starts (`ServerGroup`'s `RemotePlacement`;
+        `options`: `RemoteServer`'s)."""
+        return RemoteServer(self, config, base_model, **options)
 
     def needs(self) -> str:
         """What one replica asks of a node, in words."""

@@ -2,8 +2,8 @@
 
 A rollout worker takes an adapter lease on the step it starts with (`SGLangBackend.adapter_lease`); inside
 the lease, `model.get_inference_name()` names that step (the pin below, per task, as ART's LocalBackend
-pins it) and the server keeps its adapter loaded until the lease ends. This module holds the pin and the
-rule of which backends can pipeline at all.
+pins it) and the server keeps its adapter loaded until the lease ends. This module holds the pin; which
+backends can pipeline at all is `planning.config_checks.pipelining_problem`.
 """
 
 from __future__ import annotations
@@ -11,10 +11,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
-
-from ..config import WeightSyncMethod
-from ..planning.serving_plan import HandoffStrategy
-from .weight_sync import STRATEGIES
 
 _pinned_steps: ContextVar[dict[str, int] | None] = ContextVar("art_sglang_pinned_steps", default=None)
 
@@ -32,27 +28,3 @@ async def pin_step(model_name: str, step: int) -> AsyncIterator[None]:
         yield
     finally:
         _pinned_steps.reset(token)
-
-
-def pipelining_problem(
-    handoff: HandoffStrategy, *, gateway: bool, weight_sync: WeightSyncMethod
-) -> str | None:
-    """Why a backend set up this way cannot train while rollouts run on older steps, with the fix; None
-    when it can."""
-    if handoff != "none":
-        return (
-            f"in shared mode with shared_strategy={handoff!r} the server hands the GPU to the trainer for each "
-            "step, so rollouts stop while it trains: use shared_strategy='co_resident' when the server and the "
-            "trainer both fit on the GPU, or a second GPU (split mode), or a synchronous loop"
-        )
-    if not gateway:
-        return (
-            "with gateway=False nothing checks that a rollout's adapter is still loaded (SGLang answers an "
-            "unloaded name from the base model): use gateway=True (the default)"
-        )
-    if not STRATEGIES[weight_sync].keeps_older_steps:
-        return (
-            f"weight_sync_method={weight_sync!r} serves only the newest step (older steps' rollouts would "
-            "change policy or be cut off mid-request): use weight_sync_method='lora' (the default)"
-        )
-    return None

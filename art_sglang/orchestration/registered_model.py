@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..server.served_names import parse_served_name
+from ..serving.served_names import parse_served_name
 from ..storage.model_store import ModelStore
 from ..storage.run_lock import RunLock
 from ..training.process import TrainerProcess

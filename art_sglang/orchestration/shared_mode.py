@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from ..planning.serving_plan import HandoffStrategy
-from ..server.inference import InferenceService
-from ..server.sglang_api import KV_CACHE_TAG
+from ..serving.adapters import InferenceService
+from ..serving.sglang_api import KV_CACHE_TAG
 
 
 class Offloadable(Protocol):

@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable
 from ..errors import ServerRequestError, TrainerError, TrainingError
 from ..planning.serving_plan import ServingPlan
 from ..process_tree import gather_all
-from ..server.inference import InferenceService
-from ..training.checkpoints import set_aside
+from ..serving.adapters import InferenceService
+from ..storage.checkpoints import set_aside
 from ..training.options import StepOutcome
 from ..training.process import TrainerProcess
 from .registered_model import RegisteredModel

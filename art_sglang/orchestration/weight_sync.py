@@ -23,11 +23,10 @@ import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 from ..config import WeightSyncMethod
-from ..server.inference import InferenceService
-from ..server.served_names import served_name, served_prefix
+from ..serving.adapters import InferenceService
+from ..serving.served_names import served_name, served_prefix
 from ..storage.model_store import ModelStore
 from .merge import merge_in_subprocess
 
@@ -52,13 +51,9 @@ class SyncTarget:
 
 
 class WeightSync(ABC):
+    """How a trained step reaches the servers (what each method allows: `serving_plan.SYNC_TRAITS`)."""
+
     method: WeightSyncMethod
-    # An older step's adapter can be loaded beside the newest (on request, for a rollout's lease).
-    serves_older_steps: ClassVar[bool] = True
-    # Older steps stay loaded while newer ones are published, so rollouts can pipeline with training.
-    keeps_older_steps: ClassVar[bool] = False
-    # Several models can share the servers.
-    several_models: ClassVar[bool] = True
 
     def __init__(self, service: InferenceService, adapters_to_keep: int):
         self.service = service
@@ -75,7 +70,6 @@ class WeightSync(ABC):
 
 class LoraSync(WeightSync):
     method = "lora"
-    keeps_older_steps = True
 
     async def apply(self, target: SyncTarget, *, may_restart: bool) -> None:
         await self.service.add_adapter(target.inference_name, target.checkpoint)
@@ -93,8 +87,6 @@ class RestartSync(WeightSync):
 
 class DiskSync(WeightSync):
     method = "disk"
-    serves_older_steps = False  # merged weights hold one step only; an older adapter on top would be wrong
-    several_models = False  # one model's weights are merged into the servers' base weights
 
     async def prepare(self, target: SyncTarget) -> None:
         if target.step == 0:

@@ -1,7 +1,7 @@
 """The backend's device layout and server configuration as the user asked: chosen from SGLangBackend's
 arguments, changed by the first model's `_internal_config` if it asks, then fixed (a later model may not
 ask for other server settings: one server serves every model of a backend); `serving_plan.make_plan`
-turns them into the frozen plan. Also the configuration clashes found before anything starts."""
+turns them into the frozen plan. Its checks of settings against each other live in `config_checks`."""
 
 from __future__ import annotations
 
@@ -10,24 +10,35 @@ import math
 from collections import Counter
 from typing import Any, Literal
 
-from ..cluster.config import ClusterConfig, cluster_layout
-from ..config import CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from ..config import ClusterConfig, CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
+from ..cuda_mps import CONTROL, control_program
 from ..errors import ConfigError
-from ..orchestration.weight_sync import STRATEGIES
 from ..storage.model_store import ModelStore, base_model_problem
-from ..training.options import TrainOptions
-from .cuda_mps import CONTROL, control_program
-from .devices import GPU_FIELDS, DeviceLayout, EngineChoice, choose_layout, detect_gpus, device_request
+from .config_checks import check_cluster_sync, check_compatible, check_memory_saver, check_replicas
+from .devices import (
+    GPU_FIELDS,
+    DeviceLayout,
+    EngineChoice,
+    choose_layout,
+    cluster_layout,
+    detect_gpus,
+    device_request,
+)
 from .gpu_budget import SharedPlan, model_weights_bytes, plan_co_resident, plan_shared_gpu
 from .internal_config import ModelSettings, internal_config_of, model_settings
-from .serving_plan import FrozenSGLangConfig, HandoffStrategy, ReplicaPlan, ServingPlan, frozen_config
+from .serving_plan import (
+    SYNC_TRAITS,
+    FrozenSGLangConfig,
+    HandoffStrategy,
+    ReplicaPlan,
+    ServingPlan,
+    frozen_config,
+)
 
 logger = logging.getLogger(__name__)
 
-# Replicas sharing a GPU hold at most this share of it for weights and KV cache together, and by default
-# DEFAULT_SHARED_FRACTION split equally. Each server also needs memory outside that share (CUDA context,
-# activations, LoRA buffers): on an H200 two replicas of 0.45 each held 97 % of it (measured).
-MAX_SHARED_FRACTION = 0.9
+# Replicas sharing a GPU split this share of it equally by default (at most `config_checks`'
+# MAX_SHARED_FRACTION).
 DEFAULT_SHARED_FRACTION = 0.85
 
 
@@ -124,8 +135,12 @@ class BackendSettings:
         self.handoff_strategy: HandoffStrategy = "none"
         if layout.mode == "shared" and self.shared_strategy != "co_resident":
             self.handoff_strategy = self.shared_strategy
-        config = fit_replicas(config, layout, gateway=self.gateway)
-        self.sglang_config = with_memory_saver(config) if self.handoff_strategy == "sleep" else config
+        check_replicas(config, layout, gateway=self.gateway)
+        config = fit_replicas(config, layout)
+        if self.handoff_strategy == "sleep":
+            check_memory_saver(config)
+            config = with_memory_saver(config)
+        self.sglang_config = config
 
     def apply_first_model(self, settings: ModelSettings, store: ModelStore) -> None:
         """The first model's `_internal_config` may choose the server's flags and the GPUs."""
@@ -167,7 +182,7 @@ class BackendSettings:
                 f"this backend serves base model {served_base_model!r}; model {model.name!r} uses "
                 f"{model.base_model!r}: one server serves one base model, so use a second SGLangBackend"
             )
-        if not STRATEGIES[self.sglang_config.weight_sync_method].several_models:
+        if not SYNC_TRAITS[self.sglang_config.weight_sync_method].several_models:
             raise ConfigError(
                 "weight_sync_method='disk' merges one model's weights into the server's base weights, so "
                 "only one model can be registered: use weight_sync_method='lora' to serve several"
@@ -221,11 +236,8 @@ class BackendSettings:
         first model's settings were applied."""
         layout = self.layout
         config = self.sglang_config
-        if self.cluster is not None and config.weight_sync_method != "lora":
-            raise ConfigError(
-                f"weight_sync_method={config.weight_sync_method!r} with cluster=: replicas on other nodes "
-                "get each step as a shipped LoRA adapter; use weight_sync_method='lora'"
-            )
+        if self.cluster is not None:
+            check_cluster_sync(config)
         release: Literal["kv_cache", "all"] = "all"
         if self.handoff_strategy == "sleep":
             shared = self._shared_plan(base_model)
@@ -285,38 +297,6 @@ class BackendSettings:
         )
 
 
-def check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
-    """Configuration clashes between server and trainer, found before anything starts."""
-    if trainer.lora_rank > sglang.max_lora_rank:
-        raise ConfigError(
-            f"TrainerConfig(lora_rank={trainer.lora_rank}) exceeds SGLangConfig(max_lora_rank="
-            f"{sglang.max_lora_rank}): the server could not load the adapters; raise max_lora_rank to "
-            f"{trainer.lora_rank} or lower lora_rank"
-        )
-    if sglang.lora_target_modules is None:  # the server will serve the trainer's modules (`serve_trained`)
-        return
-    served = set(sglang.lora_target_modules)
-    if "all" not in served:
-        fused = {"qkv_proj": {"q_proj", "k_proj", "v_proj"}, "gate_up_proj": {"gate_proj", "up_proj"}}
-        for name, parts in fused.items():
-            if name in served:
-                served |= parts
-        missing = sorted(set(trainer.target_modules) - served)
-        if missing:
-            raise ConfigError(
-                f"TrainerConfig(target_modules) trains {missing}, which SGLangConfig(lora_target_modules="
-                f"{sglang.lora_target_modules}) does not serve: add them, or use lora_target_modules=['all']"
-            )
-
-
-def check_row_length(options: TrainOptions, trainer: TrainerConfig) -> None:
-    if options.packed_sequence_length is not None and options.packed_sequence_length > trainer.max_seq_length:
-        raise ConfigError(
-            f"packed_sequence_length={options.packed_sequence_length} exceeds TrainerConfig(max_seq_length="
-            f"{trainer.max_seq_length}): lower it, or raise max_seq_length"
-        )
-
-
 def server_updates(settings: ModelSettings, store: ModelStore) -> dict[str, Any]:
     """SGLangConfig fields from a model's settings; a template given as text goes to a file the server
     reads (SGLang's --chat-template takes a path)."""
@@ -328,37 +308,15 @@ def server_updates(settings: ModelSettings, store: ModelStore) -> dict[str, Any]
     return updates
 
 
-def fit_replicas(config: SGLangConfig, layout: DeviceLayout, *, gateway: bool = True) -> SGLangConfig:
-    """Server replicas sharing a GPU split its memory: mem_fraction_static defaults to an equal share and
-    may not ask for more than the GPU has (`ConfigError` before anything starts). `gateway`: clients reach
-    the replicas through the adapter gateway (else through SGLang's router)."""
-    if len(layout.replicas) > 1 and config.port is not None:
-        raise ConfigError(
-            f"SGLangConfig(port={config.port}) with several server replicas: each replica needs its own "
-            "port; leave port unset (free ports are picked)"
-        )
-    if len(layout.replicas) > 1 and config.api_key is not None and not gateway:
-        # Behind the gateway the replicas hold a key of their own and the gateway checks api_key.
-        raise ConfigError(
-            "SGLangConfig(api_key=...) with several server replicas and gateway=False: clients would reach the "
-            "replicas through SGLang's router, which this backend starts without worker keys; keep the "
-            "gateway, leave api_key unset, or serve with one replica"
-        )
+def fit_replicas(config: SGLangConfig, layout: DeviceLayout) -> SGLangConfig:
+    """Server replicas sharing a GPU split its memory: mem_fraction_static defaults to an equal share
+    (`check_replicas` refuses what cannot work)."""
     shares = Counter(gpu for gpus in layout.replicas for gpu in gpus)
     crowd = max(shares.values(), default=1)
-    if crowd < 2:
+    if crowd < 2 or "mem_fraction_static" in config.model_fields_set:
         return config
-    if "mem_fraction_static" not in config.model_fields_set:
-        share = math.floor(100 * DEFAULT_SHARED_FRACTION / crowd) / 100
-        return config.model_copy(update={"mem_fraction_static": share})
-    if config.mem_fraction_static * crowd > MAX_SHARED_FRACTION:
-        raise ConfigError(
-            f"{crowd} server replicas share a GPU, each with mem_fraction_static="
-            f"{config.mem_fraction_static}: together more than {MAX_SHARED_FRACTION:.0%} of its memory; set "
-            f"mem_fraction_static <= {math.floor(100 * MAX_SHARED_FRACTION / crowd) / 100}, or put the "
-            "replicas on different GPUs"
-        )
-    return config
+    share = math.floor(100 * DEFAULT_SHARED_FRACTION / crowd) / 100
+    return config.model_copy(update={"mem_fraction_static": share})
 
 
 def serve_trained(config: SGLangConfig, trainer: TrainerConfig) -> SGLangConfig:
@@ -372,12 +330,7 @@ def serve_trained(config: SGLangConfig, trainer: TrainerConfig) -> SGLangConfig:
 
 def with_memory_saver(config: SGLangConfig) -> SGLangConfig:
     """Shared mode with "sleep" needs SGLang's memory saver and CPU weight backup: without them
-    release_memory_occupation answers 200 and frees nothing."""
-    if "enable_memory_saver" in config.model_fields_set and not config.enable_memory_saver:
-        raise ConfigError(
-            "shared_strategy='sleep' needs SGLangConfig(enable_memory_saver=True) (it was set to False): "
-            "leave it unset, or use shared_strategy='restart'"
-        )
+    release_memory_occupation answers 200 and frees nothing (`check_memory_saver`)."""
     return config.model_copy(update={"enable_memory_saver": True, "enable_weights_cpu_backup": True})
 
 

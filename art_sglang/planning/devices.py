@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from ..config import DeviceConfig
+from ..config import ClusterConfig, DeviceConfig
 from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -392,3 +392,26 @@ def _cuda_ids(discovery: Discovery) -> tuple[str, ...]:
 def _count(gpus: Sequence[Gpu]) -> str:
     names = sorted({g.name for g in gpus})
     return f"{len(gpus)} GPU(s) ({', '.join(names)})"
+
+
+def cluster_layout(cluster: ClusterConfig, engine: EngineChoice, tensor_parallel_size: int) -> DeviceLayout:
+    """The head's layout: every GPU of this machine trains, the inference replicas hold GPUs of the
+    cluster's nodes (none here). The engine follows this machine's GPUs unless `engine` names one."""
+    found = detect_gpus()
+    chosen = engine if engine != "auto" else ("sglang" if found.gpus else "reference")
+    if chosen == "sglang" and cluster.gpus_per_replica < tensor_parallel_size:
+        raise ConfigError(
+            f"ClusterConfig(gpus_per_replica={cluster.gpus_per_replica:g}) is below tensor_parallel_size="
+            f"{tensor_parallel_size}: each SGLang replica needs that many GPUs"
+        )
+    gpus = tuple(gpu.index for gpu in found.gpus) if chosen == "sglang" else ()
+    where = f"{cluster.inference_replicas} inference replica(s) on the Ray cluster at {cluster.address!r}"
+    return DeviceLayout(
+        "split" if gpus else "cpu",
+        chosen,
+        (),
+        gpus,
+        f"{where}; this machine trains",
+        tuple(gpu.cuda_id for gpu in found.gpus),
+        replica_gpus=((),) * cluster.inference_replicas,
+    )

@@ -134,6 +134,11 @@ class ModelSettings:
     inference_gpu_ids: list[int] | None = None
     trainer_gpu_ids: list[int] | None = None
 
+    @property
+    def template_text(self) -> str | None:
+        """The chat template the server reads from a file this backend writes (given as text only)."""
+        return self.chat_template if self.chat_template_path is None else None
+
 
 def model_settings(internal: Mapping[str, Any] | None, trainer: TrainerConfig) -> ModelSettings:
     """The trainer config and server settings `internal` asks for, on top of the backend's own."""

@@ -5,16 +5,36 @@ is tried, and the weight-sync method (`BackendSettings.plan` makes it). The back
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from ..cluster.config import ClusterConfig
-from ..config import SGLangConfig, WeightSyncMethod
+from ..config import ClusterConfig, SGLangConfig, WeightSyncMethod
 from .devices import DeviceLayout
 
 # Who holds the one GPU while the trainer works (shared_mode.GpuHandoff); "none" where they never compete.
 HandoffStrategy = Literal["none", "sleep", "restart"]
+
+
+@dataclass(frozen=True)
+class SyncTraits:
+    """What a weight-sync method allows, known before anything starts."""
+
+    # An older step's adapter can be loaded beside the newest (on request, for a rollout's lease).
+    serves_older_steps: bool = True
+    # Older steps stay loaded while newer ones are published, so rollouts can pipeline with training.
+    keeps_older_steps: bool = False
+    # Several models can share the servers.
+    several_models: bool = True
+
+
+SYNC_TRAITS: dict[WeightSyncMethod, SyncTraits] = {
+    "lora": SyncTraits(keeps_older_steps=True),
+    "restart": SyncTraits(),
+    # Merged weights hold one step of one model: an older adapter on top would be wrong.
+    "disk": SyncTraits(serves_older_steps=False, several_models=False),
+}
 
 
 class FrozenSGLangConfig(SGLangConfig):

@@ -18,13 +18,10 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import AdapterLoadError
-from ..training.checkpoints import list_checkpoints
-
-if TYPE_CHECKING:
-    from ..planning.internal_config import ModelSettings
+from .checkpoints import list_checkpoints
 
 MODEL_JSON = "model.json"
 HISTORY_FILE = "history.jsonl"
@@ -197,12 +194,12 @@ def _model_json(model: Any) -> dict[str, Any]:
     return json.loads(json.dumps(model.model_dump(), default=str))
 
 
-def write_model_files(store: ModelStore, model: Any, settings: ModelSettings | None = None) -> None:
-    """model.json, and the chat template a model's settings give as text (the server reads a file)."""
+def write_model_files(store: ModelStore, model: Any, chat_template: str | None = None) -> None:
+    """model.json, and `chat_template`, a template given as text, into the file the server reads."""
     store.create()
     store.write_model_json(_model_json(model))
-    if settings is not None and settings.chat_template is not None and settings.chat_template_path is None:
-        store.chat_template_file.write_text(settings.chat_template, encoding="utf-8")
+    if chat_template is not None:
+        store.chat_template_file.write_text(chat_template, encoding="utf-8")
 
 
 def append_lines(path: Any, lines: list[str]) -> None:

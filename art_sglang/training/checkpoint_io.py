@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoints as ckpt
+from ..storage import checkpoints as ckpt
 
 
 def write_failure(exc: BaseException, folder: Path) -> str:

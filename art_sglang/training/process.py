@@ -30,7 +30,7 @@ from ..trajectories import TrajectoryGroup
 from .options import StepOutcome, TrainOptions
 from .protocol import ERROR, INPUT_ERROR, PROGRESS, RESULT, STEP_ERROR
 from .sft import SFTBatch
-from .validation import WireGroup, groups_to_wire
+from .validation import CheckedGroups, WireGroup, check_groups
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class TrainerProcess(ManagedProcess):
 
     async def train(
         self,
-        groups: list[TrajectoryGroup] | list[WireGroup],
+        groups: CheckedGroups | Sequence[TrajectoryGroup | WireGroup],
         options: TrainOptions,
         *,
         on_progress: ProgressCallback | None = None,
@@ -155,10 +155,13 @@ class TrainerProcess(ManagedProcess):
         signal: the step still advances, to a copy of the last checkpoint, as in ART.
         `on_progress` gets one event per micro-batch. Cancelling the call does not stop the worker: it
         finishes that step (and its checkpoint), and the next call's outcome carries the step reached."""
-        # The worker checks the groups before it trains (the backend did too, before the GPU handoff).
-        wire = groups_to_wire(groups)
+        # Checked here unless the caller did already (the backend, before the GPU handoff); the worker
+        # trains on what passed.
+        checked = (
+            groups if isinstance(groups, CheckedGroups) else check_groups(groups, **options.input_rules())
+        )
         data = await self._request(
-            "train", on_progress=on_progress, groups=wire, options=options.model_dump()
+            "train", on_progress=on_progress, groups=checked.wire, options=options.model_dump()
         )
         return self._outcome(data)
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import TrainingError
-from . import checkpoints as ckpt
+from ..storage import checkpoints as ckpt
 from .loss import ROW_MEAN_EPS, TokenInputs, sampled_token_logprobs, token_loss
 from .options import TrainOptions
 from .packing import plan_micro_batches

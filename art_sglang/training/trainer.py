@@ -25,7 +25,7 @@ import torch
 
 from ..config import TrainerConfig
 from ..errors import TrainerError, TrainingError, TrainingInputError
-from . import checkpoints as ckpt
+from ..storage import checkpoints as ckpt
 from .advantages import balance, batch_scale, group_advantages, weighted_sequences
 from .checkpoint_io import (
     CheckpointState,
@@ -44,7 +44,7 @@ from .row_optimizer import Progress, RowOptimizer
 from .sft import SFTBatch, run_sft
 from .tokenize import ChatTokenizer, TokenizedSequence, tokenize_groups
 from .train_state import TrainState, adamw_settings
-from .validation import WireGroup, validate_groups
+from .validation import WireGroup
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,6 @@ class Trainer:
         started = time.perf_counter()
         self.enter_mode("rl")
         self.ranks.align_rng()
-        validate_groups(groups, **options.input_rules())
         reference = self._reference_path(options)
         tokenized, stats = tokenize_groups(self.chat, groups, max_seq_length=self.config.max_seq_length)
         self._check_token_ids(tokenized)

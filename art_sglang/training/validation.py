@@ -1,5 +1,5 @@
-"""Checks on trajectory groups that need no tokenizer, run in the parent before anything is sent to the
-trainer (and again in the worker). Groups travel as plain dicts (`groups_to_wire`): a dict with "role"
+"""Checks on trajectory groups that need no tokenizer, run once per train() in the parent before anything
+is sent to the trainer (`check_groups`; the worker trains on what passed). Groups travel as plain dicts (`groups_to_wire`): a dict with "role"
 is a chat message (context), a dict with "message" and "finish_reason" is a sampled Choice (trained).
 
 A Choice that carries the ids the server sampled (`token_ids`, asked for with `return_token_ids`; the
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..constraints import ALLOWED_FIELD, carried, grammars_available
@@ -39,6 +40,20 @@ def groups_to_wire(groups: Sequence[TrajectoryGroup | WireGroup]) -> list[WireGr
     """Plain-dict form of the groups, as sent to the worker. Python mode keeps NaN/inf rewards as floats
     (JSON mode would turn them into null) so validation can name them."""
     return [g if isinstance(g, dict) else g.model_dump(mode="python") for g in groups]
+
+
+@dataclass(frozen=True)
+class CheckedGroups:
+    """Trajectory groups in wire form that `validate_groups` passed: converted and checked once."""
+
+    wire: list[WireGroup]
+
+
+def check_groups(groups: Sequence[TrajectoryGroup | WireGroup], **rules: bool) -> CheckedGroups:
+    """The groups' wire form, checked (`rules`: `validate_groups`' keywords, `TrainOptions.input_rules`)."""
+    wire = groups_to_wire(groups)
+    validate_groups(wire, **rules)
+    return CheckedGroups(wire)
 
 
 def is_choice(item: Any) -> bool:

@@ -19,7 +19,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # environments/ is a top-level folder of the checkout
 
 import art_sglang as art  # noqa: E402
-from art_sglang.server.process import claim_port, release_port  # noqa: E402
+from art_sglang.serving.servers.process import claim_port, release_port  # noqa: E402
 from environments.char_share import CharShareTask  # noqa: E402
 
 TASK = CharShareTask(max_tokens=6)
@@ -109,8 +109,8 @@ def kill_tree(pid: int | None, sig: signal.Signals = signal.SIGKILL) -> int:
 async def server_with_adapter(model: Path, folder: Path) -> AsyncIterator[Any]:
     """A reference-engine server on `model` (log in `folder`) with a random adapter loaded as `agent@1`."""
     from art_sglang import SGLangConfig
-    from art_sglang.server.client import ServerClient
-    from art_sglang.server.process import ServerProcess
+    from art_sglang.serving.servers.client import ServerClient
+    from art_sglang.serving.servers.process import ServerProcess
 
     adapter = random_adapter(model, folder / "adapter")
     process = ServerProcess(SGLangConfig(), str(model), engine="reference", log_path=folder / "server.log")

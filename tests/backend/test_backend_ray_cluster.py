@@ -32,7 +32,7 @@ from backend_helpers import (
 import art_sglang as art
 from art_sglang import ClusterConfig, SGLangBackend
 from art_sglang.errors import ServerCrashedError, ServerStartError
-from art_sglang.server.inference import InferenceService
+from art_sglang.serving.adapters import InferenceService
 
 ray = pytest.importorskip("ray", reason="ray is in the dev extra (pip install -e '.[dev]')")
 pytest.importorskip("sglang_router", reason="sglang-router is in the dev extra (pip install -e '.[dev]')")

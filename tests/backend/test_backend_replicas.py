@@ -21,8 +21,8 @@ import art_sglang as art
 from art_sglang import SGLangBackend, SGLangConfig
 from art_sglang.errors import ServerStartError
 from art_sglang.planning.devices import DeviceLayout
-from art_sglang.server.inference import InferenceService
-from art_sglang.server.replica_router import ReplicaRouter
+from art_sglang.serving.adapters import InferenceService
+from art_sglang.serving.servers.replica_health import ReplicaRouter
 
 pytest.importorskip("sglang_router", reason="sglang-router is in the dev extra (pip install -e '.[dev]')")
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -12,11 +12,12 @@ from pydantic import ValidationError
 import art_sglang as art
 from art_sglang import ConfigError, DeviceConfig, SGLangBackend, SGLangConfig, TrainerConfig
 from art_sglang.config import DEFAULT_LORA_TARGETS
-from art_sglang.planning.backend_settings import BackendSettings, check_compatible
+from art_sglang.planning.backend_settings import BackendSettings
+from art_sglang.planning.config_checks import check_compatible
 from art_sglang.planning.devices import DeviceLayout
 from art_sglang.planning.internal_config import model_settings
 from art_sglang.planning.serving_plan import ServingPlan
-from art_sglang.server.inference import InferenceService
+from art_sglang.serving.adapters import InferenceService
 from art_sglang.storage.model_store import ModelStore
 from art_sglang.training.options import TrainOptions
 
@@ -195,7 +196,7 @@ def test_adapter_directories_are_checked_locally_before_loading(tmp_path):
 
 def test_gpu_uuids_reach_the_children_unchanged(tmp_path):
     # CUDA_VISIBLE_DEVICES may name GPUs by UUID; the server and trainer must get the same names.
-    from art_sglang.server.process import ServerProcess
+    from art_sglang.serving.servers.process import ServerProcess
     from art_sglang.training.process import TrainerProcess
 
     split = DeviceLayout("split", "sglang", (0,), (1,), "test", cuda_ids=("GPU-aa11", "GPU-bb22"))

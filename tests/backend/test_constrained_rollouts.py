@@ -19,8 +19,8 @@ from openai import AsyncOpenAI
 from openai.types.chat.chat_completion import Choice
 
 from art_sglang.constraints import CONSTRAINT_FIELD, grammars_available
-from art_sglang.server.gateway import AdapterGateway
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.gateway.app import AdapterGateway
+from art_sglang.serving.servers.process import ServerProcess
 from art_sglang.tool_choice import TEMPLATE_TOOLS_FIELD
 from art_sglang.training.loss import sampled_token_logprobs
 from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats, sampled_constraints

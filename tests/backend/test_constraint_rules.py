@@ -9,7 +9,7 @@ import json
 import pytest
 
 from art_sglang.constraints import CONSTRAINT_FIELD, MASK_BIAS, Grammar, SamplingConstraint
-from art_sglang.server.gateway_rules import Forward, Refuse, Served, route, with_constraint
+from art_sglang.serving.gateway.rules import Forward, Refuse, Served, route, with_constraint
 
 SERVED = Served(frozenset({"agent@1"}), frozenset({"base"}))
 

@@ -16,8 +16,8 @@ from backend_helpers import server_with_adapter
 from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
-from art_sglang.server.gateway import ANY, AdapterGateway
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.gateway.app import ANY, AdapterGateway
+from art_sglang.serving.servers.process import ServerProcess
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -173,7 +173,7 @@ async def test_a_server_that_is_down_is_a_502(tmp_path: Path) -> None:
 
 async def test_the_log_says_where_the_gateway_forwards_once_it_knows(caplog) -> None:
     gw = AdapterGateway(None)
-    with caplog.at_level(logging.INFO, logger="art_sglang.server.gateway"):
+    with caplog.at_level(logging.INFO, logger="art_sglang.serving.gateway.app"):
         gw.start()
         try:
             gw.set_upstream(["http://127.0.0.1:9"])

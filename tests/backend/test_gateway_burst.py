@@ -22,7 +22,7 @@ import pytest
 from art_sglang.config import KEEP_ALIVE_ENV, SGLangConfig, TrainerConfig
 from art_sglang.planning.backend_settings import BackendSettings
 from art_sglang.planning.devices import DeviceLayout, detect_gpus
-from art_sglang.server.inference import InferenceService
+from art_sglang.serving.adapters import InferenceService
 
 KEEP_ALIVE_S = 1  # the server's: short, so the test's pauses are short too
 WAVES = 5

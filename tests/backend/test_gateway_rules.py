@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from art_sglang.server.gateway_rules import Forward, Refuse, Served, normalize_path, route
+from art_sglang.serving.gateway.rules import Forward, Refuse, Served, normalize_path, route
 
 SERVED = Served(frozenset({"agent@1"}), frozenset({"base"}), {"merged@3": "base"})
 

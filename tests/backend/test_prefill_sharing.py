@@ -19,8 +19,8 @@ import pytest_asyncio
 from backend_helpers import server_with_adapter
 from openai import AsyncOpenAI
 
-from art_sglang.server.gateway import AdapterGateway
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.gateway.app import AdapterGateway
+from art_sglang.serving.servers.process import ServerProcess
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from art_sglang.server import prefill_sharing
-from art_sglang.server.gateway_rules import Forward
-from art_sglang.server.prefill_sharing import Answer, PrefillSharing, prompt_key
+from art_sglang.serving.gateway import prefill_sharing
+from art_sglang.serving.gateway.prefill_sharing import Answer, PrefillSharing, prompt_key
+from art_sglang.serving.gateway.rules import Forward
 
 pytestmark = pytest.mark.asyncio
 

@@ -17,11 +17,11 @@ import pytest_asyncio
 from aiohttp import web
 from backend_helpers import StandIn
 
-from art_sglang.server.gateway import AdapterGateway
-from art_sglang.server.gateway_rules import Forward
-from art_sglang.server.prefill_sharing import PROMPT_MEMORY_S
-from art_sglang.server.replica_choice import AFFINITY_PREFIX, UNREACHABLE_S, ReplicaChoice, affinity_key
-from art_sglang.server.upstream import HEALTH_POLL_S
+from art_sglang.serving.gateway.app import AdapterGateway
+from art_sglang.serving.gateway.balancer import AFFINITY_PREFIX, UNREACHABLE_S, ReplicaChoice, affinity_key
+from art_sglang.serving.gateway.prefill_sharing import PROMPT_MEMORY_S
+from art_sglang.serving.gateway.rules import Forward
+from art_sglang.serving.gateway.upstream import HEALTH_POLL_S
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 

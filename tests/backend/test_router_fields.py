@@ -1,6 +1,6 @@
 """What SGLang's real router (sglang-router) forwards of a request to a replica: a recording replica
 behind it shows which fields arrive. It leaves out `return_token_ids` and fields that change an answer,
-which is why the gateway sends requests to the replicas itself (`server.replica_choice`); if a router
+which is why the gateway sends requests to the replicas itself (`serving.gateway.balancer`); if a router
 release starts forwarding them, this test fails and routing through the router can be weighed again."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest_asyncio
 from aiohttp import web
 from backend_helpers import StandIn
 
-from art_sglang.server.gateway_rules import CHAT_PATH
-from art_sglang.server.replica_router import ReplicaRouter
+from art_sglang.serving.gateway.rules import CHAT_PATH
+from art_sglang.serving.servers.replica_health import ReplicaRouter
 
 pytest.importorskip("sglang_router", reason="sglang-router is in the dev extra (pip install -e '.[dev]')")
 

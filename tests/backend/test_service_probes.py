@@ -11,7 +11,7 @@ from pathlib import Path
 
 from art_sglang.config import SGLangConfig, TrainerConfig
 from art_sglang.planning.backend_settings import BackendSettings
-from art_sglang.server.inference import InferenceService
+from art_sglang.serving.adapters import InferenceService
 
 
 async def _health_lines(log: Path, at_least: int) -> int:

@@ -31,7 +31,7 @@ async def test_a_length_refused_rollout_does_not_stop_the_next_steps(
         refused = await chat(gateway, "agent@0", max_tokens=10**7)
         assert refused.status_code == 400 and "context length" in refused.text
 
-        with caplog.at_level(logging.WARNING, logger="art_sglang.server.inference"):
+        with caplog.at_level(logging.WARNING, logger="art_sglang.serving.adapters"):
             for step in (1, 2):
                 groups = await sample_groups(model, seed=step)
                 result = await asyncio.wait_for(

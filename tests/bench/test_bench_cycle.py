@@ -92,8 +92,8 @@ async def test_the_handoff_check_tells_the_same_adapter_from_another(
     from contract.contract_helpers import make_adapter
 
     from art_sglang import SGLangConfig
-    from art_sglang.server.client import ServerClient
-    from art_sglang.server.process import ServerProcess
+    from art_sglang.serving.servers.client import ServerClient
+    from art_sglang.serving.servers.process import ServerProcess
 
     model = str(tiny_model_path)
     targets = ["q_proj", "v_proj"]

@@ -11,7 +11,7 @@ import pytest
 from contract_helpers import contract_config, make_adapter, running_server
 
 from art_sglang.constraints import grammars_available
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.servers.process import ServerProcess
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

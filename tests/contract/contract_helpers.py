@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from art_sglang.config import SGLangConfig
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.servers.process import ServerProcess
 
 GOLDEN_PATH = Path(__file__).parent / "golden" / "sglang-0.5.17-golden.json"
 MESSAGES = [{"role": "user", "content": "hello"}]

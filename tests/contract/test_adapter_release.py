@@ -1,7 +1,7 @@
 """SGLang 0.5.17 counts a request against its adapter before it checks the request's length, and gives
 the count back only when a request finishes generating: after a request it refused for its length, an
 unload of that adapter never answers, and every later adapter load waits behind it. The backend's guard
-(server/stranded.py) rests on this, so both engines are held to it: an ordinary request leaves the
+(serving/gateway/stranded_adapters.py) rests on this, so both engines are held to it: an ordinary request leaves the
 adapter free to unload, a length-refused one does not."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import httpx
 import pytest
 from contract_helpers import contract_config, running_server
 
-from art_sglang.server.stranded import strands_adapter
+from art_sglang.serving.gateway.stranded_adapters import strands_adapter
 
 
 def _chat(http: httpx.Client, adapter: str | None, max_tokens: int) -> httpx.Response:

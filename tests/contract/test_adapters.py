@@ -14,7 +14,7 @@ import httpx
 import pytest
 from contract_helpers import MESSAGES, chat, greedy
 
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.servers.process import ServerProcess
 
 
 def _load(client: httpx.Client, name: str, path: str) -> httpx.Response:

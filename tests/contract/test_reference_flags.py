@@ -12,7 +12,7 @@ import httpx
 import pytest
 from contract_helpers import MESSAGES, contract_config, make_adapter, running_server
 
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.servers.process import ServerProcess
 
 KEY = "sekret"
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from contract_helpers import MESSAGES, chat, greedy, make_perturbed_model, parse_sse
 
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.servers.process import ServerProcess
 
 
 def _error(response: httpx.Response, status: int = 400) -> str:

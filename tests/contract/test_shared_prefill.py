@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from art_sglang.server.gateway import AdapterGateway
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.gateway.app import AdapterGateway
+from art_sglang.serving.servers.process import ServerProcess
 
 MESSAGES = [
     {"role": "system", "content": "You are a careful agent who plays board games well. " * 12},

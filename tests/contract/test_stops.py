@@ -16,7 +16,7 @@ import httpx
 import pytest
 from contract_helpers import chat, parse_sse
 
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.servers.process import ServerProcess
 
 STOP = "</tool_call>"
 FORCED = "cool" + STOP

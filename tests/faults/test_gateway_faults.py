@@ -12,9 +12,9 @@ import pytest
 import pytest_asyncio
 
 from art_sglang import SGLangConfig
-from art_sglang.server.client import ServerClient
-from art_sglang.server.gateway import AdapterGateway
-from art_sglang.server.process import ServerProcess
+from art_sglang.serving.gateway.app import AdapterGateway
+from art_sglang.serving.servers.client import ServerClient
+from art_sglang.serving.servers.process import ServerProcess
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

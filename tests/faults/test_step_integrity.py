@@ -19,7 +19,7 @@ from training_helpers import make_choice, trajectory
 
 from art_sglang.config import TrainerConfig
 from art_sglang.errors import TrainingError
-from art_sglang.training.checkpoints import list_checkpoints
+from art_sglang.storage.checkpoints import list_checkpoints
 from art_sglang.training.options import TrainOptions
 from art_sglang.training.process import TrainerProcess
 from art_sglang.trajectories import TrajectoryGroup

@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 from art_sglang.config import TrainerConfig
+from art_sglang.storage.checkpoints import list_checkpoints, read_trainer_state
 from art_sglang.training import model_loading  # noqa: F401  (first: Unsloth patches transformers)
-from art_sglang.training.checkpoints import list_checkpoints, read_trainer_state
 from art_sglang.training.loss import sampled_token_logprobs
 from art_sglang.training.tokenize import TokenizeStats, sampled_constraints
 from art_sglang.training.trainer import Trainer

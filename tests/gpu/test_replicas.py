@@ -22,7 +22,7 @@ from gpu_helpers import compute_apps, make_groups, record, sglang_test_config
 
 from art_sglang import SGLangBackend, SGLangConfig, TrainableModel
 from art_sglang.planning.devices import DeviceLayout, detect_gpus
-from art_sglang.server.inference import InferenceService
+from art_sglang.serving.adapters import InferenceService
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
 from backend_helpers import kill_tree, served_by_each  # what each replica serves, asked of it directly

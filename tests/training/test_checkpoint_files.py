@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from art_sglang.training import checkpoints as ckpt
+from art_sglang.storage import checkpoints as ckpt
 
 
 def fill(folder: Path) -> None:

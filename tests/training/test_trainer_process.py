@@ -21,9 +21,9 @@ from training_helpers import Scorer, make_choice, trajectory
 
 from art_sglang.config import SGLangConfig, TrainerConfig
 from art_sglang.errors import TrainerError, TrainingInputError
-from art_sglang.server.client import ServerClient
-from art_sglang.server.process import ServerProcess
-from art_sglang.training.checkpoints import list_checkpoints
+from art_sglang.serving.servers.client import ServerClient
+from art_sglang.serving.servers.process import ServerProcess
+from art_sglang.storage.checkpoints import list_checkpoints
 from art_sglang.training.options import TrainOptions
 from art_sglang.training.process import TrainerProcess
 from art_sglang.trajectories import TrajectoryGroup

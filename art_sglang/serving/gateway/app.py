@@ -1,6 +1,6 @@
 """`AdapterGateway`: the loopback HTTP proxy rollouts talk to, in front of the inference server.
 
-What it forwards and how it rewrites requests is `gateway_rules.route` (pure logic); which server a
+What it forwards and how it rewrites requests is `rules.route` (pure logic); which server a
 request goes to, and what happens when none can be reached, is `upstream.Upstream` (replicas picked by the
 gateway itself, a refused connection tried on another, a restart waited out). This module is the server
 for the clients (aiohttp) plus what the backend needs to take a server away safely:
@@ -32,14 +32,15 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
 
 import aiohttp
 from aiohttp import web
 
-from ..tool_choice import DEFAULT_PARSER
-from .gateway_rules import NOT_FORWARDED, Forward, Refuse, Served, error, route, with_constraint
+from ...tool_choice import DEFAULT_PARSER
 from .prefill_sharing import Answer, PrefillSharing, bad_gateway, prompt_key
-from .stranded import StrandedAdapters
+from .rules import NOT_FORWARDED, Forward, Refuse, Served, error, route, with_constraint
+from .stranded_adapters import StrandedAdapters
 from .upstream import Upstream
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class AdapterGateway:
         self._start_error: BaseException | None = None
         self._sharing = PrefillSharing(self._exchange, lead=share_lead or 0.0)
         self._sharing_on = share_lead is not None
-        self.stranded = StrandedAdapters()  # names SGLang can no longer unload (stranded.py)
+        self.stranded = StrandedAdapters()  # names SGLang can no longer unload (stranded_adapters.py)
 
     # --- lifecycle (called from any thread) -------------------------------------------------------------
     @property
@@ -282,13 +283,15 @@ class AdapterGateway:
             return _json(decision.status, decision.payload)
         if not authorized:
             return _json(401, error("invalid API key", "invalid_api_key"))
-        key = prompt_key(decision) if self._sharing_on else None
-        if key is not None:
+        if self._sharing_on or self.upstream.chooses:
+            # Once per request: prefill sharing and the choice among replicas both group requests by it.
+            decision = replace(decision, prompt=prompt_key(decision))
+        if self._sharing_on and decision.prompt is not None:
             keys = _keys(decision)
             # Counted from here: a drain before an unload must wait for a request held in its window.
             self._count(keys, 1)
             try:
-                await self._sharing.wait_turn(key, decision, self._upstream_headers(request))
+                await self._sharing.wait_turn(decision.prompt, decision, self._upstream_headers(request))
             finally:
                 self._count(keys, -1)
         return await self._forward(request, decision)

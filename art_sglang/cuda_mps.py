@@ -23,9 +23,9 @@ from pathlib import Path
 
 import psutil
 
-from ..config import CudaMpsMode
-from ..errors import ConfigError
-from ..process_tree import ManagedProcess
+from .config import CudaMpsMode
+from .errors import ConfigError
+from .process_tree import ManagedProcess
 
 logger = logging.getLogger(__name__)
 

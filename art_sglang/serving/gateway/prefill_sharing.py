@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .gateway_rules import Forward, error
+from .rules import Forward, error
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """`ServerGroup`: the inference servers of a backend as one — one process, or several replicas behind
 SGLang's router (`ReplicaRouter`); with a cluster in the plan, replicas on the nodes of a Ray cluster
-(`cluster.remote.RemoteServer`, the same `ServerHandle`), always with the router.
+(handed in by its `placement`, `cluster.ray_cluster`: the same `ServerHandle`), always with the router.
 
 It owns the keys, the processes, their admin clients, the router, starting, stopping, crash recovery
 (replicas restarted in the background with a growing pause while the others serve), GPU memory release
@@ -17,19 +17,20 @@ import logging
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Protocol
 
-from ..errors import ServerCrashedError
-from ..planning.serving_plan import ServingPlan
-from ..process_tree import EXIT_GRACE_SECONDS, gather_all
+from ...config import ClusterConfig
+from ...errors import ServerCrashedError
+from ...planning.serving_plan import ServingPlan
+from ...process_tree import EXIT_GRACE_SECONDS, gather_all
+from ..sglang_api import MEMORY_TAGS, WEIGHTS_TAG
 from .client import ServerClient
 from .process import ServerProcess
-from .replica import Replica, Server, ServerHandle, replica_log
-from .replica_router import ReplicaRouter
-from .sglang_api import MEMORY_TAGS, WEIGHTS_TAG
+from .replica import RemotePlacement, Replica, Server, ServerHandle, replica_log
+from .replica_health import ReplicaRouter
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class ServerGroup:
         own_key: bool,
         hooks: GroupHooks,
         env: Mapping[str, str] | None = None,
+        placement: Callable[[ClusterConfig], RemotePlacement] | None = None,
     ):
         config = plan.server_config
         engine = plan.layout.engine
@@ -86,17 +88,16 @@ class ServerGroup:
         self._own_key = own_key
         self._admin_key = secrets.token_hex(32)
         self._replicas = []
-        self._cluster = None
+        self._cluster: RemotePlacement | None = None
         if plan.cluster is not None:
-            # Imported here: Ray is an optional extra, loaded only when a cluster is used.
-            from ..cluster.remote import RayCluster, RemoteServer
-
-            self._cluster = RayCluster(plan.cluster)
+            if placement is None:
+                raise ValueError("a plan with a cluster needs its replicas' placement (cluster.ray_cluster)")
+            self._cluster = placement(plan.cluster)
         for n, planned in enumerate(plan.replicas):
             configs = tuple(c.model_copy(update={"api_key": self._server_key}) for c in planned.configs)
             if self._cluster is not None:
-                remote = RemoteServer(
-                    self._cluster, configs[0], base_model, engine=engine, admin_api_key=self._admin_key,
+                remote = self._cluster.server(
+                    configs[0], base_model, engine=engine, admin_api_key=self._admin_key,
                     env=env, label=f"{engine} server replica {n} (Ray)",
                 )  # fmt: skip
                 self._replicas.append(Replica(remote, planned.gpu_ids, configs, files=remote))

@@ -25,8 +25,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from math import ceil
 
-from .gateway_rules import Forward
 from .prefill_sharing import PROMPT_MEMORY_S
+from .rules import Forward
 
 # A conversation moves off its replica only when that one has more than this times its share of the
 # requests in flight: moving costs computing its whole prefix again on the other replica.

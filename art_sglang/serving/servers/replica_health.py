@@ -21,7 +21,7 @@ import httpx
 
 from art_sglang.errors import ServerStartError
 from art_sglang.process_tree import EXIT_GRACE_SECONDS, ManagedProcess, display_command, peek_exit_code
-from art_sglang.server.process import claim_port, release_port
+from art_sglang.serving.servers.process import claim_port, release_port
 
 ROUTER_MODULE = "sglang_router.launch_router"
 _POLL_SECONDS = 0.1

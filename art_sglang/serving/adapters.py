@@ -24,15 +24,16 @@ from pathlib import Path
 
 import httpx
 
+from ..config import ClusterConfig
 from ..errors import AdapterLoadError, ServerCrashedError, ServerRequestError
 from ..planning.serving_plan import ServingPlan
 from ..process_tree import gather_all
 from ..storage.model_store import check_adapter
-from .gateway import ANY, AdapterGateway
-from .group import ServerGroup
-from .replica import Server, ServerHandle
-from .replica_router import ReplicaRouter
+from .gateway.app import ANY, AdapterGateway
 from .served_names import step_of
+from .servers.group import ServerGroup
+from .servers.replica import RemotePlacement, Server, ServerHandle
+from .servers.replica_health import ReplicaRouter
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ PROBE_TOKENS = 4  # a few: an adapter that cannot serve may answer its first tok
 class InferenceService:
     """The adapter side of serving over the `ServerGroup` (`servers`) of `plan`: one server replica per
     planned replica, with SGLang's router checking their health when there are several. `env`: added to the servers'
-    environment."""
+    environment; `placement`: where a plan's replicas run on a cluster (`cluster.ray_cluster`)."""
 
     def __init__(
         self,
@@ -54,6 +55,7 @@ class InferenceService:
         use_gateway: bool = True,
         env: Mapping[str, str] | None = None,
         drain_timeout: float = 600.0,
+        placement: Callable[[ClusterConfig], RemotePlacement] | None = None,
     ):
         config = plan.server_config
         self._config = config
@@ -67,6 +69,7 @@ class InferenceService:
             own_key=use_gateway or plan.cluster is not None,
             hooks=self,
             env=env,
+            placement=placement,
         )
         self._gateway: AdapterGateway | None = None
         if use_gateway:
@@ -95,7 +98,7 @@ class InferenceService:
         self._leases: Counter[str] = Counter()  # names rollouts hold: never unloaded while held
         # No longer routed, still loaded (on every running server) until their requests finish.
         self._unloading: dict[str, Path] = {}
-        # No longer routed, left loaded: SGLang can no longer unload them (stranded.py).
+        # No longer routed, left loaded: SGLang can no longer unload them (stranded_adapters.py).
         self._stranded: dict[str, Path] = {}
         self._aliases: dict[str, str] = {}  # names served by the base slot (merged weights)
         self._base_ids: list[str] = []

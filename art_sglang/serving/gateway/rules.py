@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
-from ..constraints import ALLOWED_FIELD, CONSTRAINT_FIELD, ConstraintError, SamplingConstraint, constraint_of
-from ..tool_choice import DEFAULT_PARSER, TEMPLATE_TOOLS_FIELD, ToolUse, UnknownParser, tool_use
+from ...constraints import ALLOWED_FIELD, CONSTRAINT_FIELD, ConstraintError, SamplingConstraint, constraint_of
+from ...tool_choice import DEFAULT_PARSER, TEMPLATE_TOOLS_FIELD, ToolUse, UnknownParser, tool_use
 
 # Paths whose body names a model; the first two can carry the sampled ids (`return_token_ids`).
 CHAT_PATH = "/v1/chat/completions"
@@ -90,7 +90,9 @@ class Forward:
     """Send `body` to the server as `method path?query`; `names` are the models it asks for; `read`: a
     read-only request (model list, health); `payload`: the body as parsed (inference routes), so later
     steps need not parse it again; `constraint`: the sampling constraint to attach to each choice;
-    `template_tools`: the tools the chat template rendered, to attach where they are not the request's."""
+    `template_tools`: the tools the chat template rendered, to attach where they are not the request's;
+    `prompt`: which requests share its prompt (`prefill_sharing.prompt_key`), set once by the gateway
+    where prefill sharing or the choice among replicas groups requests by it."""
 
     path: str
     body: bytes
@@ -99,6 +101,7 @@ class Forward:
     payload: Mapping[str, Any] | None = field(default=None, compare=False)
     constraint: SamplingConstraint | None = None
     template_tools: list[Any] | None = None
+    prompt: str | None = field(default=None, compare=False)
 
     @property
     def annotated(self) -> bool:

@@ -1,5 +1,5 @@
 """`Upstream`: the adapter gateway's side towards the inference servers — its HTTP clients, which replica
-each request goes to (`replica_choice.ReplicaChoice`), and what it does when a server cannot be reached:
+each request goes to (`balancer.ReplicaChoice`), and what it does when a server cannot be reached:
 
 - With several replicas the replica of each request is picked here, not by SGLang's router, which would
   re-encode the request and drop fields rollouts need (`return_token_ids` among them). The router's list
@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterable
 
 import aiohttp
 
-from .gateway_rules import Forward, error
-from .prefill_sharing import Answer, bad_gateway, prompt_key
-from .replica_choice import ReplicaChoice, affinity_key
+from .balancer import ReplicaChoice, affinity_key
+from .prefill_sharing import Answer, bad_gateway
+from .rules import Forward, error
 
 # How often the router's list of healthy replicas is read (its own checks run every second).
 HEALTH_POLL_S = 0.5
@@ -73,6 +73,11 @@ class Upstream:
             if session is not None:
                 await session.close()
 
+    @property
+    def chooses(self) -> bool:
+        """Whether each request's replica is chosen (among several routed)."""
+        return len(self.replicas.routed) > 1
+
     async def send(
         self, method: str, decision: Forward, headers: dict[str, str], counted: Counted
     ) -> tuple[aiohttp.ClientResponse, str] | Answer:
@@ -82,9 +87,8 @@ class Upstream:
         assert self._session is not None and self._fresh is not None and self._open is not None
         deadline = time.monotonic() + self.unreachable_wait
         # Only a choice among replicas needs the keys (a prompt's serialization, for long ones a fraction
-        # of a millisecond).
-        several = len(self.replicas.routed) > 1
-        group, affinity = (prompt_key(decision), affinity_key(decision)) if several else (None, None)
+        # of a millisecond; the gateway made the prompt's once).
+        group, affinity = (decision.prompt, affinity_key(decision)) if self.chooses else (None, None)
         refused: dict[str, str] = {}  # replica -> why, for this request
         resent = False
         while True:

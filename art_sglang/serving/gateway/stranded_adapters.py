@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from .sglang_api import LENGTH_REFUSALS
+from ..sglang_api import LENGTH_REFUSALS
 
 
 def strands_adapter(status: int, body: bytes) -> bool:

@@ -1,17 +1,19 @@
 """`Replica`: one server of a `ServerGroup` — its process, its admin client once it was brought up, where
 requests reach it, its health record and the pause before its next background restart. The process is a
-`ServerHandle`: a local `ServerProcess`, or a replica on another node of a Ray cluster
-(`cluster.remote.RemoteServer`), whose adapters reach it through its `AdapterFiles`."""
+`ServerHandle`: a local `ServerProcess`, or a `RemoteHandle` on another node (the group gets those from
+its `RemotePlacement`: `cluster.ray_cluster`), whose adapters reach it through its `AdapterFiles`."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..config import SGLangConfig
+from ...config import SGLangConfig
 from .client import ServerClient
+from .process import Engine
 
 # A replica whose restart failed is tried again after this pause, doubled per failure in a row up to the
 # maximum (the others serve meanwhile; a start that fails for good, out of memory say, must not spin).
@@ -56,6 +58,28 @@ class AdapterFiles(Protocol):
     async def drop(self, name: str) -> None:
         """The server unloaded `name`: delete what `stage` copied."""
         ...
+
+
+class RemoteHandle(ServerHandle, AdapterFiles, Protocol):
+    """A server replica on another machine, and how adapters reach it there."""
+
+
+class RemotePlacement(Protocol):
+    """Where the replicas of a plan with a cluster run (the nodes of a Ray cluster: `cluster.ray_cluster`
+    makes one): a server per replica, placed when it starts; `close` lets go of the cluster."""
+
+    def server(
+        self,
+        config: SGLangConfig,
+        base_model: str,
+        *,
+        engine: Engine,
+        admin_api_key: str,
+        env: Mapping[str, str] | None,
+        label: str,
+    ) -> RemoteHandle: ...
+
+    async def close(self) -> None: ...
 
 
 class SameDisk:

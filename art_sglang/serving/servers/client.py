@@ -18,7 +18,7 @@ from art_sglang.errors import (
     ServerRequestError,
     ServerUnavailableError,
 )
-from art_sglang.server.sglang_api import ADMIN_ROUTES
+from art_sglang.serving.sglang_api import ADMIN_ROUTES
 
 
 class ModelCard(BaseModel):
