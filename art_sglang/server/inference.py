@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from ..errors import AdapterLoadError, ServerCrashedError, ServerRequestError
+from ..errors import AdapterLoadError, AdapterOperationTimeoutError, ServerCrashedError, ServerRequestError
 from ..planning.serving_plan import ServingPlan
 from ..process_tree import gather_all
 from ..storage.model_store import check_adapter
@@ -267,6 +267,11 @@ class InferenceService:
                     try:
                         await server.client.unload_lora_adapter(name)
                         await server.files.drop(name)
+                    except AdapterOperationTimeoutError as exc:
+                        # Requests the gateway did not see still hold it: it stays, unrouted, until the
+                        # server restarts (recovery restarts a server stuck in an adapter operation).
+                        logger.warning("%s stays loaded on the %s, unrouted: %s", name, server.label, exc)
+                        self._stranded[name] = self._unloading[name]
                     except ServerRequestError as exc:
                         logger.warning("unloading %s from the %s failed: %s", name, server.label, exc)
         finally:
