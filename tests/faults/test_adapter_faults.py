@@ -1,0 +1,120 @@
+"""What one request or one crash at the adapters' moment can do to a run, on real reference-engine servers
+(which keep SGLang 0.5.17's adapter books, tests/contract/test_adapter_release.py): `n > 1` in every
+spelling is refused on an adapter, an adapter the gateway could not guard (a request sent to the server
+directly) makes its unload time out without stopping later steps, and a server killed during a step's
+adapter load is waited out. One backend for the module; the tests run in order."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+from backend_helpers import bearer, chat, kill_tree, sample_groups, server_models
+
+import art_sglang as art
+from art_sglang import SGLangBackend, SGLangConfig
+from art_sglang.server.client import ServerClient
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+TRAIN = {"learning_rate": 1e-3, "allow_training_without_logprobs": True}
+# Each step has this long: an adapter operation that hangs is bounded by unresponsive_timeout (5 s here).
+STEP_S = 90.0
+
+SPELLINGS = [
+    ("/v1/chat/completions", {"n": 2.0}),
+    ("/v1/chat/completions", {"n": "2"}),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 2, "max_new_tokens": 2}}),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 2}]}),
+]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def run(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path):
+    backend = SGLangBackend(
+        path=str(tmp_path_factory.mktemp("adapter-faults") / ".art"),
+        sglang_config=SGLangConfig(adapters_to_keep=1, unresponsive_timeout=5.0),
+    )
+    model = art.TrainableModel(name="agent", project="adapter-faults", base_model=str(tiny_model_path))
+    try:
+        await model.register(backend)
+        yield backend, model
+    finally:
+        await asyncio.wait_for(backend.close(), timeout=120)
+
+
+async def _step(backend: SGLangBackend, model: art.TrainableModel) -> int:
+    groups = await sample_groups(model, seed=await model.get_step() + 1)
+    result = await asyncio.wait_for(backend.train(model, groups, **TRAIN), timeout=STEP_S)
+    assert model.get_inference_name() == f"agent@{result.step}"
+    assert (await chat(_gateway(model), model.get_inference_name())).status_code == 200
+    return result.step
+
+
+def _gateway(model: art.TrainableModel) -> str:
+    assert model.inference_base_url is not None
+    return model.inference_base_url.removesuffix("/v1")
+
+
+async def test_n_over_one_is_refused_on_an_adapter_in_every_spelling_and_every_step_is_published(run) -> None:
+    backend, model = run
+    name = model.get_inference_name()
+    async with httpx.AsyncClient(base_url=_gateway(model), timeout=60, trust_env=False) as http:
+        for path, fields in SPELLINGS:
+            body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+            if path == "/generate":
+                body = {"lora_path": name, **fields}
+            refused = await http.post(path, json=body)
+            assert refused.status_code == 400, (path, fields, refused.text)
+            assert refused.json()["error"]["code"] == "n_with_adapter"
+    for expected in (1, 2, 3):
+        assert await _step(backend, model) == expected
+
+
+async def test_an_adapter_the_server_cannot_unload_does_not_stop_the_next_steps(
+    run, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Defence in depth: a request the gateway never saw (sent to the server with its own key) keeps the
+    current step's adapter in use for good; its unload times out, the adapter stays loaded and unrouted,
+    the server stuck in that unload is restarted, and the steps after it are published."""
+    backend, model = run
+    service = backend.inference
+    assert service is not None
+    server = service.process
+    first_pid = server.pid
+    stuck = model.get_inference_name()
+    async with httpx.AsyncClient(timeout=60, trust_env=False, headers=bearer(server.config.api_key)) as http:
+        body = {"model": "x", "lora_path": stuck, "messages": [{"role": "user", "content": "hi"}], "n": 2}
+        assert (await http.post(f"{server.base_url}/v1/chat/completions", json=body)).status_code == 200
+    with caplog.at_level(logging.WARNING, logger="art_sglang"):
+        step = await _step(backend, model)  # unloads `stuck`: times out after 5 s
+        assert any(f"{stuck} stays loaded" in r.getMessage() for r in caplog.records)
+        assert await _step(backend, model) == step + 1  # the next load meets no wedged lock
+    assert any("stuck in an adapter operation" in r.getMessage() for r in caplog.records)
+    assert server.pid != first_pid  # restarted with the published steps
+    assert model.get_inference_name() in await server_models(server.base_url, server.config.api_key)
+
+
+async def test_a_server_killed_during_a_steps_adapter_load_is_waited_out(
+    run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend, model = run
+    service = backend.inference
+    assert service is not None
+    next_name = f"agent@{await model.get_step() + 1}"
+    load = ServerClient.load_lora_adapter
+    killed: list[int] = []
+
+    async def load_as_the_server_dies(client: ServerClient, name: str, path: str) -> Any:
+        if name == next_name and not killed:
+            killed.append(kill_tree(service.process.pid))  # the load meets a server that just died
+        return await load(client, name, path)
+
+    monkeypatch.setattr(ServerClient, "load_lora_adapter", load_as_the_server_dies)
+    step = await _step(backend, model)
+    assert f"agent@{step}" == next_name and killed and service.process.pid != killed[0]
