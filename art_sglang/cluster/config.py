@@ -3,6 +3,8 @@ device layout of the head (this machine) that follows. Imports no Ray."""
 
 from __future__ import annotations
 
+import importlib.util
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import ConfigError
@@ -46,6 +48,7 @@ class ClusterConfig(BaseModel):
 def cluster_layout(cluster: ClusterConfig, engine: EngineChoice, tensor_parallel_size: int) -> DeviceLayout:
     """The head's layout: every GPU of this machine trains, the inference replicas hold GPUs of the
     cluster's nodes (none here). The engine follows this machine's GPUs unless `engine` names one."""
+    require_ray()
     found = detect_gpus()
     chosen = engine if engine != "auto" else ("sglang" if found.gpus else "reference")
     if chosen == "sglang" and cluster.gpus_per_replica < tensor_parallel_size:
@@ -64,3 +67,16 @@ def cluster_layout(cluster: ClusterConfig, engine: EngineChoice, tensor_parallel
         tuple(gpu.cuda_id for gpu in found.gpus),
         replica_gpus=((),) * cluster.inference_replicas,
     )
+
+
+def require_ray() -> None:
+    """A `ConfigError` naming the extra to install where Ray is missing (looked up, not imported)."""
+    try:
+        installed = importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):  # ValueError: a `ray` module without a spec (or blocked, None)
+        installed = False
+    if not installed:
+        raise ConfigError(
+            "cluster= runs the inference replicas as Ray actors, and Ray is not installed in this "
+            "environment: pip install 'art-sglang[ray]'"
+        )
