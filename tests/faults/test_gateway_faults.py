@@ -5,6 +5,7 @@ the server), oversized bodies are 413 and malformed or absurdly nested JSON is 4
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import httpx
@@ -91,6 +92,31 @@ async def test_malformed_and_deep_json_is_400(gateway) -> None:
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_json"
     async with httpx.AsyncClient(base_url=gw.base_url, timeout=30, trust_env=False) as http:
         assert (await http.get("/health")).status_code == 200  # the gateway is still fine
+
+
+async def test_a_json_schema_nested_too_deeply_is_400_naming_the_field(
+    gateway, tiny_model_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gw, server = gateway
+    schema = '{"type":"array","items":' * 2000 + '{"type":"string"}' + "}" * 2000
+    chat = {"model": str(tiny_model_path), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response_format = '{"type":"json_schema","json_schema":{"name":"x","schema":' + schema + "}}"
+    bodies = {
+        "json_schema": json.dumps({**chat, "json_schema": schema}).encode(),
+        "response_format": json.dumps(chat)[:-1].encode()
+        + b', "response_format": '
+        + response_format.encode()
+        + b"}",
+    }
+    for field, body in bodies.items():
+        refused = await _send(gw.base_url, "POST", "/v1/chat/completions", body)
+        assert refused.status_code == 400 and "nested too deeply" in refused.text, refused.text
+        # A schema object this deep makes the body itself too deep to read (no field to name then).
+        assert refused.json()["error"]["param"] == (field if field == "json_schema" else None)
+    # The reference engine reads constraints with the same rules (SGLang itself is not asked here).
+    direct = await _send(server.base_url, "POST", "/v1/chat/completions", bodies["json_schema"])
+    assert direct.status_code == 400 and "nested too deeply" in direct.text
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
 async def test_a_connection_the_server_drops_before_answering_is_sent_once_more() -> None:
