@@ -381,7 +381,9 @@ class AdapterGateway:
                 if request.transport is not None:
                     request.transport.close()
                 return response
-            await response.write_eof()
+            # A client that closed once it had every event (ART's does after `[DONE]`) lost nothing.
+            with contextlib.suppress(ConnectionResetError):
+                await response.write_eof()
             return response
 
 
