@@ -418,6 +418,8 @@ class InferenceService:
 
     async def close(self) -> None:
         """Stop the servers, the router, the gateway and the clients. Idempotent."""
+        if self._gateway is not None:
+            self._gateway.closing()  # what the stopped servers end unfinished reaches clients as errors
         await self._servers.close()
         if self._gateway is not None:
             self._gateway.close()
