@@ -205,14 +205,20 @@ class InferenceService:
 
     async def weights_resumed(self, server: Server) -> bool:
         """Load every adapter again after the weights came back (whether the LoRA pool survives a weights
-        release is SGLang's internal business, and reloading costs milliseconds). False, having changed
-        nothing, if a stranded adapter would have to be unloaded: the group then restarts the server."""
+        release is SGLang's internal business, and reloading costs milliseconds). False if a stranded adapter
+        would have to be unloaded (known, or found by an unload that does not finish): the group then
+        restarts the server."""
         if self._stranded or any(self._strands(name) for name in self._adapters):
             logger.warning("%s holds an adapter SGLang cannot unload: restarting it", server.label)
             return False
         for name, path in self._adapters.items():
-            with contextlib.suppress(ServerRequestError):  # already gone with the release
+            try:
                 await server.client.unload_lora_adapter(name)
+            except AdapterOperationTimeoutError as exc:  # in use by requests the gateway did not see
+                logger.warning("%s: restarting it", exc)
+                return False
+            except ServerRequestError:
+                pass  # already gone with the release
             await self._load_on_server(server, name, path)
         return True
 
