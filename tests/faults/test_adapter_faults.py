@@ -9,29 +9,27 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import pytest_asyncio
-from backend_helpers import bearer, chat, kill_tree, sample_groups, server_models
+from backend_helpers import (
+    assert_n_refused,
+    bearer,
+    chat,
+    kill_server_as_it_loads,
+    sample_groups,
+    server_models,
+)
 
 import art_sglang as art
 from art_sglang import SGLangBackend, SGLangConfig
-from art_sglang.server.client import ServerClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 TRAIN = {"learning_rate": 1e-3, "allow_training_without_logprobs": True}
 # Each step has this long: an adapter operation that hangs is bounded by unresponsive_timeout (5 s here).
 STEP_S = 90.0
-
-SPELLINGS = [
-    ("/v1/chat/completions", {"n": 2.0}),
-    ("/v1/chat/completions", {"n": "2"}),
-    ("/generate", {"text": "hi", "sampling_params": {"n": 2, "max_new_tokens": 2}}),
-    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 2}]}),
-]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -63,15 +61,7 @@ def _gateway(model: art.TrainableModel) -> str:
 
 async def test_n_over_one_is_refused_on_an_adapter_in_every_spelling_and_every_step_is_published(run) -> None:
     backend, model = run
-    name = model.get_inference_name()
-    async with httpx.AsyncClient(base_url=_gateway(model), timeout=60, trust_env=False) as http:
-        for path, fields in SPELLINGS:
-            body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
-            if path == "/generate":
-                body = {"lora_path": name, **fields}
-            refused = await http.post(path, json=body)
-            assert refused.status_code == 400, (path, fields, refused.text)
-            assert refused.json()["error"]["code"] == "n_with_adapter"
+    await assert_n_refused(_gateway(model), model.get_inference_name())
     for expected in (1, 2, 3):
         assert await _step(backend, model) == expected
 
@@ -107,14 +97,6 @@ async def test_a_server_killed_during_a_steps_adapter_load_is_waited_out(
     service = backend.inference
     assert service is not None
     next_name = f"agent@{await model.get_step() + 1}"
-    load = ServerClient.load_lora_adapter
-    killed: list[int] = []
-
-    async def load_as_the_server_dies(client: ServerClient, name: str, path: str) -> Any:
-        if name == next_name and not killed:
-            killed.append(kill_tree(service.process.pid))  # the load meets a server that just died
-        return await load(client, name, path)
-
-    monkeypatch.setattr(ServerClient, "load_lora_adapter", load_as_the_server_dies)
+    killed = kill_server_as_it_loads(monkeypatch, service, next_name)
     step = await _step(backend, model)
     assert f"agent@{step}" == next_name and killed and service.process.pid != killed[0]
