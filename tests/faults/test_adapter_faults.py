@@ -1,14 +1,16 @@
 """What one request or one crash at the adapters' moment can do to a run, on real reference-engine servers
 (which keep SGLang 0.5.17's adapter books, tests/contract/test_adapter_release.py): `n > 1` in every
 spelling is refused on an adapter, an adapter the gateway could not guard (a request sent to the server
-directly) makes its unload time out without stopping later steps, and a server killed during a step's
-adapter load is waited out. One backend for the module; the tests run in order."""
+directly) makes its unload time out without stopping later steps, a server killed during a step's
+adapter load is waited out, and a step that cannot be served at all says it was saved and what the next
+train() does. One backend for the module; the tests run in order."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -24,6 +26,8 @@ from backend_helpers import (
 
 import art_sglang as art
 from art_sglang import SGLangBackend, SGLangConfig
+from art_sglang.errors import ServerUnavailableError
+from art_sglang.server.client import ServerClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -100,3 +104,25 @@ async def test_a_server_killed_during_a_steps_adapter_load_is_waited_out(
     killed = kill_server_as_it_loads(monkeypatch, service, next_name)
     step = await _step(backend, model)
     assert f"agent@{step}" == next_name and killed and service.process.pid != killed[0]
+
+
+async def test_a_step_that_cannot_be_served_names_its_saved_step_and_the_next_one_is_published(
+    run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend, model = run
+    served = await model.get_step()
+    saved = served + 1
+
+    async def unreachable(client: ServerClient, name: str, path: str) -> Any:
+        raise ServerUnavailableError(f"POST {client.base_url}/load_lora_adapter failed: ConnectError")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ServerClient, "load_lora_adapter", unreachable)
+        groups = await sample_groups(model, seed=saved)
+        with pytest.raises(
+            ServerUnavailableError, match=rf"Step {saved} of agent was trained and saved"
+        ) as told:
+            await asyncio.wait_for(backend.train(model, groups, **TRAIN), timeout=STEP_S)
+    assert f"publishes step {saved + 1}; step {served} stays served" in str(told.value)
+    assert model.get_inference_name() == f"agent@{served}"
+    assert await _step(backend, model) == saved + 1
