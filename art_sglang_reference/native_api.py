@@ -170,6 +170,7 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine) -> A
                         adapter_name=body.lora_path,
                         top_logprobs=body.top_logprobs_num,
                         input_logprob_start=start,
+                        parallel=n > 1,
                     )
                 )
         engine.admit(requests)
