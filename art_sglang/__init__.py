@@ -11,6 +11,7 @@ from .config import ClusterConfig, DeviceConfig, SGLangConfig, TrainerConfig
 from .errors import (
     AdapterLoadError,
     AdapterNotLoadedError,
+    AdapterOperationTimeoutError,
     ArtSGLangError,
     ConfigError,
     ModelNotRegisteredError,
@@ -40,6 +41,7 @@ from .types import (
 __all__ = [
     "AdapterLoadError",
     "AdapterNotLoadedError",
+    "AdapterOperationTimeoutError",
     "ArtSGLangError",
     "Backend",
     "ClusterConfig",

@@ -120,8 +120,8 @@ class SGLangConfig(BaseModel):
     unresponsive_timeout: float = Field(
         120.0,
         gt=0,
-        description="Seconds a running server may fail to answer GET /health before it is restarted "
-        "(a hung or stopped process, not only a dead one).",
+        description="Seconds a running server may fail to answer GET /health, or take over an adapter load "
+        "or unload, before it is restarted (a hung or stopped process, not only a dead one).",
     )
 
     # --- launch flags the backend relies on ----------------------------------------------------------

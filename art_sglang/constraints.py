@@ -210,11 +210,17 @@ def _response_format_schema(value: Any) -> str | None:
                 "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
                 "response_format",
             )
-        return json.dumps(schema)
+        try:
+            return json.dumps(schema)
+        except RecursionError:
+            raise ConstraintError(_TOO_DEEP, "response_format") from None
     raise ConstraintError(
         f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
         "response_format",
     )
+
+
+_TOO_DEEP = "the JSON schema is nested too deeply to be compiled into a grammar"
 
 
 def _check_schema(source: str) -> None:
@@ -222,6 +228,8 @@ def _check_schema(source: str) -> None:
         schema = json.loads(source)
     except ValueError as exc:
         raise ConstraintError(f"json_schema is not valid JSON: {exc}", "json_schema") from exc
+    except RecursionError:
+        raise ConstraintError(_TOO_DEEP, "json_schema") from None
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError("json_schema must be a JSON schema (an object)", "json_schema")
 

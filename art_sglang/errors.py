@@ -35,6 +35,11 @@ class ServerUnavailableError(ServerRequestError):
     """The server could not be reached (connection refused or reset, or no answer in time)."""
 
 
+class AdapterOperationTimeoutError(ServerUnavailableError):
+    """An adapter load or unload did not finish within its bound (`unresponsive_timeout`): SGLang keeps the
+    operation waiting, holding the lock every later one takes, so the server is restarted."""
+
+
 class AdapterLoadError(ServerRequestError):
     """``/load_lora_adapter`` refused the adapter (duplicate name, bad path, rank above the maximum, ...)."""
 

@@ -60,6 +60,8 @@ class GenerationRequest:
     abort: threading.Event | None = None
     # Tokens that leave it are masked: a regex/ebnf/json_schema grammar, or a tool_choice's (tool_choice.py).
     grammar: TokenGrammar | None = None
+    # One of a request's n > 1 choices: SGLang prefills such a prompt with a copy first.
+    parallel: bool = False
 
 
 @dataclass

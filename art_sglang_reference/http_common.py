@@ -83,8 +83,9 @@ async def run_generations(
 
 
 def shares_prompt(requests: list[GenerationRequest]) -> bool:
-    """Choices of one prompt (SGLang's `n > 1`), which SGLang prefills once with a prefill-only copy."""
-    return len(requests) > 1 and all(r.prompt_ids == requests[0].prompt_ids for r in requests)
+    """Choices of a request with `n > 1` (as serving/choice_count.py reads it), which SGLang prefills once
+    with a prefill-only copy."""
+    return any(r.parallel for r in requests)
 
 
 def prefill_once(engine: ReferenceEngine, requests: list[GenerationRequest]) -> None:

@@ -12,6 +12,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from art_sglang.serving.choice_count import generate_choice_count
+
 from .adapters import AdapterError
 from .cli import ServerArgs
 from .engine import ReferenceEngine
@@ -150,11 +152,13 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine) -> A
     start = body.logprob_start_len if body.return_logprob and body.logprob_start_len >= 0 else None
     try:
         prompts, batch = _generate_prompts(engine, body)
-        sampling, n = _native_sampling(body.sampling_params or {})
-        sampling.verify()
+        n = generate_choice_count(body.sampling_params)
+        samplings = _prompt_sampling(body.sampling_params, len(prompts))
+        for sampling in samplings:
+            sampling.verify()
         await asyncio.to_thread(engine.resolve_adapter, body.lora_path)
         requests = []
-        for prompt_ids in prompts:
+        for prompt_ids, sampling in zip(prompts, samplings, strict=True):
             for i in range(n):
                 options = SamplingOptions(**{**vars(sampling), "stop": list(sampling.stop)})
                 if sampling.seed is not None:
@@ -166,6 +170,7 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine) -> A
                         adapter_name=body.lora_path,
                         top_logprobs=body.top_logprobs_num,
                         input_logprob_start=start,
+                        parallel=n > 1,
                     )
                 )
         engine.admit(requests)
@@ -279,10 +284,20 @@ async def update_weights_from_disk(
     return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
 
 
-def _native_sampling(params: dict[str, Any]) -> tuple[SamplingOptions, int]:
-    """SGLang's `sampling_params` dict -> (options, n). Keys this engine does not implement are ignored."""
-    params = dict(params)
-    n = int(params.pop("n", 1) or 1)
+def _prompt_sampling(
+    params: dict[str, Any] | list[dict[str, Any]] | None, prompts: int
+) -> list[SamplingOptions]:
+    """The sampling options of each prompt: one `sampling_params` dict for all, or a list with one each."""
+    if not isinstance(params, list):
+        return [_native_sampling(params or {}) for _ in range(prompts)]
+    if len(params) != prompts:
+        raise ValueError(f"sampling_params has {len(params)} entries for a batch of {prompts} prompts")
+    return [_native_sampling(p) for p in params]
+
+
+def _native_sampling(params: dict[str, Any]) -> SamplingOptions:
+    """SGLang's `sampling_params` dict -> options (its `n` is read by `generate_choice_count`). Keys this
+    engine does not implement are ignored."""
     fields = {
         "max_new_tokens": params.get("max_new_tokens", 128),
         "temperature": float(params.get("temperature", 1.0)),
@@ -299,7 +314,7 @@ def _native_sampling(params: dict[str, Any]) -> tuple[SamplingOptions, int]:
     }
     if fields["max_new_tokens"] is not None:
         fields["max_new_tokens"] = int(fields["max_new_tokens"])
-    return SamplingOptions(**fields), n
+    return SamplingOptions(**fields)
 
 
 def _generate_prompts(engine: ReferenceEngine, body: GenerateRequest) -> tuple[list[list[int]], bool]:

@@ -98,7 +98,11 @@ def _choices(
         options = SamplingOptions(**{**vars(sampling), "stop": list(sampling.stop)})
         if sampling.seed is not None:
             options.seed = sampling.seed + i
-        requests.append(GenerationRequest(prompt_ids, options, adapter_name=adapter, top_logprobs=top))
+        requests.append(
+            GenerationRequest(
+                prompt_ids, options, adapter_name=adapter, top_logprobs=top, parallel=body.n > 1
+            )
+        )
     constrain(engine, body.model_extra or {}, requests)
     return requests
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from art_sglang.serving.choice_count import ChoiceCount
 
 
 def string_list(value: str | list[str] | None) -> list[str]:
@@ -31,7 +33,7 @@ class _OpenAISampling(_Body):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    n: int = Field(1, ge=1)
+    n: ChoiceCount = 1
     stop: str | list[str] | None = None
     stop_regex: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -82,7 +84,7 @@ class CompletionRequest(_OpenAISampling):
 class GenerateRequest(_Body):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None  # a list: one per prompt
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0

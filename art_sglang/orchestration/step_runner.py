@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from ..errors import ServerRequestError, TrainerError, TrainingError
+from ..errors import ServerRequestError, ServerUnavailableError, TrainerError, TrainingError
 from ..planning.serving_plan import ServingPlan
 from ..process_tree import gather_all
 from ..serving.adapters import InferenceService
@@ -17,9 +17,14 @@ from ..training.options import StepOutcome
 from ..training.process import TrainerProcess
 from .registered_model import RegisteredModel
 from .shared_mode import GpuHandoff
-from .weight_sync import WeightSync, make_weight_sync
+from .weight_sync import SyncTarget, WeightSync, make_weight_sync
 
 logger = logging.getLogger(__name__)
+
+# A step's sync that meets a dead server (or one stuck in an adapter operation) is tried this often, a
+# pause apart, each time after recovery restarted the server.
+SYNC_ATTEMPTS = 4
+SYNC_RETRY_PAUSE_S = 1.0
 
 
 class StepRunner:
@@ -121,8 +126,18 @@ class StepRunner:
         ask (finite logprobs), the step is rolled back (`_refuse`) and `TrainingError` raised."""
         target = entry.target(step)
         synced_at = time.monotonic()
-        await self._service.servers.recover(probe=False)
-        await self._sync.apply(target, may_restart=may_restart)
+        try:
+            await self._apply(target, may_restart=may_restart)
+        except ServerRequestError as exc:
+            if learning_rate is None:
+                raise
+            raise type(exc)(
+                f"{exc}\nStep {step} of {entry.model.name} was trained and saved ({target.checkpoint}) but "
+                f"could not be served: its update is kept, the next train() trains on from it and publishes "
+                f"step {step + 1}; step {entry.step} stays served until then.",
+                status=exc.status,
+                server_message=exc.server_message,
+            ) from exc
         if self._flush_cache_on_sync:
             await self._service.servers.flush_cache()
         probed_at = time.monotonic()
@@ -139,6 +154,23 @@ class StepRunner:
             ) from exc
         entry.step = step
         return {"time/sync_s": probed_at - synced_at, "time/probe_s": time.monotonic() - probed_at}
+
+    async def _apply(self, target: SyncTarget, *, may_restart: bool) -> None:
+        """`sync.apply`, with a server that dies meanwhile (or is stuck in an adapter operation) waited out
+        as at every other moment: recovery restarts it with every published step, then the sync is tried
+        again; the last failure is raised."""
+        for attempt in range(1, SYNC_ATTEMPTS + 1):
+            await self._service.servers.recover(probe=False)
+            try:
+                await self._sync.apply(target, may_restart=may_restart)
+                return
+            except ServerUnavailableError as exc:
+                if attempt == SYNC_ATTEMPTS:
+                    raise
+                logger.warning(
+                    "serving %s failed (%s); trying again once the server is back", target.inference_name, exc
+                )
+                await asyncio.sleep(SYNC_RETRY_PAUSE_S)
 
     async def _refuse(self, entry: RegisteredModel, step: int) -> None:
         """Undo a trained step that may not be published: set its checkpoint aside (one rename, so a crash

@@ -7,6 +7,7 @@ child process (server, trainer) must be given in its own `CUDA_VISIBLE_DEVICES`.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import subprocess
@@ -397,6 +398,7 @@ def _count(gpus: Sequence[Gpu]) -> str:
 def cluster_layout(cluster: ClusterConfig, engine: EngineChoice, tensor_parallel_size: int) -> DeviceLayout:
     """The head's layout: every GPU of this machine trains, the inference replicas hold GPUs of the
     cluster's nodes (none here). The engine follows this machine's GPUs unless `engine` names one."""
+    require_ray()
     found = detect_gpus()
     chosen = engine if engine != "auto" else ("sglang" if found.gpus else "reference")
     if chosen == "sglang" and cluster.gpus_per_replica < tensor_parallel_size:
@@ -415,3 +417,16 @@ def cluster_layout(cluster: ClusterConfig, engine: EngineChoice, tensor_parallel
         tuple(gpu.cuda_id for gpu in found.gpus),
         replica_gpus=((),) * cluster.inference_replicas,
     )
+
+
+def require_ray() -> None:
+    """A `ConfigError` naming the extra to install where Ray is missing (looked up, not imported)."""
+    try:
+        installed = importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):  # ValueError: a `ray` module without a spec (or blocked, None)
+        installed = False
+    if not installed:
+        raise ConfigError(
+            "cluster= runs the inference replicas as Ray actors, and Ray is not installed in this "
+            "environment: pip install 'art-sglang[ray]'"
+        )

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from ..config import ClusterConfig
-from ..errors import AdapterLoadError, ServerCrashedError, ServerRequestError
+from ..errors import AdapterLoadError, AdapterOperationTimeoutError, ServerCrashedError, ServerRequestError
 from ..planning.serving_plan import ServingPlan
 from ..process_tree import gather_all
 from ..storage.model_store import check_adapter
@@ -209,14 +209,20 @@ class InferenceService:
 
     async def weights_resumed(self, server: Server) -> bool:
         """Load every adapter again after the weights came back (whether the LoRA pool survives a weights
-        release is SGLang's internal business, and reloading costs milliseconds). False, having changed
-        nothing, if a stranded adapter would have to be unloaded: the group then restarts the server."""
+        release is SGLang's internal business, and reloading costs milliseconds). False if a stranded adapter
+        would have to be unloaded (known, or found by an unload that does not finish): the group then
+        restarts the server."""
         if self._stranded or any(self._strands(name) for name in self._adapters):
             logger.warning("%s holds an adapter SGLang cannot unload: restarting it", server.label)
             return False
         for name, path in self._adapters.items():
-            with contextlib.suppress(ServerRequestError):  # already gone with the release
+            try:
                 await server.client.unload_lora_adapter(name)
+            except AdapterOperationTimeoutError as exc:  # in use by requests the gateway did not see
+                logger.warning("%s: restarting it", exc)
+                return False
+            except ServerRequestError:
+                pass  # already gone with the release
             await self._load_on_server(server, name, path)
         return True
 
@@ -271,6 +277,11 @@ class InferenceService:
                     try:
                         await server.client.unload_lora_adapter(name)
                         await server.files.drop(name)
+                    except AdapterOperationTimeoutError as exc:
+                        # Requests the gateway did not see still hold it: it stays, unrouted, until the
+                        # server restarts (recovery restarts a server stuck in an adapter operation).
+                        logger.warning("%s stays loaded on the %s, unrouted: %s", name, server.label, exc)
+                        self._stranded[name] = self._unloading[name]
                     except ServerRequestError as exc:
                         logger.warning("unloading %s from the %s failed: %s", name, server.label, exc)
         finally:
@@ -417,6 +428,8 @@ class InferenceService:
 
     async def close(self) -> None:
         """Stop the servers, the router, the gateway and the clients. Idempotent."""
+        if self._gateway is not None:
+            self._gateway.closing()  # what the stopped servers end unfinished reaches clients as errors
         await self._servers.close()
         if self._gateway is not None:
             self._gateway.close()

@@ -86,6 +86,7 @@ class TrainerProcess(ManagedProcess):
         self.longest_step: float | None = None  # seconds, of the train and sft calls answered so far
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
+        self._stopped = False  # stop() was called since the worker started
 
     def command(self) -> list[str]:
         python = self.config.trainer_python or sys.executable
@@ -114,6 +115,7 @@ class TrainerProcess(ManagedProcess):
         if self.is_alive() and self.step is not None:
             return self.step
         await self.stop()  # the remains of a worker that died
+        self._stopped = False
         # Popen on the event loop's thread on purpose: the parent-death signal follows the forking thread.
         popen = self._launch(self.command(), self.environment(), pipes=True, note=f" gpus={self.gpu_ids}")
         assert popen.stdout is not None
@@ -194,7 +196,9 @@ class TrainerProcess(ManagedProcess):
         return await self._request("reload", min_free_bytes=min_free_bytes, timeout_s=timeout_s)
 
     async def stop(self) -> None:
-        """Ask the worker to exit, then kill whatever is left of its tree. Idempotent."""
+        """Ask the worker to exit, then kill whatever is left of its tree. Idempotent. A request in flight
+        then raises a `TrainerError` that says the trainer was stopped, not that it died."""
+        self._stopped = True
         await self._kill(ask_first=not self._lock.locked())
 
     async def _kill(self, ask_first: bool = False) -> None:
@@ -242,6 +246,11 @@ class TrainerProcess(ManagedProcess):
                     raise TrainerError(self._hang_message(cmd, silence if silent else None)) from None
                 if line is None:
                     await asyncio.to_thread(_wait_quietly, popen)
+                    if self._stopped:  # by the backend's close() (nothing else stops a busy trainer)
+                        raise TrainerError(
+                            f"the backend was closed while the trainer ran {cmd!r}: it was stopped before "
+                            "the step finished"
+                        )
                     raise self._died(f"died during {cmd!r}")
                 message = json.loads(line)
                 if message.get("id") != rid:

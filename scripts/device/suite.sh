@@ -73,6 +73,9 @@
 # ray-cluster-baseline (~4 min, 1 GPU, stage.sh router first): rollout tokens/s of the same two replicas
 #   without Ray, run beside ray-cluster-1gpu on the same machine
 # cuda-mps (~3 min, 1 GPU): co-resident server and trainer as clients of the backend's CUDA MPS daemon
+# adapter-faults (~6 min, 1 GPU): n>1 in every spelling refused on an adapter, then 3 steps published; a
+#   server SIGKILLed as a step's adapter loads, waited out. contract-n (~2 min): what SGLang makes of each
+#   spelling of n and of a length refusal (tests/contract/test_adapter_release.py, printed with -s)
 # burst (~3 min, 1 GPU): waves of rollouts with hot-loads and idle gaps past SGLang's keep-alive, none lost
 # shared-prefill (~2 min): the contract test of prefill sharing alone (the contract suite includes it)
 # art-program (~4 min, after stage.sh art): an ART program with tools and _internal_config, 2 RL steps
@@ -126,6 +129,8 @@ for name in "$@"; do
     art-program) cmd=("${pytest[@]}" -m gpu tests/gpu/test_art_program.py) ;;
     faults-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k split) ;;
     faults-shared) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k shared) ;;
+    adapter-faults) cmd=("${pytest[@]}" -m gpu tests/gpu/test_adapter_faults.py) ;;
+    contract-n) cmd=("${pytest[@]}" -s tests/contract/test_adapter_release.py --engine sglang --model-path "$tiny") ;;
     replicas-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_replicas.py) ;;
     ray-cluster-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_ray_cluster.py -k "not without_ray") ;;
     ray-cluster-baseline) cmd=("${pytest[@]}" -m gpu tests/gpu/test_ray_cluster.py -k without_ray) ;;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import signal
@@ -221,3 +222,52 @@ class StandIn:
     async def close(self) -> None:
         await self.stop()
         release_port(self.port)
+
+
+# `n > 1` spelled every way a client may send it: (route, the request's fields besides model and prompt).
+N_SPELLINGS = [
+    ("/v1/chat/completions", {"n": 2}),
+    ("/v1/chat/completions", {"n": 2.0}),
+    ("/v1/chat/completions", {"n": "2"}),
+    ("/v1/completions", {"n": "2", "prompt": "hi"}),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 2, "max_new_tokens": 2}}),
+    ("/generate", {"text": "hi", "sampling_params": {"n": "2", "max_new_tokens": 2}}),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 2}]}),
+]
+
+
+async def assert_n_refused(gateway: str, adapter: str) -> None:
+    """Every spelling of `n > 1` on `adapter` is answered 400 by the gateway at `gateway` (without /v1)."""
+    async with httpx.AsyncClient(base_url=gateway, timeout=120, trust_env=False) as http:
+        for path, fields in N_SPELLINGS:
+            body = {
+                "model": adapter,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                **fields,
+            }
+            if path == "/generate":
+                body = {"lora_path": adapter, **fields}
+            refused = await http.post(path, json=body)
+            assert refused.status_code == 400, (path, fields, refused.text)
+            assert refused.json()["error"]["code"] == "n_with_adapter"
+
+
+def kill_server_as_it_loads(monkeypatch: Any, service: Any, adapter: str) -> list[int]:
+    """SIGKILL the tree of `service`'s server 2 ms after its load of `adapter` was sent (once); the list
+    returned gets the killed pid."""
+    from art_sglang.serving.servers.client import ServerClient
+
+    load = ServerClient.load_lora_adapter
+    killed: list[int] = []
+
+    async def load_as_the_server_dies(client: ServerClient, name: str, path: str) -> Any:
+        if name != adapter or killed:
+            return await load(client, name, path)
+        request = asyncio.ensure_future(load(client, name, path))
+        await asyncio.sleep(0.002)  # the load is on its way
+        killed.append(kill_tree(service.process.pid))
+        return await request
+
+    monkeypatch.setattr(ServerClient, "load_lora_adapter", load_as_the_server_dies)
+    return killed

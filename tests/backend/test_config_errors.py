@@ -4,6 +4,7 @@ message naming the fix."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import psutil
 import pytest
@@ -270,3 +271,9 @@ def test_cuda_mps_on_where_it_cannot_apply_is_refused(monkeypatch, tmp_path):
     # "auto" goes without it, and says so when the server starts.
     backend = SGLangBackend(layout=one_gpu, shared_strategy="co_resident", cuda_mps="auto")
     assert not backend.uses_cuda_mps
+
+
+def test_a_cluster_without_ray_installed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray finds
+    with pytest.raises(ConfigError, match=r"Ray is not installed.*art-sglang\[ray\]"):
+        SGLangBackend(cluster=art.ClusterConfig(gpus_per_replica=0))

@@ -109,3 +109,32 @@ def test_a_caller_without_the_key_is_not_told_the_served_names() -> None:
     assert (
         isinstance(refused, Refuse) and refused.status == 401 and "agent@1" not in json.dumps(refused.payload)
     )
+
+
+@pytest.mark.parametrize(
+    ("target", "fields"),
+    [
+        ("/v1/chat/completions", {"n": 2}),
+        ("/v1/chat/completions", {"n": 2.0}),
+        ("/v1/chat/completions", {"n": "2"}),
+        ("/v1/completions", {"n": "2", "prompt": "hi"}),
+        ("/generate", {"sampling_params": {"n": 2}}),
+        ("/generate", {"sampling_params": {"n": "2"}}),
+        ("/generate", {"sampling_params": [{"n": 2}, {"n": 2}], "text": ["a", "b"]}),
+    ],
+)
+def test_n_over_one_on_an_adapter_is_refused_in_every_spelling(target: str, fields: dict) -> None:
+    body = json.loads(_chat("agent@1", **fields))
+    refused = route("POST", target, json.dumps(body).encode(), SERVED)
+    assert isinstance(refused, Refuse) and refused.status == 400
+    assert refused.payload["error"]["code"] == "n_with_adapter"
+    assert isinstance(route("POST", target, json.dumps({**body, "model": "base"}).encode(), SERVED), Forward)
+
+
+@pytest.mark.parametrize("fields", [{"n": 2.5}, {"n": None}, {"n": "two"}, {"sampling_params": "n=2"}])
+def test_an_n_the_server_would_refuse_is_400(fields: dict) -> None:
+    target = "/generate" if "sampling_params" in fields else "/v1/chat/completions"
+    refused = route("POST", target, _chat("base", **fields), SERVED)
+    assert isinstance(refused, Refuse) and refused.status == 400
+    assert refused.payload["error"]["code"] == "invalid_n"
+    assert isinstance(route("POST", "/v1/chat/completions", _chat("agent@1", n=1.0), SERVED), Forward)

@@ -10,8 +10,9 @@ import asyncio
 import logging
 from pathlib import Path
 
+import httpx
 import pytest
-from backend_helpers import chat, sample_groups, server_models
+from backend_helpers import bearer, chat, sample_groups, server_models
 
 import art_sglang as art
 from art_sglang import SGLangBackend, SGLangConfig
@@ -76,5 +77,40 @@ async def test_a_server_that_must_reload_a_stranded_adapter_is_restarted_instead
         assert result.step == 1
         assert backend.inference.process.pid != first_pid
         assert (await chat(gateway, "agent@1")).status_code == 200
+    finally:
+        await asyncio.wait_for(backend.close(), timeout=120)
+
+
+async def test_an_adapter_stranded_behind_the_gateways_back_restarts_the_server_after_a_release(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """A request sent to the server directly (`n=2`, which the gateway refuses) strands an adapter the
+    gateway knows nothing of: reloading the adapters after a weights release finds it by an unload that
+    does not finish (within unresponsive_timeout), and the server is restarted instead."""
+    backend = SGLangBackend(
+        path=str(tmp_path / ".art"),
+        layout=DeviceLayout("shared", "reference", (), (), "forced on CPU for tests"),
+        shared_strategy="sleep",
+        sglang_config=SGLangConfig(sleep_release="all", unresponsive_timeout=5.0),
+    )
+    model = art.TrainableModel(name="agent", project="stranded", base_model=str(tiny_model_path))
+    try:
+        await model.register(backend)
+        assert backend.inference is not None
+        server = backend.inference.process
+        first_pid = server.pid
+        body = {"model": "x", "lora_path": "agent@0", "messages": [{"role": "user", "content": "hi"}], "n": 2}
+        async with httpx.AsyncClient(
+            timeout=60, trust_env=False, headers=bearer(server.config.api_key)
+        ) as http:
+            assert (await http.post(f"{server.base_url}/v1/chat/completions", json=body)).status_code == 200
+        groups = await sample_groups(model, seed=1)
+        result = await asyncio.wait_for(
+            backend.train(model, groups, learning_rate=1e-3, allow_training_without_logprobs=True),
+            timeout=90,
+        )
+        assert result.step == 1 and server.pid != first_pid
+        assert model.inference_base_url is not None
+        assert (await chat(model.inference_base_url.removesuffix("/v1"), "agent@1")).status_code == 200
     finally:
         await asyncio.wait_for(backend.close(), timeout=120)

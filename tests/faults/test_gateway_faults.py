@@ -5,11 +5,16 @@ the server), oversized bodies are 413 and malformed or absurdly nested JSON is 4
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import logging
 from pathlib import Path
 
 import httpx
 import pytest
 import pytest_asyncio
+from aiohttp import web
+from backend_helpers import StandIn
 
 from art_sglang import SGLangConfig
 from art_sglang.serving.gateway.app import AdapterGateway
@@ -19,6 +24,7 @@ from art_sglang.serving.servers.process import ServerProcess
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 LIMIT = 1024 * 1024
+ROUNDS = 100
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -93,6 +99,31 @@ async def test_malformed_and_deep_json_is_400(gateway) -> None:
         assert (await http.get("/health")).status_code == 200  # the gateway is still fine
 
 
+async def test_a_json_schema_nested_too_deeply_is_400_naming_the_field(
+    gateway, tiny_model_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gw, server = gateway
+    schema = '{"type":"array","items":' * 2000 + '{"type":"string"}' + "}" * 2000
+    chat = {"model": str(tiny_model_path), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response_format = '{"type":"json_schema","json_schema":{"name":"x","schema":' + schema + "}}"
+    bodies = {
+        "json_schema": json.dumps({**chat, "json_schema": schema}).encode(),
+        "response_format": json.dumps(chat)[:-1].encode()
+        + b', "response_format": '
+        + response_format.encode()
+        + b"}",
+    }
+    for field, body in bodies.items():
+        refused = await _send(gw.base_url, "POST", "/v1/chat/completions", body)
+        assert refused.status_code == 400 and "nested too deeply" in refused.text, refused.text
+        # A schema object this deep makes the body itself too deep to read (no field to name then).
+        assert refused.json()["error"]["param"] == (field if field == "json_schema" else None)
+    # The reference engine reads constraints with the same rules (SGLang itself is not asked here).
+    direct = await _send(server.base_url, "POST", "/v1/chat/completions", bodies["json_schema"])
+    assert direct.status_code == 400 and "nested too deeply" in direct.text
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 async def test_a_connection_the_server_drops_before_answering_is_sent_once_more() -> None:
     """A server that dies leaves kept-alive connections that break only when reused; the gateway sends
     such a request once more (it then waits for the restart), but never twice."""
@@ -137,3 +168,41 @@ async def test_a_connection_the_server_drops_before_answering_is_sent_once_more(
         gw.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_client_that_closes_after_done_leaves_no_error(caplog: pytest.LogCaptureFixture) -> None:
+    """ART's client closes a stream once it read `[DONE]`, while the gateway may still be ending the response
+    (a race: it was lost in ~5 % of rollouts, so many rounds)."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": []}\n\ndata: [DONE]\n\n')
+        with contextlib.suppress(ConnectionResetError):  # the gateway may have gone: no error either
+            await response.write_eof()
+        return response
+
+    upstream = StandIn([web.post("/{path:.*}", stream)])
+    await upstream.start()
+    gw = AdapterGateway(upstream.url)
+    body = {"model": "base", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    try:
+        gw.start()
+        gw.set_served([], ["base"])
+        with caplog.at_level(logging.WARNING):
+            for _ in range(ROUNDS):
+                async with (
+                    httpx.AsyncClient(timeout=30, trust_env=False) as http,
+                    http.stream("POST", f"{gw.base_url}/v1/chat/completions", json=body) as reply,
+                ):
+                    assert reply.status_code == 200
+                    async for line in reply.aiter_lines():
+                        if line == "data: [DONE]":
+                            break  # and close the connection, as ART's client does
+                    else:
+                        raise AssertionError("no [DONE]")
+            await asyncio.sleep(1.0)
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    finally:
+        gw.close()
+        await upstream.close()

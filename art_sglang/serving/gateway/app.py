@@ -106,6 +106,7 @@ class AdapterGateway:
         self._sharing = PrefillSharing(self._exchange, lead=share_lead or 0.0)
         self._sharing_on = share_lead is not None
         self.stranded = StrandedAdapters()  # names SGLang can no longer unload (stranded_adapters.py)
+        self._closing = threading.Event()  # set: the servers are being stopped (see `closing`)
 
     # --- lifecycle (called from any thread) -------------------------------------------------------------
     @property
@@ -128,6 +129,12 @@ class AdapterGateway:
             ) from self._start_error
         if self.upstream.replicas.routed:  # else set_upstream's line comes once there is a server
             self._log_routing()
+
+    def closing(self) -> None:
+        """The servers are about to be stopped for good: every answer still to come is a 503, and a stream
+        in progress is cut off. A server being stopped ends its requests with HTTP 200 and finish_reason
+        "abort", which a client would count as a successful rollout."""
+        self._closing.set()
 
     def close(self) -> None:
         """Stop serving and join the thread. Idempotent."""
@@ -321,6 +328,8 @@ class AdapterGateway:
         if decision.annotated:
             # Read whole, so each choice can carry its constraint (and the tools it was prompted with).
             answer = await self._exchange(decision, self._upstream_headers(request))
+            if answer.status == 200 and self._closing.is_set():
+                return _json(503, _CLOSED)
             if answer.status == 200:
                 body = with_constraint(answer.body, decision.constraint, decision.template_tools)
                 answer = Answer(answer.status, body)
@@ -376,6 +385,8 @@ class AdapterGateway:
                 answer = Answer(upstream.status, await upstream.read())
                 self.stranded.note(names, answer.status, answer.body)
                 return _answer(answer)
+            if upstream.status == 200 and self._closing.is_set():
+                return _json(503, _CLOSED)
             response = web.StreamResponse(status=upstream.status)
             response.force_close()  # see the module's text
             for key, value in upstream.headers.items():
@@ -386,14 +397,25 @@ class AdapterGateway:
             await response.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():
+                    if self._closing.is_set():
+                        raise aiohttp.ClientPayloadError("the backend was closed while the response streamed")
                     await response.write(chunk)
             except aiohttp.ClientError:
-                # The server died mid-response: the client sees a truncated response and an error.
+                # The server died (or is being stopped) mid-response: the client sees a truncated response
+                # and an error.
                 if request.transport is not None:
                     request.transport.close()
                 return response
-            await response.write_eof()
+            # A client that closed once it had every event (ART's does after `[DONE]`) lost nothing.
+            with contextlib.suppress(ConnectionResetError):
+                await response.write_eof()
             return response
+
+
+_CLOSED = error(
+    "the backend was closed while this request ran: the server was stopped before it finished",
+    "backend_closed",
+)
 
 
 def _keys(decision: Forward) -> tuple[str, ...]:

@@ -17,6 +17,8 @@ success. So:
   echoes the name the client sent), an alias (merged weights) is rewritten to the base id, the base
   model's ids pass, and any other name is a 404 in OpenAI's error shape listing the loaded adapters.
 - `n > 1` on an adapter is a 400: SGLang 0.5.17 then never releases the adapter (it cannot be unloaded).
+  `n` is read as the server reads it (choice_count.py: `2.0`, `"2"`, /generate's `sampling_params`); one
+  the server would refuse is a 400 here.
 - Sampling constraints (constraints.py): malformed ones are a 400, `custom_logit_processor` always (it is
   dill-deserialized Python); `allowed_token_ids` is forwarded as SGLang's `logit_bias`; the canonical
   constraint goes in `Forward.constraint`, which the gateway attaches to each returned choice. A streamed
@@ -44,10 +46,11 @@ from urllib.parse import unquote
 
 from ...constraints import ALLOWED_FIELD, CONSTRAINT_FIELD, ConstraintError, SamplingConstraint, constraint_of
 from ...tool_choice import DEFAULT_PARSER, TEMPLATE_TOOLS_FIELD, ToolUse, UnknownParser, tool_use
+from ..choice_count import GENERATE_PATH, ChoiceCountError, choices_per_prompt
 
 # Paths whose body names a model; the first two can carry the sampled ids (`return_token_ids`).
 CHAT_PATH = "/v1/chat/completions"
-INFERENCE_PATHS = frozenset({CHAT_PATH, "/v1/completions", "/generate"})
+INFERENCE_PATHS = frozenset({CHAT_PATH, "/v1/completions", GENERATE_PATH})
 TOKEN_ID_PATHS = frozenset({CHAT_PATH, "/v1/completions"})
 READ_PATHS = frozenset({"/v1/models", "/health", "/health_generate"})
 # Headers not forwarded either way: hop-by-hop ones (RFC 9110 7.6.1), those the transport sets itself, and
@@ -159,15 +162,19 @@ def route(
             "Use model.get_inference_name() for the current step."
         )
         return Refuse(404, error(message, "model_not_found", "model"), unknown)
-    n = payload.get("n")
-    if isinstance(n, int) and n > 1 and any(served.uses_adapter(name) for name in names):
+    try:
+        n = choices_per_prompt(path, payload)
+    except ChoiceCountError as exc:
+        return Refuse(400, error(str(exc), "invalid_n", exc.field))
+    if n > 1 and any(served.uses_adapter(name) for name in names):
         message = (
             f"n={n} on a LoRA adapter is refused: SGLang 0.5.17 counts such a request's use of the adapter "
             "once but releases it once per choice, after which the adapter can never be unloaded (the backend "
             "unloads old steps' adapters). Send n separate requests; the gateway computes their shared "
             "prompt once."
         )
-        return Refuse(400, error(message, "n_with_adapter", "n"))
+        where = "sampling_params.n" if path == GENERATE_PATH else "n"
+        return Refuse(400, error(message, "n_with_adapter", where))
     constrained = constrain(payload, served, completions=path in TOKEN_ID_PATHS, chat=path == CHAT_PATH)
     if isinstance(constrained, Refuse):
         return constrained

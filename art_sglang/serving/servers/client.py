@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from art_sglang.errors import (
     AdapterLoadError,
     AdapterNotLoadedError,
+    AdapterOperationTimeoutError,
     ServerRequestError,
     ServerUnavailableError,
 )
@@ -48,7 +49,10 @@ def _server_message(response: httpx.Response) -> str:
 
 class ServerClient:
     """Admin requests to the server at `base_url` (no `/v1`): `ADMIN_ROUTES` authenticated with
-    `admin_api_key` (if given, else `api_key`), the others with `api_key`, as Bearer tokens."""
+    `admin_api_key` (if given, else `api_key`), the others with `api_key`, as Bearer tokens. An adapter load
+    or unload gets `adapter_timeout` seconds (the client's `timeout` if None); one that does not finish in
+    time is remembered in `stuck_operation`: SGLang goes on waiting with it, holding the lock of every later
+    adapter operation, so the server must be restarted."""
 
     def __init__(
         self,
@@ -57,8 +61,11 @@ class ServerClient:
         timeout: float = 60.0,
         *,
         admin_api_key: str | None = None,
+        adapter_timeout: float | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self._adapter_timeout = adapter_timeout or timeout
+        self.stuck_operation: str | None = None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         admin_key = admin_api_key or api_key
         self._admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
@@ -82,11 +89,15 @@ class ServerClient:
         path: str,
         body: dict[str, Any] | None = None,
         error: type[ServerRequestError] = ServerRequestError,
+        timeout: float | None = None,
     ) -> httpx.Response:
-        """Send a request; raise `error` on an HTTP error status, `ServerUnavailableError` if unreachable."""
+        """Send a request; raise `error` on an HTTP error status, `ServerUnavailableError` if unreachable
+        (or no answer within `timeout`, the client's if None)."""
         headers = self._admin_headers if path in ADMIN_ROUTES else None
         try:
-            response = await self._http.request(method, path, json=body, headers=headers)
+            response = await self._http.request(
+                method, path, json=body, headers=headers, timeout=timeout or self._http.timeout
+            )
         except httpx.TransportError as exc:
             raise ServerUnavailableError(
                 f"{method} {self.base_url}{path} failed: {type(exc).__name__}: {exc}"
@@ -95,11 +106,27 @@ class ServerClient:
             self._raise(error, path, response)
         return response
 
+    async def _adapter_command(
+        self, path: str, name: str, body: dict[str, Any], error: type[ServerRequestError] = ServerRequestError
+    ) -> dict[str, Any]:
+        """`_post_checked` within the adapter operations' bound: `AdapterOperationTimeoutError` past it."""
+        try:
+            return await self._post_checked(path, body, error, timeout=self._adapter_timeout)
+        except ServerUnavailableError as exc:
+            if not isinstance(exc.__cause__, httpx.TimeoutException):
+                raise
+            self.stuck_operation = f"{path} of {name!r} did not finish within {self._adapter_timeout:g} s"
+            raise AdapterOperationTimeoutError(f"{self.base_url}{self.stuck_operation}") from exc
+
     async def _post_checked(
-        self, path: str, body: dict[str, Any], error: type[ServerRequestError] = ServerRequestError
+        self,
+        path: str,
+        body: dict[str, Any],
+        error: type[ServerRequestError] = ServerRequestError,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
         """POST an admin command whose JSON answer carries `success`; raise `error` unless it is true."""
-        response = await self._request("POST", path, body, error)
+        response = await self._request("POST", path, body, error, timeout)
         try:
             data = response.json()
         except ValueError:
@@ -136,10 +163,11 @@ class ServerClient:
     async def load_lora_adapter(self, name: str, path: str) -> dict[str, str]:
         """Load the adapter at `path` as `name`; returns every loaded adapter (name -> path).
 
-        Raises `AdapterLoadError` if refused (name already loaded, bad path, rank above the maximum, ...).
+        Raises `AdapterLoadError` if refused (name already loaded, bad path, rank above the maximum, ...),
+        `AdapterOperationTimeoutError` past the bound.
         """
-        data = await self._post_checked(
-            "/load_lora_adapter", {"lora_name": name, "lora_path": path}, AdapterLoadError
+        data = await self._adapter_command(
+            "/load_lora_adapter", name, {"lora_name": name, "lora_path": path}, AdapterLoadError
         )
         return data.get("loaded_adapters") or {}
 
@@ -149,7 +177,7 @@ class ServerClient:
         Raises `AdapterNotLoadedError` (a `ServerRequestError`) if no adapter of that name is loaded.
         """
         try:
-            data = await self._post_checked("/unload_lora_adapter", {"lora_name": name})
+            data = await self._adapter_command("/unload_lora_adapter", name, {"lora_name": name})
         except ServerRequestError as exc:
             # SGLang: "LoRA with name X does not exist. Loaded LoRAs: ..." (HTTP 400).
             if exc.status == 400 and "does not exist" in (exc.server_message or ""):

@@ -391,7 +391,10 @@ class ServerGroup:
         if replica.client is not None:
             await replica.client.aclose()
         replica.client = ServerClient(
-            replica.process.base_url, api_key=replica.process.config.api_key, admin_api_key=self._admin_key
+            replica.process.base_url,
+            api_key=replica.process.config.api_key,
+            admin_api_key=self._admin_key,
+            adapter_timeout=self._config.unresponsive_timeout,
         )
         await self._hooks.server_started(replica.view())
 

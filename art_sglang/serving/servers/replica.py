@@ -132,10 +132,13 @@ class Replica:
         )
 
     async def problem(self, *, probe: bool, timeout: float) -> str | None:
-        """What is wrong: the process died, or (with `probe`) it has not answered health checks for
-        `timeout` seconds."""
+        """What is wrong: the process died, an adapter operation on it did not finish in time (SGLang
+        holds the lock of every later one until it does), or (with `probe`) it has not answered health
+        checks for `timeout` seconds."""
         if not self.process.is_alive():
             return "died"
+        if self.client is not None and self.client.stuck_operation is not None:
+            return f"is stuck in an adapter operation ({self.client.stuck_operation})"
         if not probe:
             return None
         if self.client is not None and await self.client.health(timeout=min(timeout, 10.0)):
