@@ -71,7 +71,7 @@ class _Run:
     async def step(self, groups: list[Any], loop: str, next_name: str | None = None) -> list[Any] | None:
         """Train on `groups` with nvidia-smi sampling; with `next_name`, gather the next step's groups on
         that (the current) adapter meanwhile and return them."""
-        expected = self.model.get_step() + 1
+        expected = await self.model.get_step() + 1
         gathering = asyncio.create_task(self.rollouts(next_name)) if next_name else None
         started = time.monotonic()
         with MemorySampler() as sampler:
