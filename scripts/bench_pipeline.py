@@ -12,7 +12,8 @@ batch, the seconds each step took, and for the pipelined loop how far its batche
 
 Layouts: `co_resident` (server and trainer on GPU 0, no handoff), `split` (server on GPU 0, trainer on
 GPU 1), `replicas` (two servers on GPUs 0-1 behind SGLang's router, a two-rank trainer on GPUs 2-3),
-`cpu` (the reference engine, for a smoke run).
+`four_gpu` (the description's example: the server on GPU 0, a three-rank trainer on GPUs 1-3), `cpu` (the
+reference engine, for a smoke run).
 
     python scripts/bench_pipeline.py --model /root/models/qwen2.5-1.5b-shape --layout co_resident \\
         --sampling-backend pytorch --json out.json --markdown out.md
@@ -51,7 +52,7 @@ from environments.char_share import CharShareTask
 from environments.common import StepReport, train_loop
 from environments.pipelined import openpipe_art, pipelined_loop
 
-LAYOUTS = ("co_resident", "split", "replicas", "cpu")
+LAYOUTS = ("co_resident", "split", "replicas", "four_gpu", "cpu")
 
 
 def make_backend(args: argparse.Namespace, path: Path) -> SGLangBackend:
@@ -70,6 +71,8 @@ def make_backend(args: argparse.Namespace, path: Path) -> SGLangBackend:
         return SGLangBackend(engine="sglang", inference_device=0, training_devices=[1], **common)
     if args.layout == "replicas":
         return SGLangBackend(engine="sglang", inference_devices=[0, 1], training_devices=[2, 3], **common)
+    if args.layout == "four_gpu":  # the product description's example
+        return SGLangBackend(engine="sglang", inference_device=0, training_devices=[1, 2, 3], **common)
     return SGLangBackend(
         engine="sglang", inference_device=0, training_devices=[0], shared_strategy="co_resident",
         cuda_mps=args.cuda_mps, **common,

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,25 +31,32 @@ from art_sglang.training.process import TrainerProcess
 
 
 def synthetic_groups(model: str, batch: int, seq: int, seed: int = 0) -> list[dict[str, Any]]:
-    """One group of `batch` trajectories, each a short prompt plus an answer of about `seq` tokens of
-    random text; rewards alternate 0/1 so every trajectory is trained."""
+    """One group of `batch` trajectories, each a short prompt plus an answer of `seq` - 32 random tokens,
+    sent as the gateway returns a rollout (the sampled ids and a logprob entry per token, as large as the
+    backend's real requests); rewards alternate 0/1 so every trajectory is trained."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     rng = random.Random(seed)
     special = set(tokenizer.all_special_ids)
     vocab = [i for i in range(tokenizer.vocab_size) if i not in special]
+    # About a random model's logprob of a sampled token, so the importance ratios start near 1.
+    logprob = -math.log(len(vocab))
     trajectories = []
     for index in range(batch):
-        ids = tokenizer.encode(
-            tokenizer.decode([rng.choice(vocab) for _ in range(seq)]), add_special_tokens=False
-        )
-        text = tokenizer.decode(ids[: max(seq - 32, 1)])
+        ids = [rng.choice(vocab) for _ in range(max(seq - 32, 1))]
+        pieces = [tokenizer.decode([i]) for i in ids]
         choice = {
             "index": 0,
-            "finish_reason": "stop",
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "finish_reason": "length",
+            "message": {"role": "assistant", "content": "".join(pieces)},
+            "logprobs": {
+                "content": [
+                    {"token": t, "bytes": list(t.encode()), "logprob": logprob, "top_logprobs": []}
+                    for t in pieces
+                ]
+            },
+            "token_ids": ids,
         }
         trajectories.append(
             {
@@ -82,7 +91,6 @@ async def bench_backend(
         for packing in args.packings:
             options = TrainOptions(
                 learning_rate=1e-5,
-                allow_training_without_logprobs=True,
                 save_checkpoint=False,
                 packed_sequence_length=packing,
             )
@@ -112,8 +120,29 @@ def _summary(steps: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
         "tokens_per_step": forwarded / len(steps),
         "trained_tokens_per_step": tokens / len(steps),
         "optimizer_steps": steps[-1][1]["gradient_steps"],
+        "micro_batches": steps[-1][1]["micro_batches"],
         "gpu_peak_memory_gb": max((m.get("gpu_peak_memory_gb", 0.0) for _, m in steps), default=0.0),
+        "phases_s": phases(steps),
     }
+
+
+def phases(steps: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """Where a step's time went (means over the timed steps): the trainer's own phases (rank 0's, and the
+    slowest and fastest rank's forward/backward), and `outside_trainer`: the rest of the step's wall time
+    as the caller saw it (the request's JSON out and in, its pipe, the ranks receiving it, the answer)."""
+    names = sorted({k for _, m in steps for k in m if k.startswith("time/trainer_")})
+    out = {
+        name.removeprefix("time/trainer_").removesuffix("_s"): statistics.fmean(
+            m.get(name, 0.0) for _, m in steps
+        )
+        for name in names
+    }
+    ranked = {"forward_backward_slowest_rank", "forward_backward_fastest_rank", "checkpoint"}
+    named = sum(v for k, v in out.items() if k not in ranked)
+    out["other_in_trainer"] = statistics.fmean(m["seconds"] for _, m in steps) - named
+    inside = [m["seconds"] + m.get("time/trainer_checkpoint_s", 0.0) for _, m in steps]
+    out["outside_trainer"] = statistics.fmean(wall - t for (wall, _), t in zip(steps, inside, strict=True))
+    return out
 
 
 async def main() -> None:
@@ -185,6 +214,7 @@ async def main() -> None:
             r.get("device", "-"),
             r.get("load_s", "-"),
             r.get("optimizer_steps", "-"),
+            r.get("micro_batches", "-"),
             r.get("step_s", "-"),
             r.get("train_tokens_per_s", "-"),
             r.get("forward_tokens_per_s", "-"),
@@ -194,7 +224,7 @@ async def main() -> None:
         ]
         for r in results
     ]
-    header = f"Trainer step, {args.batch} trajectories x ~{args.seq} tokens, LoRA r={args.lora_rank}, model {model}\n\n"
+    header = f"Trainer step, {args.batch} trajectories x {args.seq} tokens (gateway-style: ids and a logprob per token), LoRA r={args.lora_rank}, model {model}\n\n"
     table = header + markdown_table(
         [
             "path",
@@ -203,6 +233,7 @@ async def main() -> None:
             "device",
             "load s",
             "optimizer steps",
+            "micro-batches (all ranks)",
             "step s",
             "trained tokens/s",
             "forward tokens/s",
@@ -212,9 +243,24 @@ async def main() -> None:
         ],
         rows,
     )
+    table += (
+        "\n\nWhere a step's time went, seconds (means over the timed steps; rank 0's phases):\n\n"
+        + phase_table(results)
+    )
     (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1, default=str))
     (args.out / f"{args.name}.md").write_text(table + "\n")
     print(table)
+
+
+def phase_table(results: list[dict[str, Any]]) -> str:
+    timed = [r for r in results if "phases_s" in r]
+    names = sorted({name for r in timed for name in r["phases_s"]})
+    rows = [
+        [r["backend"], r.get("packed_sequence_length") or "default", r["ranks"], r["step_s"]]
+        + [r["phases_s"].get(name, "-") for name in names]
+        for r in timed
+    ]
+    return markdown_table(["path", "packed row", "ranks", "step s", *names], rows)
 
 
 if __name__ == "__main__":

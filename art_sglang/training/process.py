@@ -30,7 +30,7 @@ from ..trajectories import TrajectoryGroup
 from .options import StepOutcome, TrainOptions
 from .protocol import ERROR, INPUT_ERROR, PROGRESS, RESULT, STEP_ERROR
 from .sft import SFTBatch
-from .validation import CheckedGroups, WireGroup, check_groups
+from .validation import CheckedGroups, WireGroup, check_groups, for_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class TrainerProcess(ManagedProcess):
             groups if isinstance(groups, CheckedGroups) else check_groups(groups, **options.input_rules())
         )
         data = await self._request(
-            "train", on_progress=on_progress, groups=checked.wire, options=options.model_dump()
+            "train", on_progress=on_progress, groups=for_trainer(checked.wire), options=options.model_dump()
         )
         return self._outcome(data)
 

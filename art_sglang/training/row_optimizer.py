@@ -24,6 +24,7 @@ from ..storage import checkpoints as ckpt
 from .loss import ROW_MEAN_EPS, TokenInputs, sampled_token_logprobs, token_loss
 from .options import TrainOptions
 from .packing import plan_micro_batches
+from .phase_times import PhaseTimes
 from .tokenize import TokenizedSequence, sampled_constraints
 from .train_state import TrainState
 
@@ -57,6 +58,7 @@ class RowOptimizer:
         options: TrainOptions,
         reference: Path | None,
         progress: Progress,
+        times: PhaseTimes,
     ) -> dict[str, float]:
         started = time.perf_counter()
         cuda = self._state.device.type == "cuda"
@@ -67,62 +69,51 @@ class RowOptimizer:
         budget = self._state.config.micro_batch_tokens
         shares = [ranks.share(row, lambda s: len(s.input_ids)) for row in rows]
         if options.precalculate_logprobs:
-            self._precalculate([s for share in shares for s in share])
+            with times.phase("precalculate"):
+                self._precalculate([s for share in shares for s in share])
         max_norm = options.max_grad_norm or self._state.config.max_grad_norm or math.inf
         sums = _Sums()
         total = sum(len(plan_micro_batches(share, budget)) for share in shares)  # this rank's
         for row_index, (row, share) in enumerate(zip(rows, shares, strict=True)):
             batches = plan_micro_batches(share, budget)
             row_tokens = sum(s.num_sampled for s in row)
-            kl = self._row_kl(batches, reference) if options.kl_penalty_coef > 0 else None
             row_kl = 0.0
-            if kl is not None:
-                (kl_sum,) = ranks.reduce([float(sum(k.sum() for k in kl))])
+            kl = None
+            if options.kl_penalty_coef > 0:
+                with times.phase("kl"):
+                    kl = self._row_kl(batches, reference)
+                with times.phase("all_reduce"):
+                    (kl_sum,) = ranks.reduce([float(sum(k.sum() for k in kl))])
                 row_kl = kl_sum / (row_tokens + ROW_MEAN_EPS)
             self._state.optimizer.zero_grad(set_to_none=True)
             row_loss = 0.0
-            for index, batch in enumerate(batches):
-                row_loss += self._micro_batch(
-                    batch, row_tokens, options, kl[index] if kl is not None else None, row_kl, sums
-                )
-                sums.micro_batches += 1
-                progress({"phase": "train", "micro_batch": sums.micro_batches, "micro_batches": total})
-            (row_loss,) = ranks.sum_gradients(self._state.params, [row_loss])
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self._state.params, max_norm))
-            where = f"row {row_index + 1} of {len(rows)}"
-            multiplier = len(row) ** options.num_trajectories_learning_rate_multiplier_power
-            rate = f"learning rate {options.learning_rate * multiplier}"
-            if not math.isfinite(row_loss):
-                raise TrainingError(
-                    f"the loss is not finite ({row_loss}) in {where} ({rate}); the step was not applied"
-                )
-            if not math.isfinite(grad_norm):
-                raise TrainingError(
-                    f"the gradient norm is not finite ({grad_norm}) in {where} ({rate}: a rate too large for "
-                    "the model, in this step or an earlier one, overflows the weights and then the "
-                    "gradients); the step was not applied"
-                )
-            for group in self._state.optimizer.param_groups:
-                group.update(self._state.hyperparameters(options.learning_rate * multiplier))
-            self._state.optimizer.step()
-            self._state.optimizer.zero_grad(set_to_none=True)
-            if not all(bool(torch.isfinite(p).all()) for p in self._state.params):
-                raise TrainingError(
-                    f"the updated weights are not finite after {where} ({rate}); the step was not applied"
-                )
+            with times.phase("forward_backward"):
+                for index, batch in enumerate(batches):
+                    row_loss += self._micro_batch(
+                        batch, row_tokens, options, kl[index] if kl is not None else None, row_kl, sums
+                    )
+                    sums.micro_batches += 1
+                    progress({"phase": "train", "micro_batch": sums.micro_batches, "micro_batches": total})
+            with times.phase("all_reduce"):
+                (row_loss,) = ranks.sum_gradients(self._state.params, [row_loss])
+            with times.phase("optimizer"):
+                grad_norm = self._step(row_index, len(rows), row_loss, max_norm, options, len(row))
             sums.loss += row_loss
             sums.kl += row_kl
             sums.grad_norm += grad_norm
-        ratio, clipped, tokens, forwarded, micro_batches = ranks.reduce(
-            [sums.ratio, sums.clipped, sums.tokens, sums.tokens_forwarded, sums.micro_batches]
-        )
+        with times.phase("all_reduce"):
+            ratio, clipped, tokens, forwarded, micro_batches = ranks.reduce(
+                [sums.ratio, sums.clipped, sums.tokens, sums.tokens_forwarded, sums.micro_batches]
+            )
+            # The slowest and the fastest rank's forward/backward (the step waits for the slowest), and
+            # the fullest rank's memory, in one collective.
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+            busiest, idlest, peak = ranks.reduce(
+                [times.seconds["forward_backward"], -times.seconds["forward_backward"], peak], "max"
+            )
         seconds = time.perf_counter() - started
-        memory: dict[str, float] = {}
-        if cuda:  # the fullest rank's
-            (peak,) = ranks.reduce([torch.cuda.max_memory_allocated() / 2**30], "max")
-            memory = {"gpu_peak_memory_gb": peak}
         return {
-            **memory,
+            **({"gpu_peak_memory_gb": peak} if cuda else {}),
             "loss": sums.loss / len(rows),
             "kl": sums.kl / len(rows),
             "grad_norm": sums.grad_norm / len(rows),
@@ -134,7 +125,39 @@ class RowOptimizer:
             "row_length": float(max(len(s.input_ids) for row in rows for s in row)),
             "micro_batches": micro_batches,
             "tokens_per_second": forwarded / seconds if seconds > 0 else 0.0,
+            "time/trainer_forward_backward_slowest_rank_s": busiest,
+            "time/trainer_forward_backward_fastest_rank_s": -idlest,
         }
+
+    def _step(
+        self, row_index: int, rows: int, row_loss: float, max_norm: float, options: TrainOptions, size: int
+    ) -> float:
+        """Clip, check and apply one row's summed gradients; returns the gradient norm."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._state.params, max_norm))
+        where = f"row {row_index + 1} of {rows}"
+        multiplier = size**options.num_trajectories_learning_rate_multiplier_power
+        rate = f"learning rate {options.learning_rate * multiplier}"
+        if not math.isfinite(row_loss):
+            raise TrainingError(
+                f"the loss is not finite ({row_loss}) in {where} ({rate}); the step was not applied"
+            )
+        if not math.isfinite(grad_norm):
+            raise TrainingError(
+                f"the gradient norm is not finite ({grad_norm}) in {where} ({rate}: a rate too large for "
+                "the model, in this step or an earlier one, overflows the weights and then the "
+                "gradients); the step was not applied"
+            )
+        for group in self._state.optimizer.param_groups:
+            group.update(self._state.hyperparameters(options.learning_rate * multiplier))
+        self._state.optimizer.step()
+        self._state.optimizer.zero_grad(set_to_none=True)
+        # One device synchronisation for all parameters (a check per tensor waited once per tensor).
+        finite = torch.stack([torch.isfinite(p).all() for p in self._state.params]).all()
+        if not bool(finite):
+            raise TrainingError(
+                f"the updated weights are not finite after {where} ({rate}); the step was not applied"
+            )
+        return grad_norm
 
     def _micro_batch(
         self,

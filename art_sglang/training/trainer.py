@@ -39,6 +39,7 @@ from .checkpoint_io import (
 from .model_loading import LoadedModel, load_model
 from .options import StepOutcome, TrainOptions
 from .packing import plan_rows, row_length
+from .phase_times import PhaseTimes
 from .ranks import Ranks
 from .row_optimizer import Progress, RowOptimizer
 from .sft import SFTBatch, run_sft
@@ -236,11 +237,13 @@ class Trainer:
 
     def train(self, groups: list[WireGroup], options: TrainOptions, progress: Progress) -> StepOutcome:
         started = time.perf_counter()
+        times = PhaseTimes(self.device)
         self.enter_mode("rl")
         self.ranks.align_rng()
         reference = self._reference_path(options)
-        tokenized, stats = tokenize_groups(self.chat, groups, max_seq_length=self.config.max_seq_length)
-        self._check_token_ids(tokenized)
+        with times.phase("tokenize"):
+            tokenized, stats = tokenize_groups(self.chat, groups, max_seq_length=self.config.max_seq_length)
+            self._check_token_ids(tokenized)
         rewards = [[float(t["reward"]) for t in g["trajectories"]] for g in groups]
         advantages = group_advantages(rewards, scale_rewards=options.scales_rewards)
         flat_rewards = [r for g in rewards for r in g]
@@ -281,17 +284,19 @@ class Trainer:
         for s in selected:
             s.weight *= scale.weight_scale
             s.advantage = balance(s.advantage, options.advantage_balance) * scale.advantage_scale
-        snapshot = self._snapshot()
+        with times.phase("snapshot"):
+            snapshot = self._snapshot()
         try:
             rows = plan_rows(per_group, length)
-            metrics.update(self._rows.optimize(rows, selected, options, reference, progress))
+            metrics.update(self._rows.optimize(rows, selected, options, reference, progress, times))
             self.step += 1
             metrics["seconds"] = time.perf_counter() - started
-            path = self._save(metrics)
+            with times.phase("checkpoint"):
+                path = self._save(metrics)
         except BaseException:
             self._restore(snapshot)
             raise
-        return StepOutcome(self.step, metrics, path, trained=True)
+        return StepOutcome(self.step, {**metrics, **times.metrics()}, path, trained=True)
 
     def _advance_untrained(
         self,

@@ -56,6 +56,40 @@ def check_groups(groups: Sequence[TrajectoryGroup | WireGroup], **rules: bool) -
     return CheckedGroups(wire)
 
 
+def for_trainer(groups: Sequence[WireGroup]) -> list[WireGroup]:
+    """The wire groups less what the trainer never reads, as the worker is sent them: a step's request is
+    mostly logprob entries, and the worker parses it on every step. An entry keeps its value, and its
+    token and bytes only where they are checked against the text (a Choice without its sampled ids);
+    `top_logprobs` go."""
+    return [
+        {**group, "trajectories": [_trajectory_for_trainer(t) for t in group.get("trajectories") or []]}
+        for group in groups
+    ]
+
+
+def _trajectory_for_trainer(trajectory: WireGroup) -> WireGroup:
+    def items(history: WireGroup) -> list[Any]:
+        return [
+            _choice_for_trainer(i) if is_choice(i) else i for i in history.get("messages_and_choices") or []
+        ]
+
+    slim = {**trajectory, "messages_and_choices": items(trajectory)}
+    if trajectory.get("additional_histories"):
+        slim["additional_histories"] = [
+            {**history, "messages_and_choices": items(history)}
+            for history in trajectory["additional_histories"]
+        ]
+    return slim
+
+
+def _choice_for_trainer(choice: WireGroup) -> WireGroup:
+    entries = logprob_entries(choice)
+    if entries is None:
+        return choice
+    keep = ("logprob",) if sampled_ids(choice) is not None else ("token", "bytes", "logprob")
+    return {**choice, "logprobs": {"content": [{k: e[k] for k in keep if k in e} for e in entries]}}
+
+
 def is_choice(item: Any) -> bool:
     return isinstance(item, dict) and "message" in item and "finish_reason" in item
 

@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Callable
 from typing import IO, Any
 
 from .protocol import ERROR, INPUT_ERROR, PROGRESS, RESULT, STEP_ERROR, TRAINER_ERROR
@@ -80,9 +79,16 @@ def _serve(channel: _Channel | None, ranks: Any) -> None:
 
     trainer: Trainer | None = None
     while True:
-        request = ranks.from_main(_read_request(send) if ranks.is_main else None)
-        if request is None:
+        # The line as it came, parsed by every rank at once: a step's request (its rollouts with a logprob
+        # entry per token) takes longer to parse, or to pickle for the others, than to pass on as text.
+        line = ranks.from_main(_read_line() if ranks.is_main else None)
+        if line is None:
             return
+        try:
+            request = _parse(line)
+        except ValueError as exc:  # the same text fails on every rank: all skip it
+            send(None, ERROR, error_type=TRAINER_ERROR, message=f"{type(exc).__name__}: {exc}")
+            continue
         rid, cmd = request.get("id"), request.get("cmd")
         try:
             if cmd == "shutdown":
@@ -144,21 +150,20 @@ def _serve(channel: _Channel | None, ranks: Any) -> None:
                 raise  # the other ranks may wait in a collective this rank will never join
 
 
-def _read_request(send: Callable[..., None]) -> dict[str, Any] | None:
-    """The next request from stdin; None at its end. A line that is not a JSON request is answered with
-    an error and skipped."""
+def _read_line() -> str | None:
+    """The next non-empty line of stdin; None at its end."""
     for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            request = json.loads(line)
-            if not isinstance(request, dict):
-                raise ValueError(f"a request is a JSON object, got {line.strip()[:80]!r}")
-        except ValueError as exc:
-            send(None, ERROR, error_type=TRAINER_ERROR, message=f"{type(exc).__name__}: {exc}")
-            continue
-        return request
+        if line.strip():
+            return line
     return None
+
+
+def _parse(line: str) -> dict[str, Any]:
+    """A request line as its JSON object; ValueError for anything else."""
+    request = json.loads(line)
+    if not isinstance(request, dict):
+        raise ValueError(f"a request is a JSON object, got {line.strip()[:80]!r}")
+    return request
 
 
 if __name__ == "__main__":

@@ -62,10 +62,13 @@
 #     --disable-overlap-schedule), each into flags-<variant>.json
 #   bench-register, bench-register-no-prefill-graphs (~3 min each): register() of one shared-mode backend,
 #     where SGLang's start went (weights, decode and prefill CUDA graphs), one step, close()
-# Four GPUs (H200x4, stage.sh router first): four-gpu (~4 min) runs SGLangBackend(inference_device=0,
-#   training_devices=[1, 2, 3]) through 3 steps on the 1.5B shape, four-gpu-7b the same on the 7B shape (after
-#   models-7b); bench-trainer-ddp3 (~5 min): trainer tokens/s on 1, 2 and 3 ranks; bench-pipeline-replicas
-#   (~4 min, after stage.sh art): pipelined vs synchronous with 2 replicas (GPUs 0-1) and 2 ranks (GPUs 2-3)
+# Four GPUs (H100x4 or H200x4): four-gpu (~4.5 min) runs SGLangBackend(inference_device=0,
+#   training_devices=[1, 2, 3]) through 3 synchronous and 2 pipelined steps on the 1.5B shape (GPU roles and
+#   memory per step, nothing left after close()), four-gpu-7b the same on the 7B shape (~7 min, after
+#   models-7b); bench-trainer-ddp3 (~3.5 min): trainer tokens/s and where a step's time goes on 1, 2 and 3
+#   ranks; bench-pipeline-four-gpu (~5 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop
+#   on the example's layout; bench-pipeline-replicas (~4 min, after stage.sh art and router): the same with 2
+#   replicas (GPUs 0-1) and 2 ranks (GPUs 2-3)
 # replicas-1gpu (~4 min, 1 GPU, stage.sh router first): two replicas on the first visible GPU behind the router
 # ray-cluster-1gpu (~8 min, 1 GPU, stage.sh router and ray first): two simulated Ray nodes sharing the GPU,
 #   one SGLang replica each, through `cluster=` on the 1.5B shape: steps, adapter propagation time, a node
@@ -240,11 +243,15 @@ for name in "$@"; do
                                 --markdown "$results/bench_pipeline-split.md") ;;
     bench-pipeline-replicas) cmd=("${pipeline[@]}" --layout replicas --json "$results/bench_pipeline-replicas.json"
                                    --markdown "$results/bench_pipeline-replicas.md") ;;
+    bench-pipeline-four-gpu) cmd=("${pipeline[@]}" --layout four_gpu --json "$results/bench_pipeline-four-gpu.json"
+                                   --markdown "$results/bench_pipeline-four-gpu.md") ;;
     four-gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_four_gpus.py) ;;
     four-gpu-7b) cmd=(env ART_SGLANG_GPU_FOUR_MODEL=/root/models/qwen2.5-7b-shape "${pytest[@]}" -m gpu
                       tests/gpu/test_four_gpus.py) ;;
+    # Rows of 24 sequences (2 per step): 12 per rank on 2, 8 on 3, so a rank's share is never the cap; ART's
+    # default rows (2048 tokens: 2 of these sequences) bound any rank count at 2x (bench-trainer-ddp has them).
     bench-trainer-ddp3) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2,3
-                             --batch 48 --seq 1024 --packings default,16384 --micro-batch-tokens 8192 --steps 3
+                             --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 8192 --steps 3
                              --name bench_trainer_ddp3 --work /tmp/bench-trainer-ddp3 --out "$results") ;;
     *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
   esac

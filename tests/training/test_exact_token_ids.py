@@ -3,16 +3,17 @@ sampler's logprobs 1:1, whatever a re-tokenization of their text would give."""
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
 import pytest
 from openai.types.chat.chat_completion import Choice
-from training_helpers import sampled
+from training_helpers import make_choice, sampled
 
 from art_sglang.errors import TrainingInputError
-from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats
-from art_sglang.training.validation import groups_to_wire, validate_groups
+from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats, tokenize_groups
+from art_sglang.training.validation import for_trainer, groups_to_wire, validate_groups
 from art_sglang.trajectories import Trajectory, TrajectoryGroup
 
 
@@ -107,3 +108,33 @@ def test_a_choice_holding_part_of_a_character_is_accepted_with_its_ids(
     stats = TokenizeStats()
     chat.tokenize_trajectory(wire(without_ids), group=0, index=0, stats=stats)
     assert (stats.choices, stats.exact_ids, stats.logprob_mismatch) == (1, 0, 1)
+
+
+def test_the_worker_is_sent_only_what_it_reads_and_trains_the_same(
+    chat: ChatTokenizer, tokenizer: Any
+) -> None:
+    ids = tokenizer.encode("hello there", add_special_tokens=False)
+    exact = sampled(tokenizer, ids, [-0.5] * len(ids))
+    text = make_choice(tokenizer, "general kenobi")  # no ids: its entries are checked against the text
+    for choice in (exact, text):
+        for entry in choice.logprobs.content:
+            entry.top_logprobs = [entry.model_copy(update={"top_logprobs": []})] * 3
+    wire = groups_to_wire([TrajectoryGroup([choice_trajectory(exact), choice_trajectory(text)])])
+    full = copy.deepcopy(wire)
+    slim = for_trainer(wire)
+    sent_exact, sent_text = (
+        t["messages_and_choices"][1]["logprobs"]["content"] for t in slim[0]["trajectories"]
+    )
+    assert sent_exact == [{"logprob": -0.5}] * len(ids)
+    assert all(set(e) == {"token", "bytes", "logprob"} for e in sent_text) and len(sent_text) > 1
+    assert wire == full  # the caller's groups are left as they were
+    validate_groups(slim, allow_training_without_logprobs=False)
+    # The worker tokenizes the slim groups into the same sequences, sampler logprobs included.
+    (got,), _ = tokenize_groups(chat, slim)
+    (expected,), _ = tokenize_groups(chat, wire)
+    assert [[(s.input_ids, s.sampled_mask) for s in t] for t in got] == [
+        [(s.input_ids, s.sampled_mask) for s in t] for t in expected
+    ]
+    assert [[[str(lp) for lp in s.old_logprobs] for s in t] for t in got] == [
+        [[str(lp) for lp in s.old_logprobs] for s in t] for t in expected
+    ]

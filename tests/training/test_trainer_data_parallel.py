@@ -108,6 +108,58 @@ async def test_two_ranks_train_the_one_rank_adapter(
         await one.stop()
 
 
+def curve_batch(tokenizer: Any, step: int) -> list[TrajectoryGroup]:
+    """Step `step`'s batch: two groups of five answers of 1 to 9 words, rewards shuffled per step."""
+    answers = ["1 2 3 4 5 6 7 8 9", "a b", "x y z", "q", "m n o p"]
+    rewards = [((i * 2 + step) % 5) / 4 for i in range(len(answers))]
+    return [
+        TrajectoryGroup(
+            [
+                trajectory(f"task {g}.{step}", make_choice(tokenizer, a), r)
+                for a, r in zip(answers, rewards, strict=True)
+            ]
+        )
+        for g in range(2)
+    ]
+
+
+async def test_three_ranks_follow_the_one_rank_loss_curve(
+    tiny_model_path: Path, tmp_path: Path, tokenizer: Any
+) -> None:
+    """ART's loss normalisation across ranks: each token's loss is divided by its whole row's sampled
+    tokens, not by its rank's share, and the ranks' gradients are summed (on CPU a rerun repeats a curve
+    exactly; what varies is the order of float sums, as with other micro-batch splits on one rank). Rows of 1-3 sequences of
+    different lengths over 3 ranks give shares of unequal token counts (some rank with none), where a
+    per-rank mean or averaged gradients would give another curve from the first step on."""
+    # At 1e-2 rounding stays rounding over the curve; at 5e-2 a later step's near-zero gradients, which
+    # Adam scales up to the learning rate, carry the summation order's noise into the loss (10 % seen, as
+    # between one rank's runs with other micro-batch splits).
+    options = OPTIONS.model_copy(update={"packed_sequence_length": 40, "learning_rate": 1e-2})
+    one, three = (
+        trainer(tiny_model_path, tmp_path / "one", 1),
+        trainer(tiny_model_path, tmp_path / "three", 3),
+    )
+    curves: dict[int, list[dict[str, float]]] = {}
+    try:
+        await asyncio.gather(one.start(), three.start())
+        assert three.info["ranks"] == 3
+        for proc in (one, three):
+            curves[proc.ranks] = [
+                (await proc.train(curve_batch(tokenizer, step), options)).metrics for step in range(4)
+            ]
+    finally:
+        await asyncio.gather(one.stop(), three.stop())
+    expected, got = curves[1], curves[3]
+    assert all(m["gradient_steps"] >= 2 for m in expected)  # several rows, so several shares, per step
+    for key in ("num_tokens", "gradient_steps"):
+        assert [m[key] for m in got] == [m[key] for m in expected], key
+    for key in ("loss", "kl", "grad_norm"):
+        assert [m[key] for m in got] == pytest.approx([m[key] for m in expected], rel=1e-4, abs=1e-7), key
+    assert_same_adapter(adapter(three.checkpoint_dir / "0004"), adapter(one.checkpoint_dir / "0004"))
+    # A curve that moved: later steps train on weights the earlier ones changed.
+    assert max(m["kl"] for m in expected) > 1e-4
+
+
 async def test_a_dead_rank_ends_the_trainer_and_leaves_no_process(
     two_ranks: TrainerProcess, tokenizer: Any
 ) -> None:
