@@ -5,7 +5,7 @@
 # it), and every call copies it all to $OUT.
 # A failing suite does not stop the next; the exit status is the number of failed suites.
 #   bash scripts/device/suite.sh contract shared-sleep
-# Suites: contract shared-sleep shared-restart sync split replicas-1gpu bench-trainer, faults-split (2 GPUs)
+# Suites: contract (or its halves contract-adapters and contract-requests) shared-sleep shared-restart sync split replicas-1gpu bench-trainer, faults-split (2 GPUs)
 # and faults-shared (server SIGKILL/SIGSTOP during and between steps, user script SIGKILL; ~4 min each),
 # ddp (2 GPUs: data-parallel trainer ranks, ~4 min), and the benchmarks (minutes on an H100 with the 1.5B
 # shape; each call of `run` has 10):
@@ -84,7 +84,7 @@
 # art-program (~4 min, after stage.sh art): an ART program with tools and _internal_config, 2 RL steps
 # constrained (~5 min, 1 GPU): tic-tac-toe with an action mask trains 3 steps on the 1.5B shape; where SGLang
 #   takes a constrained token's logprob; the trainer against it for an action mask and a regex
-# Two 1-GPU suites at once, one per GPU: scripts/device/pair.sh.
+# Several 1-GPU suites at once, one list per GPU: scripts/device/per_gpu.sh.
 set -uo pipefail
 # shellcheck source=scripts/device/env.sh
 source scripts/device/env.sh
@@ -125,6 +125,13 @@ for name in "$@"; do
   start=$(date +%s)
   case $name in
     contract) cmd=("${pytest[@]}" tests/contract --engine sglang --model-path "$tiny") ;;
+    # The contract suite in two halves of about equal time, for two GPUs at once (per_gpu.sh).
+    contract-adapters) cmd=("${pytest[@]}" tests/contract/test_adapter_release.py tests/contract/test_adapters.py
+                            tests/contract/test_golden.py tests/contract/test_release_under_load.py
+                            tests/contract/test_shared_prefill.py --engine sglang --model-path "$tiny") ;;
+    contract-requests) cmd=("${pytest[@]}" tests/contract/test_serving.py tests/contract/test_constraints.py
+                            tests/contract/test_stops.py tests/contract/test_reference_flags.py
+                            --engine sglang --model-path "$tiny") ;;
     shared-sleep) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k sleep) ;;
     shared-restart) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k restart) ;;
     sync) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py) ;;
@@ -255,7 +262,7 @@ for name in "$@"; do
                              --name bench_trainer_ddp3 --work /tmp/bench-trainer-ddp3 --out "$results") ;;
     *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
   esac
-  # Each pytest suite keeps its own temporary folder, so two suites can run at once (device/pair.sh) and
+  # Each pytest suite keeps its own temporary folder, so several suites can run at once (device/per_gpu.sh) and
   # the servers' logs can be collected by suite.
   if [[ " ${cmd[*]} " == *" pytest "* ]]; then rm -rf "/tmp/pt-$name"; cmd+=(--basetemp "/tmp/pt-$name"); fi
   echo "=== $name: ${cmd[*]}" | tee "$OUT/$name.log"
