@@ -139,7 +139,7 @@ for name in "$@"; do
     art-program) cmd=("${pytest[@]}" -m gpu tests/gpu/test_art_program.py) ;;
     faults-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k split) ;;
     faults-shared) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k shared) ;;
-    adapter-faults) cmd=("${pytest[@]}" -m gpu tests/gpu/test_adapter_faults.py) ;;
+    adapter-faults) cmd=("${pytest[@]}" -m gpu tests/gpu/test_adapter_faults_on_gpu.py) ;;
     contract-n) cmd=("${pytest[@]}" -s tests/contract/test_adapter_release.py --engine sglang --model-path "$tiny") ;;
     replicas-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_replicas.py) ;;
     ray-cluster-1gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_ray_cluster.py -k "not without_ray") ;;

@@ -4,7 +4,7 @@ are published; a server killed as a step's adapter loads is waited out and the s
 is tests/faults/test_adapter_faults.py; what SGLang itself makes of each spelling of `n`,
 tests/contract/test_adapter_release.py.
 
-    pytest -m gpu tests/gpu/test_adapter_faults.py    (1 GPU; suite adapter-faults)
+    pytest -m gpu tests/gpu/test_adapter_faults_on_gpu.py    (1 GPU; suite adapter-faults)
 """
 
 from __future__ import annotations
