@@ -108,9 +108,7 @@ class SGLangBackend:
         self._lock = asyncio.Lock()
         self._watchdog: ServerWatchdog | None = None
         self._closed = False
-        shared = f", shared strategy {shared_strategy!r}" if self.layout.mode == "shared" else ""
-        sync = self.sglang_config.weight_sync_method
-        logger.info("SGLangBackend: %s; weight sync %r%s", self.layout.describe(), sync, shared)
+        logger.info("SGLangBackend: %s", self._asked.describe())
 
     @property
     def layout(self) -> DeviceLayout:

@@ -47,6 +47,12 @@ class Settled:
     co_resident: bool  # one GPU for both, no handoff: the server serves while the trainer trains
     cuda_mps: bool  # the co-resident server and trainer share the GPU through CUDA MPS
 
+    def describe(self) -> str:
+        """The layout, the weight sync and in shared mode the strategy, in words."""
+        strategy = "co_resident" if self.co_resident else self.handoff
+        shared = f", shared strategy {strategy!r}" if self.layout.mode == "shared" else ""
+        return f"{self.layout.describe()}; weight sync {self.server_config.weight_sync_method!r}{shared}"
+
 
 def settle(
     request: BackendRequest,
