@@ -98,7 +98,7 @@ class SGLangBackend:
         )  # fmt: skip
         # The machine, looked at once; until the first model the backend shows what the request settles.
         self._gpus, self._mps_found = detect_gpus(), control_program() is not None
-        self._asked = settle(self._request, None, self._gpus, mps_found=self._mps_found)
+        self._settled = settle(self._request, None, self._gpus, mps_found=self._mps_found)
         self._path = path
         self._plan: ServingPlan | None = None  # made once, before the first server starts
         self._service: InferenceService | None = None
@@ -108,20 +108,20 @@ class SGLangBackend:
         self._lock = asyncio.Lock()
         self._watchdog: ServerWatchdog | None = None
         self._closed = False
-        logger.info("SGLangBackend: %s", self._asked.describe())
+        logger.info("SGLangBackend: %s", self._settled.describe())
 
     @property
     def layout(self) -> DeviceLayout:
-        return (self._plan or self._asked).layout
+        return (self._plan or self._settled).layout
 
     @property
     def sglang_config(self) -> SGLangConfig:
         """The server's settings: the plan's once a model is registered (frozen), else as asked so far."""
-        return (self._plan or self._asked).server_config
+        return (self._plan or self._settled).server_config
 
     @property
     def handoff_strategy(self) -> HandoffStrategy:
-        return (self._plan or self._asked).handoff
+        return (self._plan or self._settled).handoff
 
     @property
     def uses_cuda_mps(self) -> bool:
