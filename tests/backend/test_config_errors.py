@@ -4,6 +4,7 @@ message naming the fix."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 import art_sglang as art
 from art_sglang import ConfigError, DeviceConfig, SGLangBackend, SGLangConfig, TrainerConfig
 from art_sglang.config import DEFAULT_LORA_TARGETS
-from art_sglang.planning.config_checks import check_compatible
+from art_sglang.planning.config_checks import check_compatible, check_same_server
 from art_sglang.planning.devices import DeviceLayout, detect_gpus
 from art_sglang.planning.internal_config import model_settings
 from art_sglang.planning.make_plan import make_plan
@@ -217,6 +218,22 @@ def test_gpu_uuids_reach_the_children_unchanged(tmp_path):
 
 def _plan(layout: DeviceLayout) -> ServingPlan:
     return make_plan(BackendRequest(SGLangConfig(), TrainerConfig(), layout=layout), None, detect_gpus())
+
+
+def test_a_later_model_is_held_to_what_the_first_asked_for_not_to_the_fitted_settings():
+    two_on_one = DeviceLayout("split", "sglang", (0,), (1,), "test", replica_gpus=((0,), (0,)))
+    request = BackendRequest(SGLangConfig(), TrainerConfig(), layout=two_on_one)
+    plan = make_plan(request, model_settings(None, request.trainer), detect_gpus())
+    asked = SGLangConfig().mem_fraction_static
+    assert plan.server_config.mem_fraction_static == 0.42 != asked  # fitted: two replicas share the GPU
+    later = SimpleNamespace(name="later", project="p", base_model="m")
+    same = model_settings({"engine_args": {"gpu_memory_utilization": asked}}, request.trainer)
+    check_same_server(later, same, plan, "m")  # the setting the first model's server was asked for
+    other = model_settings({"engine_args": {"gpu_memory_utilization": 0.3}}, request.trainer)
+    with pytest.raises(ConfigError, match=r"asks for server settings \{'mem_fraction_static': 0.3\}"):
+        check_same_server(later, other, plan, "m")
+    with pytest.raises(ConfigError, match="one server serves one base model"):
+        check_same_server(later, same, plan, "another-base-model")
 
 
 def test_replicas_sharing_a_gpu_split_its_memory_and_each_gets_its_gpus(tmp_path):
