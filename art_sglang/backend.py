@@ -1,11 +1,10 @@
 """`SGLangBackend`: ART's backend protocol with inference on an SGLang server (or, without a GPU, the
 reference engine) and a LoRA trainer in its own process.
 
-The backend orchestrates; the parts live in their own modules: `backend_settings` (what the user and the
-first model's `_internal_config` ask for) and `serving_plan` (the frozen plan made from it before anything
-starts), `inference` (adapters + gateway over the `ServerGroup`), `step_runner` (one training step, RL or
-SFT: GPU handoff, trainer, weight sync), `watchdog`, `model_store` (files on disk), `registered_model`,
-`progress` and `training` (the trainer worker and `TrainOptions`, ART's train() keywords).
+The backend orchestrates; its parts: `planning` (the request, and the frozen plan made from it and the
+first model's `_internal_config`), `serving` (adapters, gateway, server replicas), `orchestration` (a
+training step: GPU handoff, trainer, weight sync), `storage` (files on disk) and `training` (the trainer
+worker and `TrainOptions`, ART's train() keywords).
 """
 
 from __future__ import annotations
@@ -22,16 +21,18 @@ from typing import Any
 
 from .cluster import ray_cluster
 from .config import ClusterConfig, CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
-from .cuda_mps import CudaMps, start_daemon
+from .cuda_mps import CudaMps, control_program, start_daemon
 from .errors import ConfigError, ModelNotRegisteredError
 from .orchestration.pipelining import pin_step, pinned_step
 from .orchestration.progress import StepProgress, record_step, reports_while, warn_about
 from .orchestration.registered_model import RegisteredModel, checkpoint_of
 from .orchestration.step_runner import StepRunner
-from .planning.backend_settings import BackendSettings
-from .planning.config_checks import check_row_length, pipelining_problem
-from .planning.devices import DeviceLayout, EngineChoice, device_request
-from .planning.internal_config import ModelSettings
+from .planning.config_checks import check_new_model, check_row_length, check_same_server, pipelining_problem
+from .planning.devices import DeviceLayout, EngineChoice, detect_gpus, device_request
+from .planning.gpu_budget import model_weights_bytes
+from .planning.internal_config import ModelSettings, internal_config_of, model_settings
+from .planning.make_plan import make_plan, settle
+from .planning.request import BackendRequest
 from .planning.serving_plan import SYNC_TRAITS, HandoffStrategy, ServingPlan
 from .process_tree import gather_all
 from .serving.adapters import InferenceService
@@ -86,23 +87,18 @@ class SGLangBackend:
     ):
         self.trainer_config = trainer_config or TrainerConfig()
         self.shared_strategy = shared_strategy
-        self._settings = BackendSettings(
-            sglang_config or SGLangConfig(),
-            self.trainer_config,
-            shared_strategy=shared_strategy,
-            device_config=device_request(
-                device_config,
-                "SGLangBackend's arguments",
-                inference_device=inference_device,
-                inference_devices=inference_devices,
-                training_devices=training_devices,
-            ),
-            engine=engine,
-            layout=layout,
-            cuda_mps=cuda_mps,
-            cluster=cluster,
-            gateway=gateway,
-        )
+        devices = device_request(
+            device_config, "SGLangBackend's arguments", inference_device=inference_device,
+            inference_devices=inference_devices, training_devices=training_devices,
+        )  # fmt: skip
+        self._request = BackendRequest(
+            sglang_config or SGLangConfig(), self.trainer_config, devices, engine=engine, layout=layout,
+            shared_strategy=shared_strategy, cuda_mps=cuda_mps, gateway=gateway,
+            cluster=ClusterConfig(address=cluster) if isinstance(cluster, str) else cluster,
+        )  # fmt: skip
+        # The machine, looked at once; until the first model the backend shows what the request settles.
+        self._gpus, self._mps_found = detect_gpus(), control_program() is not None
+        self._settled = settle(self._request, None, self._gpus, mps_found=self._mps_found)
         self._path = path
         self._plan: ServingPlan | None = None  # made once, before the first server starts
         self._service: InferenceService | None = None
@@ -112,22 +108,20 @@ class SGLangBackend:
         self._lock = asyncio.Lock()
         self._watchdog: ServerWatchdog | None = None
         self._closed = False
-        shared = f", shared strategy {shared_strategy!r}" if self.layout.mode == "shared" else ""
-        sync = self.sglang_config.weight_sync_method
-        logger.info("SGLangBackend: %s; weight sync %r%s", self.layout.describe(), sync, shared)
+        logger.info("SGLangBackend: %s", self._settled.describe())
 
     @property
     def layout(self) -> DeviceLayout:
-        return self._plan.layout if self._plan is not None else self._settings.layout
+        return (self._plan or self._settled).layout
 
     @property
     def sglang_config(self) -> SGLangConfig:
         """The server's settings: the plan's once a model is registered (frozen), else as asked so far."""
-        return self._plan.server_config if self._plan is not None else self._settings.sglang_config
+        return (self._plan or self._settled).server_config
 
     @property
     def handoff_strategy(self) -> HandoffStrategy:
-        return self._plan.handoff if self._plan is not None else self._settings.handoff_strategy
+        return (self._plan or self._settled).handoff
 
     @property
     def uses_cuda_mps(self) -> bool:
@@ -163,17 +157,21 @@ class SGLangBackend:
                 existing.model = model
                 model.base_path = self._path
                 return
-            settings = self._settings.settings_for(
-                model,
-                store,
-                registered=list(self._models),
-                served_base_model=self._service.base_model if self._service is not None else None,
-            )
+            check_new_model(model, list(self._models))
+            settings = model_settings(internal_config_of(model), self._request.trainer)
+            plan = self._plan
+            if plan is None or self._service is None:  # the first model: the plan is made for it, once
+                plan = await asyncio.to_thread(lambda: make_plan(
+                    self._request, settings, self._gpus, template_file=str(store.chat_template_file),
+                    weights_bytes=model_weights_bytes(model.base_model), mps_found=self._mps_found,
+                ))  # fmt: skip
+            else:
+                check_same_server(model, settings, plan, self._service.base_model)
             await asyncio.to_thread(check_base_model_source, model.base_model)
             lock = RunLock(store.dir)
             lock.acquire()
             try:
-                entry = await self._start_model(model, store, settings, lock)
+                entry = await self._start_model(model, store, settings, lock, plan)
             except BaseException:
                 lock.release()
                 if not self._models:
@@ -184,18 +182,18 @@ class SGLangBackend:
         self._ensure_watchdog()
 
     async def _start_model(
-        self, model: Any, store: ModelStore, settings: ModelSettings, lock: RunLock
+        self, model: Any, store: ModelStore, settings: ModelSettings, lock: RunLock, plan: ServingPlan
     ) -> RegisteredModel:
         """Write the model's files, start its trainer (resuming its checkpoint) and serve its step."""
         model.base_path = self._path  # as ART's LocalBackend: model.log() writes where we do
         await asyncio.to_thread(write_model_files, store, model, settings.template_text)
-        await self._ensure_service(model.base_model, store)
-        assert self._steps is not None and self._plan is not None
+        await self._ensure_service(plan, model.base_model, store)
+        assert self._steps is not None
         trainer = TrainerProcess(
             model.base_model,
             store.checkpoints_dir,
             settings.trainer,
-            gpu_ids=list(self._plan.training_gpu_ids),
+            gpu_ids=list(plan.training_gpu_ids),
             log_path=store.trainer_log,
             env=self._mps.client_env if self._mps is not None else None,
         )
@@ -290,7 +288,7 @@ class SGLangBackend:
     def _pipelining_problem(self) -> str | None:
         return pipelining_problem(
             self.handoff_strategy,
-            gateway=self._settings.gateway,
+            gateway=self._request.gateway,
             weight_sync=self.sglang_config.weight_sync_method,
         )
 
@@ -438,16 +436,16 @@ class SGLangBackend:
             )
         return entry
 
-    async def _ensure_service(self, base_model: str, store: ModelStore) -> None:
-        """Make the plan and assemble serving from it, once: the server's log lives with the first model
-        registered (one server serves every model)."""
+    async def _ensure_service(self, plan: ServingPlan, base_model: str, store: ModelStore) -> None:
+        """Assemble serving from the plan, once: the server's log lives with the first model registered
+        (one server serves every model)."""
         if self._service is None:
-            plan = self._plan = await asyncio.to_thread(self._settings.plan, base_model)
+            self._plan = plan
             if plan.cuda_mps:
-                self._mps = await start_daemon(self._settings.cuda_mps, store.logs_dir / "cuda-mps.log")
+                self._mps = await start_daemon(self._request.cuda_mps, store.logs_dir / "cuda-mps.log")
             env = self._mps.client_env if self._mps is not None else {}
             self._service = InferenceService(
-                plan, base_model, log_path=store.server_log, use_gateway=self._settings.gateway, env=env,
+                plan, base_model, log_path=store.server_log, use_gateway=self._request.gateway, env=env,
                 placement=ray_cluster,
             )  # fmt: skip
             if SYNC_TRAITS[plan.weight_sync].serves_older_steps:

@@ -104,6 +104,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = ServingPlan(
         layout=layout,
         server_config=frozen,
+        requested_config=frozen,
         replicas=tuple(ReplicaPlan(gpu_ids=gpus, configs=(frozen,)) for gpus in placements),
         training_gpu_ids=(),
         handoff="none",

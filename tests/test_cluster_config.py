@@ -12,23 +12,27 @@ import pytest
 from art_sglang import ClusterConfig, ConfigError, SGLangBackend, SGLangConfig
 from art_sglang.cluster.files import adapter_version, checksum, read_adapter, remove_adapter, write_adapter
 from art_sglang.config import TrainerConfig
-from art_sglang.planning.backend_settings import BackendSettings
-from art_sglang.planning.devices import DeviceLayout
+from art_sglang.planning.devices import DeviceLayout, detect_gpus
+from art_sglang.planning.make_plan import make_plan
+from art_sglang.planning.request import BackendRequest
+from art_sglang.planning.serving_plan import ServingPlan
 
 
-def settings(**kwargs) -> BackendSettings:
+def plan(**kwargs) -> ServingPlan:
     config = kwargs.pop("config", SGLangConfig())
-    return BackendSettings(config, TrainerConfig(), engine="reference", **kwargs)
+    return make_plan(
+        BackendRequest(config, TrainerConfig(), engine="reference", **kwargs), None, detect_gpus()
+    )
 
 
 def test_a_cluster_is_planned_with_its_replicas_behind_the_router() -> None:
-    plan = settings(cluster=ClusterConfig(inference_replicas=3, gpus_per_replica=0)).plan("any-model")
-    assert plan.cluster is not None and plan.cluster.inference_replicas == 3
-    assert len(plan.replicas) == 3 and all(replica.gpu_ids == () for replica in plan.replicas)
-    assert plan.handoff == "none" and plan.routed
-    one = settings(cluster="auto").plan("any-model")  # the address alone: one replica, still routed
+    three = plan(cluster=ClusterConfig(inference_replicas=3, gpus_per_replica=0))
+    assert three.cluster is not None and three.cluster.inference_replicas == 3
+    assert len(three.replicas) == 3 and all(replica.gpu_ids == () for replica in three.replicas)
+    assert three.handoff == "none" and three.routed
+    one = plan(cluster=ClusterConfig(address="auto"))  # the address alone: one replica, still routed
     assert one.cluster == ClusterConfig(address="auto") and len(one.replicas) == 1 and one.routed
-    assert not settings().plan("any-model").routed
+    assert not plan().routed
 
 
 def test_the_layout_line_of_a_gpu_head_says_where_inference_runs() -> None:
@@ -42,9 +46,11 @@ def test_the_layout_line_of_a_gpu_head_says_where_inference_runs() -> None:
 def test_settings_a_cluster_cannot_take_are_refused() -> None:
     with pytest.raises(ConfigError, match="cluster= places the inference replicas"):
         SGLangBackend(engine="reference", inference_devices=[0, 1], cluster="auto")
-    disk = settings(config=SGLangConfig(weight_sync_method="disk"), cluster="auto")
+    disk = BackendRequest(
+        SGLangConfig(weight_sync_method="disk"), TrainerConfig(), engine="reference", cluster=ClusterConfig()
+    )
     with pytest.raises(ConfigError, match="use weight_sync_method='lora'"):
-        disk.plan("any-model")
+        make_plan(disk, None, detect_gpus())
     with pytest.raises(ConfigError, match=r"gpus_per_replica=1.*tensor_parallel_size=2"):
         SGLangBackend(engine="sglang", sglang_config=SGLangConfig(tensor_parallel_size=2), cluster="auto")
 

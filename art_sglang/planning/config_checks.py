@@ -1,5 +1,6 @@
-"""Where configuration is validated: the checks of settings against each other (server and trainer, the
-replicas and their GPUs, shared mode, a cluster, a train() call's options, pipelining), each raising a
+"""Where configuration is validated: the checks of settings against each other (SGLangBackend's arguments,
+server and trainer, the replicas and their GPUs, shared mode, CUDA MPS, a cluster, each model's
+`_internal_config` against the backend's, a train() call's options, pipelining), each raising a
 `ConfigError` that names the fix, before anything starts. A single field is checked where it is declared
 (`config.py`, `training/options.py`); the GPUs asked for, where the layout is chosen (`devices.py`)."""
 
@@ -7,17 +8,52 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Any
 
-from ..config import SGLangConfig, TrainerConfig, WeightSyncMethod
+from ..config import DeviceConfig, SGLangConfig, TrainerConfig, WeightSyncMethod
+from ..cuda_mps import CONTROL
 from ..errors import ConfigError
+from ..storage.model_store import base_model_problem
 from ..training.options import TrainOptions
 from .devices import DeviceLayout
-from .serving_plan import SYNC_TRAITS, HandoffStrategy
+from .internal_config import ModelSettings
+from .serving_plan import SYNC_TRAITS, HandoffStrategy, ServingPlan
 
 # Replicas sharing a GPU hold at most this share of it for weights and KV cache together. Each server also
 # needs memory outside that share (CUDA context, activations, LoRA buffers): on an H200 two replicas of
 # 0.45 each held 97 % of it (measured).
 MAX_SHARED_FRACTION = 0.9
+
+
+def check_request(
+    sglang: SGLangConfig,
+    trainer: TrainerConfig,
+    *,
+    shared_strategy: str,
+    cuda_mps: str,
+    engine: str,
+    layout: DeviceLayout | None,
+    devices: DeviceConfig | None,
+    cluster: bool,
+) -> None:
+    """SGLangBackend's arguments, checked against each other when it is made."""
+    if shared_strategy not in ("sleep", "restart", "co_resident"):
+        raise ConfigError(f"shared_strategy={shared_strategy!r}: use 'sleep', 'restart' or 'co_resident'")
+    if cuda_mps not in ("auto", "on", "off"):
+        raise ConfigError(f"cuda_mps={cuda_mps!r}: use 'auto', 'on' or 'off'")
+    if engine not in ("auto", "sglang", "reference"):
+        raise ConfigError(f"engine={engine!r}: use 'auto', 'sglang' or 'reference'")
+    check_compatible(sglang, trainer)
+    if layout is not None and (devices is not None or engine not in ("auto", layout.engine)):
+        raise ConfigError(
+            "layout= is a finished device layout: give it alone, without device_config, GPU arguments "
+            "or another engine"
+        )
+    if cluster and (layout is not None or devices is not None):
+        raise ConfigError(
+            "cluster= places the inference replicas on the Ray cluster's nodes and trains on this "
+            "machine's GPUs: drop inference_device(s)/training_devices/device_config/layout"
+        )
 
 
 def check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
@@ -42,6 +78,65 @@ def check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
                 f"TrainerConfig(target_modules) trains {missing}, which SGLangConfig(lora_target_modules="
                 f"{sglang.lora_target_modules}) does not serve: add them, or use lora_target_modules=['all']"
             )
+
+
+def check_new_model(model: Any, registered: list[tuple[str, str]]) -> None:
+    """A model a backend can take beside the `registered` ones ((project, name) each)."""
+    problem = base_model_problem(model.base_model)
+    if problem is not None:
+        raise ConfigError(f"model {model.name!r}: {problem}")
+    for project, name in registered:
+        if name == model.name and project != model.project:
+            # Adapters are served as <name>@<step>: two projects' models of one name would share them.
+            raise ConfigError(
+                f"a model named {model.name!r} (project {project!r}) is already registered on this "
+                f"backend, and served adapter names are <name>@<step>: give the model of project "
+                f"{model.project!r} another name, or use a second SGLangBackend"
+            )
+
+
+def check_model_gpus(inference: list[int], *, devices_given: bool, tensor_parallel_size: int) -> None:
+    """The first model's `_internal_config` GPUs (`devices_given`: SGLangBackend settled them already)."""
+    if devices_given:
+        raise ConfigError(
+            "_internal_config sets trainer_gpu_ids/inference_gpu_ids, and SGLangBackend was given its "
+            "devices too: set the GPUs in one place"
+        )
+    if len(inference) != tensor_parallel_size:
+        raise ConfigError(
+            f"_internal_config inference_gpu_ids={inference} must list tensor_parallel_size="
+            f"{tensor_parallel_size} GPU(s) (consecutive, from the first)"
+        )
+
+
+def check_same_server(model: Any, settings: ModelSettings, plan: ServingPlan, served_base_model: str) -> None:
+    """A later model shares the running server: it may not ask for different server settings."""
+    if served_base_model != model.base_model:
+        raise ConfigError(
+            f"this backend serves base model {served_base_model!r}; model {model.name!r} uses "
+            f"{model.base_model!r}: one server serves one base model, so use a second SGLangBackend"
+        )
+    if not SYNC_TRAITS[plan.weight_sync].several_models:
+        raise ConfigError(
+            "weight_sync_method='disk' merges one model's weights into the server's base weights, so "
+            "only one model can be registered: use weight_sync_method='lora' to serve several"
+        )
+    different: dict[str, Any] = {
+        key: value
+        for key, value in settings.server_updates.items()
+        if getattr(plan.requested_config, key) != value
+    }
+    if settings.chat_template is not None:
+        different["chat_template"] = "(the model's own template)"
+    if settings.inference_gpu_ids is not None:
+        different["inference_gpu_ids"] = settings.inference_gpu_ids
+    if different:
+        raise ConfigError(
+            f"model {model.name!r} asks for server settings {different} in _internal_config, but this "
+            "backend's server already runs for another model: one server serves every model of a "
+            "backend, so use a second SGLangBackend"
+        )
+    check_compatible(plan.server_config, settings.trainer)
 
 
 def check_row_length(options: TrainOptions, trainer: TrainerConfig) -> None:
@@ -86,6 +181,20 @@ def check_memory_saver(config: SGLangConfig) -> None:
             "shared_strategy='sleep' needs SGLangConfig(enable_memory_saver=True) (it was set to False): "
             "leave it unset, or use shared_strategy='restart'"
         )
+
+
+def check_cuda_mps(mode: str, *, co_resident_sglang: bool, found: bool) -> None:
+    """cuda_mps='on' where it cannot apply (`co_resident_sglang`: server and trainer share a GPU at once
+    on SGLang; `found`: the driver's MPS control program is on PATH)."""
+    if mode != "on":
+        return
+    if not co_resident_sglang:
+        raise ConfigError(
+            "cuda_mps='on' applies to shared_strategy='co_resident' on SGLang (server and trainer on "
+            "one GPU at once): use cuda_mps='auto' or 'off'"
+        )
+    if not found:
+        raise ConfigError(f"cuda_mps='on' needs {CONTROL} (part of the NVIDIA driver) on PATH")
 
 
 def check_cluster_sync(config: SGLangConfig) -> None:

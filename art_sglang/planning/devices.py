@@ -395,11 +395,12 @@ def _count(gpus: Sequence[Gpu]) -> str:
     return f"{len(gpus)} GPU(s) ({', '.join(names)})"
 
 
-def cluster_layout(cluster: ClusterConfig, engine: EngineChoice, tensor_parallel_size: int) -> DeviceLayout:
-    """The head's layout: every GPU of this machine trains, the inference replicas hold GPUs of the
-    cluster's nodes (none here). The engine follows this machine's GPUs unless `engine` names one."""
+def cluster_layout(
+    cluster: ClusterConfig, engine: EngineChoice, tensor_parallel_size: int, found: Discovery
+) -> DeviceLayout:
+    """The head's layout: every GPU of this machine trains (`found`), the inference replicas hold GPUs of
+    the cluster's nodes (none here). The engine follows this machine's GPUs unless `engine` names one."""
     require_ray()
-    found = detect_gpus()
     chosen = engine if engine != "auto" else ("sglang" if found.gpus else "reference")
     if chosen == "sglang" and cluster.gpus_per_replica < tensor_parallel_size:
         raise ConfigError(

@@ -1,7 +1,7 @@
 """`ServingPlan`: what a backend serves and trains with, made once before anything starts — the device
 layout, the final server settings of each replica, the GPU handoff and what it releases, whether CUDA MPS
-is tried, and the weight-sync method (`BackendSettings.plan` makes it). The backend assembles its parts from it; nothing changes it after
-(it and the settings inside it are frozen)."""
+is tried, and the weight-sync method (`make_plan` makes it). The backend assembles its parts from it;
+nothing changes it after (it and the settings inside it are frozen)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,9 @@ class ServingPlan(BaseModel):
 
     layout: DeviceLayout
     server_config: FrozenSGLangConfig  # a replica's settings when it is alone on its GPUs
+    # The settings as the user and the first model asked, before they were fitted: a later model may ask
+    # for nothing else (one server serves every model of a backend).
+    requested_config: FrozenSGLangConfig
     replicas: tuple[ReplicaPlan, ...]
     training_gpu_ids: tuple[str, ...]
     handoff: HandoffStrategy

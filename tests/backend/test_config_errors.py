@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -13,10 +14,11 @@ from pydantic import ValidationError
 import art_sglang as art
 from art_sglang import ConfigError, DeviceConfig, SGLangBackend, SGLangConfig, TrainerConfig
 from art_sglang.config import DEFAULT_LORA_TARGETS
-from art_sglang.planning.backend_settings import BackendSettings
-from art_sglang.planning.config_checks import check_compatible
-from art_sglang.planning.devices import DeviceLayout
+from art_sglang.planning.config_checks import check_compatible, check_same_server
+from art_sglang.planning.devices import DeviceLayout, detect_gpus
 from art_sglang.planning.internal_config import model_settings
+from art_sglang.planning.make_plan import make_plan
+from art_sglang.planning.request import BackendRequest
 from art_sglang.planning.serving_plan import ServingPlan
 from art_sglang.serving.adapters import InferenceService
 from art_sglang.storage.model_store import ModelStore
@@ -67,13 +69,14 @@ def test_the_server_adapts_the_trained_modules_unless_told(tmp_path):
     told = SGLangConfig(lora_target_modules=["all"])
     assert SGLangBackend(engine="reference", sglang_config=told, trainer_config=trainer).sglang_config == told
     # The first model's own LoRA (ART's peft_args) decides what the server adapts.
-    settings = BackendSettings(SGLangConfig(), TrainerConfig(), layout=CPU_SHARED, shared_strategy="restart")
-    first = model_settings({"peft_args": {"target_modules": ["o_proj"]}}, settings.trainer_config)
-    settings.apply_first_model(first, ModelStore(tmp_path, "p", "m"))
-    assert settings.sglang_config.lora_target_modules == ["o_proj"]
+    request = BackendRequest(SGLangConfig(), TrainerConfig(), layout=CPU_SHARED, shared_strategy="restart")
+    first = model_settings({"peft_args": {"target_modules": ["o_proj"]}}, request.trainer)
+    template = str(ModelStore(tmp_path, "p", "m").chat_template_file)
+    plan = make_plan(request, first, detect_gpus(), template_file=template)
+    assert plan.server_config.lora_target_modules == ["o_proj"]
     # A second model training other modules than those served is refused, naming them.
     with pytest.raises(ConfigError, match=r"trains \['q_proj'\].*lora_target_modules=\['o_proj'\]"):
-        check_compatible(settings.sglang_config, TrainerConfig(target_modules=["q_proj"]))
+        check_compatible(plan.server_config, TrainerConfig(target_modules=["q_proj"]))
     # Outside a backend, the default trainer's modules.
     assert f"--lora-target-modules {' '.join(DEFAULT_LORA_TARGETS)}" in " ".join(
         SGLangConfig().server_args("m", 1)
@@ -214,9 +217,24 @@ def test_gpu_uuids_reach_the_children_unchanged(tmp_path):
     assert trainer.environment()["CUDA_VISIBLE_DEVICES"] == "GPU-bb22"
 
 
-def _plan(layout: DeviceLayout, base_model: str = "m") -> ServingPlan:
-    settings = BackendSettings(SGLangConfig(), TrainerConfig(), layout=layout)
-    return settings.plan(base_model)
+def _plan(layout: DeviceLayout) -> ServingPlan:
+    return make_plan(BackendRequest(SGLangConfig(), TrainerConfig(), layout=layout), None, detect_gpus())
+
+
+def test_a_later_model_is_held_to_what_the_first_asked_for_not_to_the_fitted_settings():
+    two_on_one = DeviceLayout("split", "sglang", (0,), (1,), "test", replica_gpus=((0,), (0,)))
+    request = BackendRequest(SGLangConfig(), TrainerConfig(), layout=two_on_one)
+    plan = make_plan(request, model_settings(None, request.trainer), detect_gpus())
+    asked = SGLangConfig().mem_fraction_static
+    assert plan.server_config.mem_fraction_static == 0.42 != asked  # fitted: two replicas share the GPU
+    later = SimpleNamespace(name="later", project="p", base_model="m")
+    same = model_settings({"engine_args": {"gpu_memory_utilization": asked}}, request.trainer)
+    check_same_server(later, same, plan, "m")  # the setting the first model's server was asked for
+    other = model_settings({"engine_args": {"gpu_memory_utilization": 0.3}}, request.trainer)
+    with pytest.raises(ConfigError, match=r"asks for server settings \{'mem_fraction_static': 0.3\}"):
+        check_same_server(later, other, plan, "m")
+    with pytest.raises(ConfigError, match="one server serves one base model"):
+        check_same_server(later, same, plan, "another-base-model")
 
 
 def test_replicas_sharing_a_gpu_split_its_memory_and_each_gets_its_gpus(tmp_path):

@@ -20,8 +20,9 @@ import httpx
 import pytest
 
 from art_sglang.config import KEEP_ALIVE_ENV, SGLangConfig, TrainerConfig
-from art_sglang.planning.backend_settings import BackendSettings
 from art_sglang.planning.devices import DeviceLayout, detect_gpus
+from art_sglang.planning.make_plan import make_plan
+from art_sglang.planning.request import BackendRequest
 from art_sglang.serving.adapters import InferenceService
 
 KEEP_ALIVE_S = 1  # the server's: short, so the test's pauses are short too
@@ -70,10 +71,10 @@ async def test_bursts_with_hot_loads_between_lose_no_request(
     if engine == "sglang":  # the server on the first visible GPU, no trainer
         cuda_ids = tuple(g.cuda_id for g in detect_gpus().gpus)
         layout = DeviceLayout("split", "sglang", (0,), (), "burst test: one GPU", cuda_ids=cuda_ids)
-    settings = BackendSettings(config, TrainerConfig(), engine=engine, layout=layout)
-    service = InferenceService(
-        settings.plan(str(tiny_model_path)), str(tiny_model_path), log_path=tmp_path / "server.log"
+    plan = make_plan(
+        BackendRequest(config, TrainerConfig(), engine=engine, layout=layout), None, detect_gpus()
     )
+    service = InferenceService(plan, str(tiny_model_path), log_path=tmp_path / "server.log")
     outcomes: Counter[str] = Counter()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     try:

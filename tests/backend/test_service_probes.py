@@ -10,7 +10,9 @@ import signal
 from pathlib import Path
 
 from art_sglang.config import SGLangConfig, TrainerConfig
-from art_sglang.planning.backend_settings import BackendSettings
+from art_sglang.planning.devices import detect_gpus
+from art_sglang.planning.make_plan import make_plan
+from art_sglang.planning.request import BackendRequest
 from art_sglang.serving.adapters import InferenceService
 
 
@@ -26,8 +28,7 @@ async def _health_lines(log: Path, at_least: int) -> int:
 
 
 async def test_the_step_path_only_looks_for_a_dead_server(tiny_model_path: Path, tmp_path: Path) -> None:
-    settings = BackendSettings(SGLangConfig(), TrainerConfig(), engine="reference")
-    plan = settings.plan(str(tiny_model_path))
+    plan = make_plan(BackendRequest(SGLangConfig(), TrainerConfig(), engine="reference"), None, detect_gpus())
     service = InferenceService(plan, str(tiny_model_path), log_path=tmp_path / "server.log")
     servers = service.servers
     try:
