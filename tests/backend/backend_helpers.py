@@ -7,7 +7,7 @@ import contextlib
 import re
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -253,7 +253,21 @@ async def assert_n_refused(gateway: str, adapter: str) -> None:
             assert refused.json()["error"]["code"] == "n_with_adapter"
 
 
-def kill_server_as_it_loads(monkeypatch: Any, service: Any, adapter: str) -> list[int]:
+async def step_with_server_killed_as_it_loads(
+    monkeypatch: Any, backend: Any, model: Any, take_step: Callable[[], Awaitable[int]]
+) -> int:
+    """Take a step (`take_step`) whose adapter load meets a server SIGKILLed 2 ms after the load was sent:
+    the step must come back as the next one, served by a new server process. Returns the step."""
+    service = backend.inference
+    assert service is not None
+    next_name = f"{model.name}@{await model.get_step() + 1}"
+    killed = _kill_server_as_it_loads(monkeypatch, service, next_name)
+    step = await take_step()
+    assert f"{model.name}@{step}" == next_name and killed and service.process.pid != killed[0]
+    return step
+
+
+def _kill_server_as_it_loads(monkeypatch: Any, service: Any, adapter: str) -> list[int]:
     """SIGKILL the tree of `service`'s server 2 ms after its load of `adapter` was sent (once); the list
     returned gets the killed pid."""
     from art_sglang.serving.servers.client import ServerClient

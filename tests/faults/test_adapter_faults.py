@@ -19,9 +19,9 @@ from backend_helpers import (
     assert_n_refused,
     bearer,
     chat,
-    kill_server_as_it_loads,
     sample_groups,
     server_models,
+    step_with_server_killed_as_it_loads,
 )
 
 import art_sglang as art
@@ -98,12 +98,7 @@ async def test_a_server_killed_during_a_steps_adapter_load_is_waited_out(
     run, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend, model = run
-    service = backend.inference
-    assert service is not None
-    next_name = f"agent@{await model.get_step() + 1}"
-    killed = kill_server_as_it_loads(monkeypatch, service, next_name)
-    step = await _step(backend, model)
-    assert f"agent@{step}" == next_name and killed and service.process.pid != killed[0]
+    await step_with_server_killed_as_it_loads(monkeypatch, backend, model, lambda: _step(backend, model))
 
 
 async def test_a_step_that_cannot_be_served_names_its_saved_step_and_the_next_one_is_published(

@@ -20,7 +20,7 @@ from gpu_helpers import make_groups, record, sglang_test_config
 from art_sglang import SGLangBackend, TrainableModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
-from backend_helpers import assert_n_refused, chat, kill_server_as_it_loads
+from backend_helpers import assert_n_refused, chat, step_with_server_killed_as_it_loads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio(loop_scope="module")]
 
@@ -70,10 +70,7 @@ async def test_a_server_killed_during_a_steps_adapter_load_is_waited_out(
     run, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend, model = run
-    service = backend.inference
-    assert service is not None
-    next_name = f"agent@{await model.get_step() + 1}"
-    killed = kill_server_as_it_loads(monkeypatch, service, next_name)
-    step = await _step(backend, model)
-    assert f"agent@{step}" == next_name and killed and service.process.pid != killed[0]
+    step = await step_with_server_killed_as_it_loads(
+        monkeypatch, backend, model, lambda: _step(backend, model)
+    )
     record("adapter-faults/killed-during-load", step=step)
