@@ -1,4 +1,4 @@
-"""What every environment shares: the `Environment` shape, the training loop, and the command line that
+"""What every environment shares: the training loop and the command line that
 `python -m environments.<name>` and scripts/demo.py run.
 
 A run trains `model` for `--steps` rounds: each round gathers `--groups` groups of `--group-size`
@@ -18,15 +18,15 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import art_sglang as art
 from art_sglang.config import DEFAULT_LORA_TARGETS, SGLangConfig, TrainerConfig
 from art_sglang.tiny_model import build_tiny_model
 from art_sglang.training.options import TrainOptions
 
+from .environment import Environment, StepReport, rollout_seed
 from .reward_curve import write_results
 
 # A random tiny model's output head is fixed and nearly uniform: LoRA on the transformer layers alone
@@ -37,75 +37,6 @@ from .reward_curve import write_results
 TINY_LEARNING_RATE = 2e-2
 TINY_TARGETS = [*DEFAULT_LORA_TARGETS, "lm_head"]
 REAL_LEARNING_RATE = 1e-5
-
-
-class Environment(Protocol):
-    """A task: scenarios for each step and a rollout that turns one scenario into a scored trajectory.
-    Optional attributes: `ceiling` (the best reward: a step that scores it everywhere ends the run) and
-    `tiny_model_learns` (False when absent: a run on the tiny model says up front that it cannot learn)."""
-
-    name: str
-    max_tokens: int
-
-    def scenarios(self, step: int, count: int, seed: int) -> Sequence[Any]: ...
-
-    async def rollout(self, model: Any, scenario: Any, seed: int) -> art.Trajectory: ...
-
-
-@dataclass
-class StepReport:
-    """One round: `step` is the model step whose adapter produced the rollouts (trained into step+1)."""
-
-    step: int
-    rewards: list[float]
-    rollout_s: float
-    train_s: float
-    metrics: dict[str, float] = field(default_factory=dict)  # means of the trajectories' metrics
-    train_metrics: dict[str, float] = field(default_factory=dict)  # the step's TrainResult metrics
-    solved: bool = False  # every rollout scored the task's ceiling: not trained, the run ends here
-
-    @property
-    def mean_reward(self) -> float:
-        return statistics.fmean(self.rewards)
-
-    def row(self) -> dict[str, Any]:
-        """The step's line of rewards.json."""
-        return {
-            "step": self.step,
-            "mean_reward": self.mean_reward,
-            "std_reward": statistics.pstdev(self.rewards),
-            "min_reward": min(self.rewards),
-            "max_reward": max(self.rewards),
-            "trajectories": len(self.rewards),
-            "rollout_s": self.rollout_s,
-            "train_s": self.train_s,
-            "metrics": self.metrics,
-        }
-
-
-async def complete(
-    model: Any, messages: list[Any], *, max_tokens: int, temperature: float, seed: int, **options: Any
-) -> Any:
-    """One chat completion on the model's current step with what training needs: logprobs, and the ids
-    the server sampled, so the trainer trains on exactly them (the gateway asks for them on its own;
-    asking here too keeps a rollout without the gateway exact). `options` go to the request as given,
-    `extra_body` merged with ours."""
-    extra_body = {"return_token_ids": True, **options.pop("extra_body", {})}
-    return await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(),
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        logprobs=True,
-        seed=seed,
-        extra_body=extra_body,
-        **options,
-    )
-
-
-def rollout_seed(seed: int, step: int, group: int, index: int) -> int:
-    """The sampling seed of one rollout: a function of its position only, so a run is reproducible."""
-    return ((seed * 1000 + step) * 100 + group) * 100 + index
 
 
 async def train_loop(

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from .common import Environment, StepReport, rollout_seed
+from .environment import Environment, StepReport, rollout_seed
 
 
 def openpipe_art() -> Any:

@@ -49,7 +49,8 @@ from bench_common import (
 import art_sglang
 from art_sglang import SGLangBackend, TrainerConfig
 from environments.char_share import CharShareTask
-from environments.common import StepReport, train_loop
+from environments.common import train_loop
+from environments.environment import StepReport
 from environments.pipelined import openpipe_art, pipelined_loop
 
 LAYOUTS = ("co_resident", "split", "replicas", "four_gpu", "cpu")

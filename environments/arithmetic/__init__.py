@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import art_sglang as art
-from environments.common import complete
+from environments.environment import complete
 
 NAMES = ("Ana", "Bo", "Chen", "Dara", "Emil", "Fatima", "Goran", "Hana", "Ivo", "June")
 ITEMS = ("apples", "stamps", "marbles", "books", "coins", "shells", "stickers", "pencils")

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import art_sglang as art
 from environments.arithmetic import final_answer
-from environments.common import complete
+from environments.environment import complete
 
 CALCULATOR = {
     "type": "function",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import art_sglang as art
-from environments.common import complete
+from environments.environment import complete
 
 PROMPTS = ("Write a short sentence.", "Say something.", "Describe the sea.", "Name a colour.")
 # At most this many steps in a default run: the tiny model at its learning rate (environments/common.py)

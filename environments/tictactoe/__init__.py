@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import art_sglang as art
-from environments.common import complete
+from environments.environment import complete
 
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
 SYSTEM_PROMPT = (
