@@ -135,8 +135,8 @@ class RowOptimizer:
         """Clip, check and apply one row's summed gradients; returns the gradient norm."""
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._state.params, max_norm))
         where = f"row {row_index + 1} of {rows}"
-        multiplier = size**options.num_trajectories_learning_rate_multiplier_power
-        rate = f"learning rate {options.learning_rate * multiplier}"
+        learning_rate = options.learning_rate * size**options.num_trajectories_learning_rate_multiplier_power
+        rate = f"learning rate {learning_rate}"
         if not math.isfinite(row_loss):
             raise TrainingError(
                 f"the loss is not finite ({row_loss}) in {where} ({rate}); the step was not applied"
@@ -148,7 +148,7 @@ class RowOptimizer:
                 "gradients); the step was not applied"
             )
         for group in self._state.optimizer.param_groups:
-            group.update(self._state.hyperparameters(options.learning_rate * multiplier))
+            group.update(self._state.hyperparameters(learning_rate))
         self._state.optimizer.step()
         self._state.optimizer.zero_grad(set_to_none=True)
         # One device synchronisation for all parameters (a check per tensor waited once per tensor).
