@@ -6,8 +6,11 @@ server's schema coerces to 2. One reading serves both the gateway's rules and th
 
 - the OpenAI routes: the top-level `n`, an integer of at least 1 as pydantic's lax mode reads it (SGLang's
   request schema is pydantic): `2.0` and `"2"` are 2, `2.5`, `null` and `"two"` are refused;
-- `/generate`: `sampling_params.n`, read the same way, where `sampling_params` is one dict or a list of
-  dicts (one per prompt of a batch), whose `n` must then agree.
+- `/generate`: `sampling_params.n`, where `sampling_params` is one dict or a list of dicts (one per prompt
+  of a batch), whose `n` must then agree. SGLang takes this `n` raw, with no schema: it compares it with 1
+  and multiplies its prompt lists by it, so only an integer serves. SGLang 0.5.17 fails a request whose `n`
+  is `2.0` or `"2"` with a TypeError and drops the connection (H100, 2026-11-27): it is refused here, a
+  400 that says why, and the reference engine refuses it the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ GENERATE_PATH = "/generate"
 # `n` on SGLang's OpenAI request schema: the reference engine's request models declare it with this type.
 ChoiceCount = Annotated[int, Field(ge=1)]
 _COUNT: TypeAdapter[int] = TypeAdapter(ChoiceCount)
+# `n` in /generate's sampling_params: a JSON integer (strict: no float, string or boolean) of at least 1.
+_RAW_COUNT: TypeAdapter[int] = TypeAdapter(Annotated[int, Field(ge=1, strict=True)])
 
 
 class ChoiceCountError(ValueError):
@@ -32,10 +37,11 @@ class ChoiceCountError(ValueError):
         self.field = field
 
 
-def choice_count(value: Any, field: str = "n") -> int:
-    """One `n` as the server's schema reads it; `ChoiceCountError` for one it refuses."""
+def choice_count(value: Any, field: str = "n", reader: TypeAdapter[int] = _COUNT) -> int:
+    """One `n` as the server reads it (its schema's lax reading unless `reader` says otherwise);
+    `ChoiceCountError` for one it refuses."""
     try:
-        return _COUNT.validate_python(value)
+        return reader.validate_python(value)
     except ValidationError as exc:
         reason = exc.errors()[0]["msg"]
         raise ChoiceCountError(f"{field}={value!r} is refused: {reason}", field) from None
@@ -47,10 +53,13 @@ def generate_choice_count(sampling_params: Any) -> int:
     if sampling_params is None:
         return 1
     if isinstance(sampling_params, Mapping):
-        return choice_count(sampling_params.get("n", 1), "sampling_params.n")
+        return choice_count(sampling_params.get("n", 1), "sampling_params.n", _RAW_COUNT)
     if not isinstance(sampling_params, list) or not all(isinstance(p, Mapping) for p in sampling_params):
         raise ChoiceCountError("sampling_params must be a dict or a list of dicts", "sampling_params")
-    counts = {choice_count(p.get("n", 1), f"sampling_params[{i}].n") for i, p in enumerate(sampling_params)}
+    counts = {
+        choice_count(p.get("n", 1), f"sampling_params[{i}].n", _RAW_COUNT)
+        for i, p in enumerate(sampling_params)
+    }
     if len(counts) > 1:
         # SGLang's own words for it.
         raise ChoiceCountError(

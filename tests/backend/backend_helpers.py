@@ -224,22 +224,24 @@ class StandIn:
         release_port(self.port)
 
 
-# `n > 1` spelled every way a client may send it: (route, the request's fields besides model and prompt).
+# `n > 1` spelled every way a client may send it: (route, the request's fields besides model and prompt,
+# the gateway's error code). /generate takes its `n` raw and SGLang fails a non-integer one: refused as such.
 N_SPELLINGS = [
-    ("/v1/chat/completions", {"n": 2}),
-    ("/v1/chat/completions", {"n": 2.0}),
-    ("/v1/chat/completions", {"n": "2"}),
-    ("/v1/completions", {"n": "2", "prompt": "hi"}),
-    ("/generate", {"text": "hi", "sampling_params": {"n": 2, "max_new_tokens": 2}}),
-    ("/generate", {"text": "hi", "sampling_params": {"n": "2", "max_new_tokens": 2}}),
-    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 2}]}),
+    ("/v1/chat/completions", {"n": 2}, "n_with_adapter"),
+    ("/v1/chat/completions", {"n": 2.0}, "n_with_adapter"),
+    ("/v1/chat/completions", {"n": "2"}, "n_with_adapter"),
+    ("/v1/completions", {"n": "2", "prompt": "hi"}, "n_with_adapter"),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 2, "max_new_tokens": 2}}, "n_with_adapter"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 2}]}, "n_with_adapter"),
+    ("/generate", {"text": "hi", "sampling_params": {"n": "2", "max_new_tokens": 2}}, "invalid_n"),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 2.0, "max_new_tokens": 2}}, "invalid_n"),
 ]
 
 
 async def assert_n_refused(gateway: str, adapter: str) -> None:
     """Every spelling of `n > 1` on `adapter` is answered 400 by the gateway at `gateway` (without /v1)."""
     async with httpx.AsyncClient(base_url=gateway, timeout=120, trust_env=False) as http:
-        for path, fields in N_SPELLINGS:
+        for path, fields, code in N_SPELLINGS:
             body = {
                 "model": adapter,
                 "messages": [{"role": "user", "content": "hi"}],
@@ -250,7 +252,7 @@ async def assert_n_refused(gateway: str, adapter: str) -> None:
                 body = {"lora_path": adapter, **fields}
             refused = await http.post(path, json=body)
             assert refused.status_code == 400, (path, fields, refused.text)
-            assert refused.json()["error"]["code"] == "n_with_adapter"
+            assert refused.json()["error"]["code"] == code, (path, fields, refused.text)
 
 
 async def step_with_server_killed_as_it_loads(

@@ -5,6 +5,7 @@ test measured."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -184,18 +185,18 @@ async def rollout(client: Any, model_name: str, prompt: str, *, max_tokens: int 
 async def make_groups(
     client: Any, model_name: str, *, groups: int = 2, size: int = 4, max_tokens: int = 24
 ) -> list[TrajectoryGroup]:
-    """`groups` groups of `size` rollouts; a group whose rewards all tie gets a tie-breaker so every group
-    carries a training signal."""
-    out = []
-    for g in range(groups):
-        trajectories = [
-            await rollout(client, model_name, PROMPTS[g % len(PROMPTS)], max_tokens=max_tokens)
-            for _ in range(size)
-        ]
+    """`groups` groups of `size` rollouts, all sent at once as ART programs gather them; a group whose rewards
+    all tie gets a tie-breaker so every group carries a training signal."""
+
+    async def group(prompt: str) -> TrajectoryGroup:
+        trajectories = await asyncio.gather(
+            *(rollout(client, model_name, prompt, max_tokens=max_tokens) for _ in range(size))
+        )
         if len({t.reward for t in trajectories}) == 1:
             trajectories[0].reward += 1.0
-        out.append(TrajectoryGroup(trajectories))
-    return out
+        return TrajectoryGroup(trajectories)
+
+    return list(await asyncio.gather(*(group(PROMPTS[g % len(PROMPTS)]) for g in range(groups))))
 
 
 # --- SGLang's native API (what the OpenAI API does not expose) ----------------------------------------------

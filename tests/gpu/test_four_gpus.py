@@ -123,9 +123,9 @@ async def test_the_four_gpu_example_trains_on_three_gpus_and_serves_every_step(
     assert "inference on GPU 0" in described and "1 on GPU 2, 2 on GPU 3" in described, described
     model = TrainableModel(name="agent", project="gpu-four", base_model=four_gpu_model)
     vocab = json.loads((Path(four_gpu_model) / "config.json").read_text())["vocab_size"]
-    run = _Run(backend, model, random_token_ids(64, vocab, seed=7))
     try:
         await model.register(backend)
+        run = _Run(backend, model, random_token_ids(64, vocab, seed=7))
         run.previous = input_logprobs(await generate(run.gateway, run.probe, lora="agent@0"))
         for _ in range(SYNCHRONOUS_STEPS):
             await run.step(await run.rollouts(model.get_inference_name()), "synchronous")
