@@ -137,6 +137,11 @@ class SGLangConfig(BaseModel):
         "None = the trainer's target_modules: LoRA kernels run only where the trained adapters have "
         "weights (faster decoding than 'all', docs/benchmarks.md).",
     )
+    lora_backend: Annotated[str | None, LaunchFlag()] = Field(
+        None,
+        description="SGLang --lora-backend, the kernels that apply adapters ('csgmv', 'triton'); None = its "
+        "default (csgmv in 0.5.17).",
+    )
     attention_backend: Annotated[str | None, LaunchFlag()] = Field(
         None, description="SGLang --attention-backend; None = its default."
     )

@@ -35,6 +35,7 @@ GPU_ONLY_FLAGS = (
     "disable_cuda_graph",
     "disable_prefill_cuda_graph",
     "max_loras_per_batch",
+    "lora_backend",
 )
 
 
@@ -56,6 +57,7 @@ class ServerArgs(BaseModel):
     lora_paths: dict[str, str] = Field(default_factory=dict)
     max_loras_per_batch: int = 8
     max_loaded_loras: int | None = None
+    lora_backend: str | None = None
     context_length: int | None = None
     max_total_tokens: int = Field(
         32768, ge=1, description="Token budget of the prefix cache (SGLang: KV pool)."

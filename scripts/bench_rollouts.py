@@ -225,6 +225,8 @@ def variant(args: argparse.Namespace) -> str:
     words = ["lora" if args.lora else "base"]
     if args.flags == "backend":
         words.append("backend flags" + "".join(f" -{name}" for name in args.drop))
+    if args.sglang_args:  # last on the command line: they win over the flags above (issue 39's r39-lora-*)
+        words.append(" ".join(args.sglang_args))
     if args.engine != "vllm" and args.lora and args.request_form == "gateway":
         words.append("gateway form")
     return ", ".join(words)

@@ -17,8 +17,14 @@ def test_defaults_render_the_flags_the_backend_relies_on() -> None:
     assert "--lora-target-modules all" in joined
     assert "--max-loras-per-batch 4" in joined
     assert "--enable-cache-report" in args
-    for absent in ("--disable-radix-cache", "--enable-memory-saver", "--api-key", "--context-length"):
-        assert absent not in args
+    absent = (
+        "--disable-radix-cache",
+        "--enable-memory-saver",
+        "--api-key",
+        "--context-length",
+        "--lora-backend",
+    )
+    assert not set(absent) & set(args)
 
 
 def test_optional_flags_and_extra_args_are_rendered() -> None:
@@ -26,6 +32,7 @@ def test_optional_flags_and_extra_args_are_rendered() -> None:
         context_length=2048,
         attention_backend="triton",
         sampling_backend="pytorch",
+        lora_backend="triton",
         disable_radix_cache=True,
         enable_memory_saver=True,
         enable_weights_cpu_backup=True,
@@ -41,6 +48,7 @@ def test_optional_flags_and_extra_args_are_rendered() -> None:
         "--context-length 2048",
         "--attention-backend triton",
         "--sampling-backend pytorch",
+        "--lora-backend triton",
         "--disable-radix-cache",
         "--enable-memory-saver",
         "--enable-weights-cpu-backup",

@@ -24,6 +24,7 @@ def test_every_rendered_flag_is_understood() -> None:
         lora_target_modules=["q_proj", "v_proj"],
         attention_backend="triton",
         sampling_backend="pytorch",
+        lora_backend="triton",
         enable_cache_report=True,
         enable_metrics=True,
         enable_memory_saver=True,
@@ -40,6 +41,7 @@ def test_every_rendered_flag_is_understood() -> None:
     assert args.lora_target_modules == ["q_proj", "v_proj"]
     assert args.context_length == 512
     assert (args.attention_backend, args.sampling_backend) == ("triton", "pytorch")
+    assert args.lora_backend == "triton"
     assert args.disable_radix_cache and args.enable_cache_report and args.enable_metrics
     assert args.enable_memory_saver and args.enable_weights_cpu_backup and args.disable_cuda_graph
     assert args.disable_prefill_cuda_graph

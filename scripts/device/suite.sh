@@ -47,6 +47,9 @@
 #     r39-direct-exact (~3): SGLang launched exactly as the backend launches it (flags, keys, the gateway's
 #       request form), no gateway, no trainer; r39-drop-<suspect> (~3 each): the same without one suspect
 #       (memory-saver, weights-backup, metrics, keys, token-ids, original-logprob, tool-parser)
+#     r39-lora-<variant> (~4, < 7 each; 4 at once on 4 GPUs: per_gpu.sh): the same with one LoRA serving flag
+#       changed: triton (--lora-backend triton), rank-64 (--max-lora-rank 64, SGLangConfig's default, against
+#       the bench's 16), no-prefill-graph (--disable-prefill-cuda-graph), loras-2 (--max-loras-per-batch 2)
 #     r39-vllm-base (~4.5): vLLM serving the base weights, no LoRA (ART's merged mode's stand-in), bare
 #     r39-compare (seconds): every r39-*-<model>.json into bench_rollouts39-<model>.json/.md (docs' table)
 #     RUNS='KIND-TOKENS:GROUPS[@CLIENT] ...' replaces a suite's runs; ART_SGLANG_COMMIT=<sha> records the commit
@@ -225,6 +228,18 @@ for name in "$@"; do
                            --clients bare --runs $r39_split) ;;
         drop-*) cmd=("${r39[@]}" --side direct --flags backend --drop "${name#r39-drop-}" --request-form gateway
                      "${kernels[@]}" --clients bare --runs $r39_split) ;;
+        # Item 3: one LoRA serving flag added last to the backend's launch (SGLang's parser keeps an option's
+        # last value); no run starts after 330 s (the later --deadline-s wins), so 4 fit on 4 GPUs in one call.
+        lora-*)
+          case ${name#r39-lora-} in
+            triton) change='--lora-backend triton' ;;
+            rank-64) change='--max-lora-rank 64' ;;
+            no-prefill-graph) change='--disable-prefill-cuda-graph' ;;
+            loras-2) change='--max-loras-per-batch 2' ;;
+            *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
+          esac
+          cmd=("${r39[@]}" --deadline-s 330 --side direct --flags backend --request-form gateway "${kernels[@]}"
+               --sglang-args="$change" --clients bare --runs $r39_split) ;;
         *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
       esac
       # shellcheck disable=SC2206

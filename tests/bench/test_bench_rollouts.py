@@ -193,6 +193,19 @@ def test_run_specs() -> None:
             bench_rollouts.run_spec(bad)
 
 
+def test_a_flag_added_to_the_backends_is_its_own_variant() -> None:
+    """r39-lora-* change one SGLang flag of the backend's launch: their results must not pool with (and
+    replace) r39-direct-exact's, whose key differs only in the variant."""
+    direct = ["--side", "direct", "--engine", "sglang", "--model", "m", "--flags", "backend",
+              "--request-form", "gateway"]  # fmt: skip
+    exact = bench_rollouts.variant(bench_rollouts.build_parser().parse_args(direct))
+    changed = bench_rollouts.variant(
+        bench_rollouts.build_parser().parse_args([*direct, "--sglang-args=--lora-backend triton"])
+    )
+    assert exact == "lora, backend flags, gateway form"
+    assert changed == "lora, backend flags, --lora-backend triton, gateway form"
+
+
 def test_server_info_is_kept_without_its_keys() -> None:
     info = {"api_key": "k1", "admin_api_key": None, "cuda_graph_max_bs": 256,
             "internal_states": [{"api_key": "k2", "memory_usage": {"kvcache": 9.5}}]}  # fmt: skip
