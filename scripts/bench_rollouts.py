@@ -1,6 +1,7 @@
 """ART's rollout requests through `SGLangBackend` and on engines served directly (vLLM as ART serves it,
 with LoRA or base weights; SGLang with the backend's exact flags): output tokens/s, request latency, the
-cached share of prompt tokens, with ART's client and a bare one on every side (`rollout_targets.py`; the workloads: `rollout_workloads.py`).
+cached share of prompt tokens, with ART's client and a bare one on every side (`rollout_targets.py`; the
+workloads: `rollout_workloads.py`).
 
 Every rollout is its own non-streamed chat request with logprobs, as ART's rollouts ask, on a random
 LoRA adapter (`bench_common.make_random_adapter`, rank `--lora-rank`). Runs, `KIND-TOKENS:GROUPS[@CLIENT]`
