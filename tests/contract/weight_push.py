@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import torch
 from art_sglang import named_tensors, weight_group
 from art_sglang.named_tensors import LoadFormat, NamedTensors
 
-PROMPT_IDS = [5, 17, 42, 99, 7]
+PROMPT_IDS = [300, 400, 500]  # the tiny model answers it with visible text, so a stream shows progress
 
 
 @dataclass(frozen=True)
@@ -169,3 +170,68 @@ def broadcast_all(
     posting.join(120)
     assert answers, "no answer to /update_weights_from_distributed"
     return answers[0]
+
+
+class Streamed:
+    """A streaming greedy /generate of `max_new_tokens` tokens (EOS ignored), read in a thread: its events
+    as they arrive (each carries the whole output so far)."""
+
+    def __init__(self, base_url: str, max_new_tokens: int) -> None:
+        self.events: list[dict[str, Any]] = []
+        body = {
+            "input_ids": PROMPT_IDS,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+            "return_logprob": True,
+            "stream": True,
+        }
+        self._thread = threading.Thread(target=self._read, args=(base_url, body), daemon=True)
+        self._thread.start()
+
+    def _read(self, base_url: str, body: dict[str, Any]) -> None:
+        with httpx.Client(base_url=base_url, timeout=120.0, trust_env=False) as client:
+            try:
+                with client.stream("POST", "/generate", json=body) as response:
+                    for line in response.iter_lines():
+                        if line.startswith("data: {"):
+                            self.events.append(json.loads(line[len("data: ") :]))
+            except httpx.HTTPError:
+                pass  # the server went away mid-stream
+
+    @property
+    def output_ids(self) -> list[int]:
+        return list(self.events[-1]["output_ids"]) if self.events else []
+
+    def wait_for(self, tokens: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.output_ids) < tokens:
+            assert time.monotonic() < deadline and self._thread.is_alive(), "the stream did not get going"
+            time.sleep(0.01)
+
+    def still(self, seconds: float) -> list[int]:
+        """The output once nothing arrived for `seconds` (what was sent before a pause, read)."""
+        before = self.output_ids
+        while True:
+            time.sleep(seconds)
+            now = self.output_ids
+            if now == before:
+                return now
+            before = now
+
+    def final(self, timeout: float = 120.0) -> dict[str, Any]:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive() and self.events
+        return self.events[-1]
+
+
+@contextmanager
+def paused(client: httpx.Client, mode: str) -> Iterator[None]:
+    """Generation paused in `mode` for the block, continued however it ends."""
+    response = client.post("/pause_generation", json={"mode": mode})
+    assert response.status_code == 200, response.text
+    assert response.json() == {"message": "Generation paused successfully.", "status": "ok"}
+    try:
+        yield
+    finally:
+        response = client.post("/continue_generation", json={})
+        assert response.status_code == 200, response.text
+        assert response.json() == {"message": "Generation continued successfully.", "status": "ok"}
