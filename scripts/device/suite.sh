@@ -81,6 +81,7 @@
 #   spelling of n and of a length refusal (tests/contract/test_adapter_release.py, printed with -s)
 # burst (~3 min, 1 GPU): waves of rollouts with hot-loads and idle gaps past SGLang's keep-alive, none lost
 # shared-prefill (~2 min): the contract test of prefill sharing alone (the contract suite includes it)
+# contract-weights (~4 min, 1 GPU): issue 40's contract tests alone (weight pushes, update groups, pause)
 # art-program (~4 min, after stage.sh art): an ART program with tools and _internal_config, 2 RL steps
 # constrained (~5 min, 1 GPU): tic-tac-toe with an action mask trains 3 steps on the 1.5B shape; where SGLang
 #   takes a constrained token's logprob; the trainer against it for an action mask and a regex
@@ -132,6 +133,9 @@ for name in "$@"; do
     contract-requests) cmd=("${pytest[@]}" tests/contract/test_serving.py tests/contract/test_constraints.py
                             tests/contract/test_stops.py tests/contract/test_reference_flags.py
                             --engine sglang --model-path "$tiny") ;;
+    # Issue 40: weights pushed and broadcast while serving, pause/continue (the contract suite includes them).
+    contract-weights) cmd=("${pytest[@]}" tests/contract/test_weight_updates.py tests/contract/test_pause_generation.py
+                           --engine sglang --model-path "$tiny") ;;
     shared-sleep) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k sleep) ;;
     shared-restart) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k restart) ;;
     sync) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py) ;;
