@@ -15,24 +15,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from contract_helpers import contract_config, make_perturbed_model, running_server, wait_until_dead
-from weight_push import PROMPT_IDS, Greedy, Pusher, Streamed, assert_same, greedy, paused
+from contract_helpers import contract_config, running_server, wait_until_dead
+from weight_push import PROMPT_IDS, Greedy, Pusher, Streamed, assert_same, from_disk, greedy, paused
 
 from art_sglang.serving.servers.process import ServerProcess
 
 LONG = 1500  # tokens: a generation still running when the test pauses it
-
-
-@pytest.fixture(scope="module")
-def perturbed(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_perturbed_model(model_path, tmp_path_factory.mktemp("perturbed") / "model", seed=5))
-
-
-@pytest.fixture(scope="module")
-def pusher(server: ServerProcess) -> Iterator[Pusher]:
-    pusher = Pusher(server.base_url)
-    yield pusher
-    pusher.close()
 
 
 @pytest.fixture
@@ -83,9 +71,8 @@ def test_a_running_request_is_held_and_goes_on(
 
 
 def test_abort_and_resend_samples_the_rest_with_the_new_weights(
-    client: httpx.Client, server: ServerProcess, pusher: Pusher, base_weights: None, model_path: str,
-    perturbed: str,
-) -> None:  # fmt: skip
+    client: httpx.Client, server: ServerProcess, pusher: Pusher, base_weights: None, perturbed: str
+) -> None:
     """SGLang 0.5.17's way to know which weights sampled each token: the update aborts the running request
     (its tokens so far: the old version), and the rest is asked for again under the new one."""
     stream = Streamed(server.base_url, LONG)
@@ -99,10 +86,7 @@ def test_abort_and_resend_samples_the_rest_with_the_new_weights(
         pusher.push_ok(model=perturbed, version="v1")  # the scheduler is idle: the flush succeeds
     resent = greedy(client, input_ids=PROMPT_IDS + partial)
     assert resent.weight_version == "v1"
-    response = client.post(
-        "/update_weights_from_disk", json={"model_path": perturbed, "weight_version": "v1"}
-    )
-    assert response.status_code == 200, response.text
+    from_disk(client, perturbed, "v1")
     assert_same(greedy(client, input_ids=PROMPT_IDS + partial), resent)  # exactly the new weights' tokens
 
 

@@ -9,32 +9,12 @@ what restores it (the backend's recovery)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from contract_helpers import contract_config, make_perturbed_model, running_server, wait_until_dead
-from weight_push import Pusher, assert_same, broadcast_all, greedy, state_tensors, update_group
-
-from art_sglang.serving.servers.process import ServerProcess
-
-
-@pytest.fixture(scope="module")
-def perturbed(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_perturbed_model(model_path, tmp_path_factory.mktemp("perturbed") / "model", seed=5))
-
-
-@pytest.fixture(scope="module")
-def pusher(server: ServerProcess) -> Iterator[Pusher]:
-    pusher = Pusher(server.base_url)
-    yield pusher
-    pusher.close()
-
-
-def _from_disk(client: httpx.Client, path: str, version: str) -> None:
-    response = client.post("/update_weights_from_disk", json={"model_path": path, "weight_version": version})
-    assert response.status_code == 200, response.text
+from contract_helpers import contract_config, running_server, wait_until_dead
+from weight_push import Pusher, assert_same, broadcast_all, from_disk, greedy, state_tensors, update_group
 
 
 def test_pushed_weights_serve_what_the_same_weights_from_disk_serve(
@@ -53,7 +33,7 @@ def test_pushed_weights_serve_what_the_same_weights_from_disk_serve(
     )
     assert chat.json()["metadata"]["weight_version"] == "step-1"
 
-    _from_disk(client, perturbed, "disk")
+    from_disk(client, perturbed, "disk")
     assert_same(greedy(client), pushed, version="disk")
 
     # Back to the base weights as one flattened bucket (SGLang's other format).
@@ -114,9 +94,9 @@ def test_weights_broadcast_in_an_update_group(
         }
     received = greedy(client)
     assert received.weight_version == "step-2" and received.output_ids != before.output_ids
-    _from_disk(client, perturbed, "disk")
+    from_disk(client, perturbed, "disk")
     assert_same(greedy(client), received, version="disk")
-    _from_disk(client, model_path, "v0")
+    from_disk(client, model_path, "v0")
     assert_same(greedy(client), before)
 
 

@@ -70,6 +70,12 @@ def greedy(client: httpx.Client, input_ids: list[int] | None = None, max_new_tok
     )
 
 
+def from_disk(client: httpx.Client, path: str, version: str) -> None:
+    """The weights at `path` loaded with /update_weights_from_disk: what pushed weights are compared to."""
+    response = client.post("/update_weights_from_disk", json={"model_path": path, "weight_version": version})
+    assert response.status_code == 200, response.text
+
+
 class Pusher:
     """`pusher.py` for the server at `base_url`: each `push` is one command, answered with the status and
     body of each `/update_weights_from_tensor` call it made."""
