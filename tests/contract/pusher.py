@@ -3,7 +3,8 @@ command per line on stdin and pushes tensors with `/update_weights_from_tensor`,
 per command (each call's status and body). A process of its own because a CPU tensor is shared through
 torch's shared-memory manager, a helper process that lives as long as the process that shares.
 
-Command: {"model": checkpoint directory | "ones": [[name, shape], ...], "max_bytes": bucket bound,
+Command: {"model": checkpoint directory (with "adapter": that adapter's merged weights, as the trainer
+computes them) | "ones": [[name, shape], ...], "max_bytes": bucket bound,
 "first_only": push only the first bucket, "load_format": null | "flattened_bucket", "version": the weight
 version sent with the last bucket, "flush": whether the last bucket flushes the cache}.
 """
@@ -20,11 +21,18 @@ from weight_push import state_tensors
 
 from art_sglang import named_tensors
 from art_sglang.named_tensors import NamedTensors
+from art_sglang.training.merged_weights import merged_weights
 
 
 def tensors(command: dict[str, Any]) -> NamedTensors:
     if "ones" in command:
         return [(name, torch.ones(shape)) for name, shape in command["ones"]]
+    if "adapter" in command:  # the trainer's merged weights of the model with that adapter
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(command["model"], dtype=torch.float32)
+        return list(merged_weights(PeftModel.from_pretrained(base, command["adapter"])))
     return state_tensors(command["model"])
 
 

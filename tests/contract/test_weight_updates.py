@@ -16,6 +16,8 @@ import pytest
 from contract_helpers import contract_config, running_server, wait_until_dead
 from weight_push import Pusher, assert_same, broadcast_all, from_disk, greedy, state_tensors, update_group
 
+from art_sglang.orchestration.merge import merge
+
 
 def test_pushed_weights_serve_what_the_same_weights_from_disk_serve(
     client: httpx.Client, pusher: Pusher, model_path: str, perturbed: str
@@ -44,6 +46,23 @@ def test_pushed_weights_serve_what_the_same_weights_from_disk_serve(
         "message": "Success Weight version updated to base.",
     }
     assert_same(greedy(client), before, version="base")
+
+
+def test_the_trainers_merged_weights_serve_what_the_merged_checkpoint_serves(
+    client: httpx.Client, pusher: Pusher, model_path: str, adapters: dict[str, str], tmp_path: Path
+) -> None:
+    """Only the modules LoRA wraps are pushed (the rest equal the base the server started with), merged out
+    of place by the trainer's code; `weight_sync_method="disk"` merges with peft into a checkpoint."""
+    pusher.push_ok(model=model_path, version="v0")
+    before = greedy(client)
+    pusher.push_ok(model=model_path, adapter=adapters["a"], version="m@1")
+    pushed = greedy(client)
+    assert pushed.output_ids != before.output_ids
+    merged_dir = tmp_path / "merged"
+    merge(model_path, Path(adapters["a"]), merged_dir)
+    from_disk(client, str(merged_dir), "disk")
+    assert_same(greedy(client), pushed, version="disk")
+    from_disk(client, model_path, "v0")
 
 
 def test_a_partial_push_keeps_the_version_and_a_full_push_restores(
