@@ -11,6 +11,9 @@ what happens to the requests already admitted depends on the mode:
 
 Requests admitted before an "in_place" or "retract" pause are *held*: SGLang keeps them in its scheduler
 (running or waiting), which then is not idle, so a cache flush there fails (`held`).
+
+A weight update while not paused is exclusive (`exclusive`, SGLang's model-update writer lock): requests
+that arrive wait, the admitted ones finish first, so every answer comes from one version of the weights.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class GenerationGate:
         self._registry = threading.Lock()
         self._in_flight: dict[int, GenerationRequest] = {}
         self._held: set[int] = set()
+        self._updates = 0  # exclusive updates waiting or running
+        self._late: set[int] = set()  # requests that arrived while one was: they wait for it
         self.mode: PauseMode | None = None
 
     @property
@@ -54,16 +59,20 @@ class GenerationGate:
         key = id(request)
         with self._registry:
             self._in_flight[key] = request
+            if self._updates:
+                self._late.add(key)
         try:
             yield
         finally:
             with self._registry:
                 self._in_flight.pop(key, None)
                 self._held.discard(key)
+                self._late.discard(key)
 
     def wait_open(self, request: GenerationRequest) -> None:
-        """Before a request starts (model lock held): wait while paused, unless it is aborted."""
-        self._wait(request)
+        """Before a request starts (model lock held): wait while paused or while an update that began
+        before it arrived is pending, unless it is aborted."""
+        self._wait(request, lambda: self.mode is not None or id(request) in self._late)
 
     def hold(self, request: GenerationRequest) -> PauseMode | None:
         """Before a decode step (model lock held): the pause mode `request` was held in, after the pause
@@ -71,8 +80,33 @@ class GenerationGate:
         mode = self.mode
         if mode is None or mode == "abort":
             return None
-        self._wait(request)
+        self._wait(request, lambda: self.mode is not None)
         return mode
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The block of a weight update (entered without the model lock): while paused at once; else once
+        the requests admitted before it have ended, requests arriving meanwhile waiting until it is done."""
+        if self.mode is not None:
+            yield
+            return
+        with self._registry:
+            self._updates += 1
+            admitted = set(self._in_flight)
+        try:
+            while not self._stopping():
+                with self._registry:
+                    if not admitted & self._in_flight.keys():
+                        break
+                time.sleep(_POLL_S)
+            yield
+        finally:
+            with self._registry:
+                self._updates -= 1
+                if not self._updates:
+                    self._late.clear()
+            with self._cond:
+                self._cond.notify_all()
 
     def pause(self, mode: PauseMode) -> None:
         """Pause generation; returns when no admitted request computes any more (aborted ones: ended)."""
@@ -102,8 +136,8 @@ class GenerationGate:
         with self._cond:
             self._cond.notify_all()
 
-    def _wait(self, request: GenerationRequest) -> None:
-        while self.mode is not None and not self._stopping():
+    def _wait(self, request: GenerationRequest, closed: Callable[[], bool]) -> None:
+        while closed() and not self._stopping():
             if request.abort is not None and request.abort.is_set():
                 return
             self._cond.wait(_POLL_S)

@@ -1,7 +1,8 @@
 """Weight updates while serving, as SGLang 0.5.17's scheduler runs them: from a checkpoint directory
 (`/update_weights_from_disk`), from pushed tensors (`/update_weights_from_tensor`) and from a broadcast in a
-weight-update group (`/update_weights_from_distributed`). Each runs with no decode step beside it, flushes
-the prefix cache unless told not to, and only then sets the version the server reports.
+weight-update group (`/update_weights_from_distributed`). Each runs with no decode step beside it (while
+not paused, after the requests already admitted have finished), flushes the prefix cache unless told not
+to, and only then sets the version the server reports.
 
 What SGLang answers with an error leaves the server up; what raises inside its scheduler ends the server
 (`scheduler_failure`): an unreadable payload or a tensor of the wrong shape pushed, a group never joined, a
@@ -96,7 +97,9 @@ class WeightUpdates:
         self._weights.version = version
 
     def _update(self, load: Callable[[], None], weight_version: str | None, flush_cache: bool) -> None:
-        with self._lock:  # held requests have given it up; a running one ends its step first
+        # Unpaused, the update waits for the requests admitted before it (SGLang's writer lock); paused,
+        # held requests have given the model lock up.
+        with self._gate.exclusive(), self._lock:
             load()
             if flush_cache:
                 if self._gate.held:

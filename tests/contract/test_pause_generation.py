@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from contract_helpers import contract_config, running_server, wait_until_dead
-from weight_push import PROMPT_IDS, Greedy, Pusher, Streamed, assert_same, from_disk, greedy, paused
+from weight_push import PROMPT_IDS, Asked, Pusher, Streamed, assert_same, from_disk, greedy, paused
 
 from art_sglang.serving.servers.process import ServerProcess
 
@@ -36,20 +36,11 @@ def test_a_paused_engine_holds_new_requests_and_continues_them(
     client: httpx.Client, server: ServerProcess, base_weights: None, mode: str
 ) -> None:
     expected = greedy(client)
-    answers: list[Greedy] = []
-
-    def ask() -> None:
-        with httpx.Client(base_url=server.base_url, timeout=120.0, trust_env=False) as other:
-            answers.append(greedy(other))
-
-    asking = threading.Thread(target=ask)
     with paused(client, mode):
-        asking.start()
+        asked = Asked(server.base_url)
         time.sleep(1.0)
-        assert not answers  # held while paused
-    asking.join(60)
-    assert answers, "the held request did not finish after /continue_generation"
-    assert_same(answers[0], expected)
+        assert not asked.answers  # held while paused
+    assert_same(asked.answer(), expected)
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
@@ -68,6 +59,25 @@ def test_a_running_request_is_held_and_goes_on(
     assert final["output_ids"][: len(held)] == expected[: len(held)]
     if mode == "in_place":  # the same cache and weights: the same tokens (a retracted request's
         assert final["output_ids"] == expected  # recomputed cache may round differently on a GPU)
+
+
+def test_an_update_without_a_pause_waits_for_the_running_requests(
+    client: httpx.Client, server: ServerProcess, pusher: Pusher, base_weights: None, perturbed: str
+) -> None:
+    """Unpaused, SGLang runs an update under its model-update writer lock: the requests admitted before it
+    finish on the old weights, the ones arriving meanwhile wait and get the new: no answer mixes two."""
+    expected = greedy(client, max_new_tokens=LONG).output_ids
+    stream = Streamed(server.base_url, LONG)
+    stream.wait_for(5)
+    pushing = threading.Thread(target=lambda: pusher.push_ok(model=perturbed, version="v1"))
+    pushing.start()
+    time.sleep(0.5)  # the update is waiting for the stream
+    later = Asked(server.base_url)
+    final = stream.final()
+    pushing.join(120)
+    # Every token of the running request from v0; the request that arrived during the wait on v1.
+    assert final["output_ids"] == expected and final["meta_info"]["weight_version"] == "v0"
+    assert later.answer().weight_version == "v1"
 
 
 def test_abort_and_resend_samples_the_rest_with_the_new_weights(

@@ -178,6 +178,24 @@ def broadcast_all(
     return answers[0]
 
 
+class Asked:
+    """A greedy /generate sent from a thread of its own (and a client of its own) at creation."""
+
+    def __init__(self, base_url: str) -> None:
+        self.answers: list[Greedy] = []
+        self._thread = threading.Thread(target=self._ask, args=(base_url,), daemon=True)
+        self._thread.start()
+
+    def _ask(self, base_url: str) -> None:
+        with httpx.Client(base_url=base_url, timeout=120.0, trust_env=False) as client:
+            self.answers.append(greedy(client))
+
+    def answer(self, timeout: float = 120.0) -> Greedy:
+        self._thread.join(timeout)
+        assert self.answers, "the request was not answered"
+        return self.answers[0]
+
+
 class Streamed:
     """A streaming greedy /generate of `max_new_tokens` tokens (EOS ignored), read in a thread: its events
     as they arrive (each carries the whole output so far)."""
