@@ -92,7 +92,9 @@ class GenerationGate:
             return
         with self._registry:
             self._updates += 1
-            admitted = set(self._in_flight)
+            # Not the requests waiting for an earlier update: they wait for this one too (SGLang's lock
+            # lets no reader in while a writer waits).
+            admitted = self._in_flight.keys() - self._late
         try:
             while not self._stopping():
                 with self._registry:
