@@ -21,6 +21,7 @@ from .http_common import error_response
 from .metrics import render_metrics
 from .native_api import router as native_router
 from .openai_api import router as openai_router
+from .weights_api import router as weights_router
 
 logger = logging.getLogger("art_sglang_reference")
 
@@ -51,6 +52,7 @@ def create_app(args: ServerArgs, engine: ReferenceEngine) -> FastAPI:
     app.state.started = time.time()
     app.include_router(openai_router)
     app.include_router(native_router)
+    app.include_router(weights_router)
 
     @app.middleware("http")
     async def log_and_authorize(request: Request, call_next: Any) -> Response:

@@ -1,5 +1,6 @@
 """The reference engine's model: a transformers causal LM on CPU (float32) with peft adapters, a prefix
-cache, and the weight operations SGLang exposes (release/resume memory, update weights from disk).
+cache, and the weight operations SGLang exposes (release/resume memory, update weights from disk, from
+pushed tensors or from a weight-update group, pause and continue generation).
 
 All public methods block; the HTTP layer runs them in worker threads. One lock serialises every use of
 the model, so requests run one at a time while the event loop keeps answering (e.g. /health).
@@ -10,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -23,16 +23,19 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 
 from art_sglang.chat_format import template_messages, template_tools
 from art_sglang.cpu_threads import limit_threads_for_small_model
-from art_sglang.serving.sglang_api import KV_CACHE_TAG, WEIGHTS_TAG
+from art_sglang.serving.sglang_api import KV_CACHE_TAG
 from art_sglang.token_bounds import longest_token_bytes, min_tokens
 
 from .adapters import BASE_KEY, AdapterRegistry, AdapterUses, LoadedAdapter, adapter_rank
 from .cli import ServerArgs
 from .constrained import biased
 from .generation import FinishReason, GenerationRequest, GenerationResult, TextTracker, TokenLogprob
+from .pausing import GenerationGate
 from .prefix_cache import PrefixCache
 from .sampling import choose_token, logprobs_of, reported_logprobs
-from .weights import assign_weights, memory_tags, read_weights, weight_params
+from .update_groups import UpdateGroups
+from .weight_updates import WeightUpdates, scheduler_failure
+from .weights import BaseWeights, memory_tags
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +103,9 @@ class ReferenceEngine:
             enabled=not args.disable_radix_cache, max_tokens=args.max_total_tokens
         )
         self.stats = EngineStats()
-        self.weights_path = args.model_path
-        self.weight_version = "default"
+        self.weights = BaseWeights(
+            self.adapters.base, args.model_path, cpu_backup=args.enable_weights_cpu_backup
+        )
         self.load_seconds = time.perf_counter() - started
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()
@@ -110,10 +114,8 @@ class ReferenceEngine:
         # A plain flag, not a threading.Event: shutdown() runs in a signal handler, and Event.set() takes a
         # lock that a second signal arriving inside the first handler would wait on forever.
         self._shutting_down = False
-        self._released: set[str] = set()  # memory tags released ("kv_cache", "weights")
-        self._backup: dict[str, torch.Tensor] | None = None
-        # Shapes the served model needs, checked against new weights (also while released).
-        self._shapes = {n: p.shape for n, p in weight_params(self.adapters.base).items()}
+        self.gate = GenerationGate(self._lock, lambda: self._shutting_down)
+        self.updates = WeightUpdates(self._lock, self.weights, self.gate, self.prefix_cache, UpdateGroups())
         for name, path in args.lora_paths.items():
             self.adapters.load(name, path)
 
@@ -131,7 +133,15 @@ class ReferenceEngine:
     # --- state -------------------------------------------------------------------------------------
     @property
     def released(self) -> bool:
-        return bool(self._released)
+        return bool(self.weights.released)
+
+    @property
+    def weight_version(self) -> str:
+        return self.weights.version
+
+    @property
+    def weights_path(self) -> str:
+        return self.weights.path
 
     @property
     def busy(self) -> bool:
@@ -225,8 +235,9 @@ class ReferenceEngine:
             raise ValueError("The input is empty: give at least one token or a non-empty text.")
         request.sampling.verify()
         self.check_length(len(request.prompt_ids), request.sampling.max_new_tokens)
-        with self._running(), self._lock:
-            if self._released:
+        with self._running(), self.gate.admitted(request), self._lock:
+            self.gate.wait_open(request)  # arriving while paused: waits, as in SGLang's tokenizer manager
+            if self.weights.released:
                 raise EngineReleasedError(
                     "The engine's memory is released; POST /resume_memory_occupation before generating."
                 )
@@ -287,6 +298,9 @@ class ReferenceEngine:
             next_logits = logits[-1]
             finish = FinishReason("length", length=0)
             while len(output_ids) < max_new:
+                if self._shutting_down or (request.abort is not None and request.abort.is_set()):
+                    finish = FinishReason("abort")
+                    break
                 if options.logit_bias:
                     next_logits = biased(next_logits, options.logit_bias)
                 if request.grammar is not None:
@@ -309,9 +323,10 @@ class ReferenceEngine:
                 if ended is not None:
                     finish = ended
                     break
-                if self._shutting_down or (request.abort is not None and request.abort.is_set()):
-                    finish = FinishReason("abort")
-                    break
+                if self.gate.hold(request) == "retract":  # recomputed by the weights loaded now
+                    kv = DynamicCache(config=self.hf_config)
+                    next_logits = self._forward_one_by_one(model, prompt + output_ids, kv)[-1]
+                    continue
                 next_logits = model(
                     input_ids=torch.tensor([[token]]), past_key_values=kv, use_cache=True
                 ).logits[0, -1]
@@ -386,21 +401,6 @@ class ReferenceEngine:
         self.prefix_cache.clear()
         return True
 
-    def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
-        """Replace the base weights with the checkpoint at `path`; adapters stay loaded."""
-        with self._lock:
-            weights = read_weights(path, self._shapes)
-            if WEIGHTS_TAG in self._released:
-                # Resume will restore these instead of the old ones.
-                self._backup = weights if self.args.enable_weights_cpu_backup else None
-            else:
-                assign_weights(self.adapters.base, weights)
-            self.weights_path = path
-            if weight_version is not None:
-                self.weight_version = weight_version
-            self.prefix_cache.clear()
-            gc.collect()
-
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Release what `tags` names, as SGLang does ("kv_cache", "weights"; none = both). Without
         --enable-memory-saver this does nothing (as SGLang). "kv_cache" clears the prefix cache; "weights"
@@ -412,40 +412,22 @@ class ReferenceEngine:
         if self.busy:
             # SGLang 0.5.17's scheduler asserts it is idle here and dies with the whole server, so the
             # caller sees the connection dropped; a backend that releases under load must fail here too.
-            logger.error(
-                "AssertionError: release_memory_occupation should be called only when server is idle."
+            scheduler_failure(
+                AssertionError("release_memory_occupation should be called only when server is idle.")
             )
-            os._exit(1)
         with self._lock:
             if not self.args.enable_memory_saver:
                 logger.info("release_memory_occupation: nothing to release without --enable-memory-saver")
                 return
-            fresh = wanted - self._released
-            if KV_CACHE_TAG in fresh:
+            if KV_CACHE_TAG in self.weights.release(wanted):
                 self.prefix_cache.clear()
-            if WEIGHTS_TAG in fresh:
-                params = weight_params(self.adapters.base)
-                self._backup = (
-                    {n: p.data for n, p in params.items()} if self.args.enable_weights_cpu_backup else None
-                )
-                for param in params.values():
-                    param.data = torch.empty(0, dtype=param.dtype)
-            self._released |= fresh
             gc.collect()
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         """Take back what `tags` names (none = everything): weights from the backup, else from disk."""
         wanted = memory_tags(tags)
         with self._lock:
-            if WEIGHTS_TAG in wanted & self._released:
-                weights = (
-                    self._backup
-                    if self._backup is not None
-                    else read_weights(self.weights_path, self._shapes)
-                )
-                assign_weights(self.adapters.base, weights)
-                self._backup = None
-            self._released -= wanted
+            self.weights.resume(wanted)
 
     def model_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in weight_params(self.adapters.base).values())
+        return self.weights.nbytes()

@@ -274,7 +274,9 @@ async def update_weights_from_disk(
 ) -> JSONResponse:
     note(request, path=body.model_path)
     try:
-        await asyncio.to_thread(engine.update_weights_from_disk, body.model_path, body.weight_version)
+        await asyncio.to_thread(
+            engine.updates.from_disk, body.model_path, body.weight_version, flush_cache=body.flush_cache
+        )
     except WeightsLoadError as exc:
         content = {"success": False, "message": str(exc), "num_paused_requests": 0}
         return JSONResponse(content, status_code=400)

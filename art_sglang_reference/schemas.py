@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+import base64
+import binascii
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from art_sglang.serving.choice_count import ChoiceCount
 
@@ -112,3 +114,63 @@ class UpdateWeightsFromDiskRequest(_Body):
     model_path: str
     load_format: str | None = None
     weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class UpdateWeightsFromTensorRequest(_Body):
+    # One entry per tensor-parallel rank (this engine has one); HTTP carries them as base64, which SGLang
+    # decodes while validating the body, so text that is not base64 is a 400.
+    serialized_named_tensors: list[bytes] = Field(min_length=1)
+    load_format: Literal["flattened_bucket"] | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+    @field_validator("serialized_named_tensors", mode="before")
+    @classmethod
+    def _base64(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        try:
+            return [
+                base64.b64decode(item, validate=True) if isinstance(item, str) else item for item in value
+            ]
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError("Expected base64-encoded bytes") from exc
+
+
+class InitWeightsUpdateGroupRequest(_Body):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class DestroyWeightsUpdateGroupRequest(_Body):
+    group_name: str = "weight_update_group"
+
+
+class UpdateWeightsFromDistributedRequest(_Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: Literal["flattened_bucket"] | None = None
+
+
+class PauseGenerationRequest(_Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationRequest(_Body):
+    torch_empty_cache: bool = True  # CUDA's allocator cache; nothing to do on CPU
+
+
+class UpdateWeightVersionRequest(_Body):
+    new_version: str
+    abort_all_requests: bool = True

@@ -31,6 +31,8 @@ HELPERS = (
     "tracking",
     "gather",
     "backend_protocol",
+    "named_tensors",
+    "weight_group",
 )
 LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"helpers": HELPERS},

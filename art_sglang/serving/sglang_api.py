@@ -17,6 +17,13 @@ ADMIN_ROUTES = frozenset(
         "/release_memory_occupation",
         "/resume_memory_occupation",
         "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/update_weights_from_distributed",
+        "/update_weight_version",
+        "/pause_generation",
+        "/continue_generation",
     }
 )
 # What SGLang 0.5.17 says when it refuses a request for its length (prompt, or prompt + max_tokens, over the

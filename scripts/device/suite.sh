@@ -84,6 +84,10 @@
 #   spelling of n and of a length refusal (tests/contract/test_adapter_release.py, printed with -s)
 # burst (~3 min, 1 GPU): waves of rollouts with hot-loads and idle gaps past SGLang's keep-alive, none lost
 # shared-prefill (~2 min): the contract test of prefill sharing alone (the contract suite includes it)
+# contract-weights (~4 min, 1 GPU): issue 40's contract tests alone (weight pushes, update groups, pause)
+# bench-weight-push (~3 min, 1 GPU): merged-weight sync by CUDA IPC (shared mode), buckets of 128/512/2048
+#   MiB, merge and whole sync (pause to first token) per step; bench-weight-push-nccl (~3 min, 2 GPUs): the
+#   same by NCCL broadcast from GPU 1 (split mode). BENCH_MODEL=... for the 7B shape
 # art-program (~4 min, after stage.sh art): an ART program with tools and _internal_config, 2 RL steps
 # constrained (~5 min, 1 GPU): tic-tac-toe with an action mask trains 3 steps on the 1.5B shape; where SGLang
 #   takes a constrained token's logprob; the trainer against it for an action mask and a regex
@@ -135,6 +139,9 @@ for name in "$@"; do
     contract-requests) cmd=("${pytest[@]}" tests/contract/test_serving.py tests/contract/test_constraints.py
                             tests/contract/test_stops.py tests/contract/test_reference_flags.py
                             --engine sglang --model-path "$tiny") ;;
+    # Issue 40: weights pushed and broadcast while serving, pause/continue (the contract suite includes them).
+    contract-weights) cmd=("${pytest[@]}" tests/contract/test_weight_updates.py tests/contract/test_pause_generation.py
+                           --engine sglang --model-path "$tiny") ;;
     shared-sleep) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k sleep) ;;
     shared-restart) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k restart) ;;
     sync) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py) ;;
@@ -167,6 +174,15 @@ for name in "$@"; do
       cmd=(python3 scripts/bench_cycle.py --model "$big" "${kernels[@]}" --strategies sleep/kv_cache --steps 1
            --workdir "/tmp/work-$name" --json "$results/$name.json" --markdown "$results/$name.md")
       [ "$name" = bench-register ] || cmd+=(--no-prefill-cuda-graph) ;;
+    # Issue 40: merged-weight sync cost, trainer memory to servable (scripts/bench_weight_push.py).
+    bench-weight-push) cmd=(python3 scripts/bench_weight_push.py --model "$big" "${kernels[@]}" --lora-rank 16
+                            --transport tensor --device cuda:0 --bucket-mb 128 512 2048 --repeats 5
+                            --workdir /tmp/work-push --json "$results/bench_weight_push-tensor-${big##*/}.json"
+                            --markdown "$results/bench_weight_push-tensor-${big##*/}.md") ;;
+    bench-weight-push-nccl) cmd=(python3 scripts/bench_weight_push.py --model "$big" "${kernels[@]}" --lora-rank 16
+                                 --transport distributed --device cuda:1 --bucket-mb 128 512 2048 --repeats 5
+                                 --workdir /tmp/work-push --json "$results/bench_weight_push-nccl-${big##*/}.json"
+                                 --markdown "$results/bench_weight_push-nccl-${big##*/}.md") ;;
     bench-inference) cmd=("${inference[@]}" --engine sglang "${kernels[@]}" --prefix-cache on off
                           --json "$results/bench_inference.json" --markdown "$results/bench_inference.md") ;;
     bench-vllm) cmd=("${inference[@]}" --engine vllm "${vllm_kernels[@]}"

@@ -8,7 +8,8 @@ from typing import Any
 
 import httpx
 import pytest
-from contract_helpers import contract_config, make_adapter, running_server
+from contract_helpers import contract_config, make_adapter, make_perturbed_model, running_server
+from weight_push import Pusher
 
 from art_sglang.constraints import grammars_available
 from art_sglang.serving.servers.process import ServerProcess
@@ -69,3 +70,17 @@ def server(engine: str, model_path: str, tmp_path_factory: pytest.TempPathFactor
 def client(server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.base_url, timeout=120.0, trust_env=False) as http:
         yield http
+
+
+@pytest.fixture(scope="module")
+def perturbed(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A copy of the model with noise on every weight: other weights to push."""
+    return str(make_perturbed_model(model_path, tmp_path_factory.mktemp("perturbed") / "model", seed=5))
+
+
+@pytest.fixture(scope="module")
+def pusher(server: ServerProcess) -> Iterator[Pusher]:
+    """A pushing process of its own for the module's server (tests/contract/pusher.py)."""
+    pusher = Pusher(server.base_url)
+    yield pusher
+    pusher.close()

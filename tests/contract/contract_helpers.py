@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,14 @@ def running_server(
         yield server
     finally:
         asyncio.run(server.stop())
+
+
+def wait_until_dead(server: ServerProcess, seconds: float = 60.0) -> None:
+    """Assert the server exits within `seconds` (SGLang sleeps 5 s for crash diagnostics before it exits)."""
+    deadline = time.monotonic() + seconds
+    while server.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not server.is_alive()
 
 
 def make_adapter(

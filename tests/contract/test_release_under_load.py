@@ -5,12 +5,11 @@ Found on an H200: a watchdog health probe (SGLang's /health generates a token) m
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from contract_helpers import contract_config, running_server
+from contract_helpers import contract_config, running_server, wait_until_dead
 
 
 def test_a_release_during_a_running_request_ends_the_server(
@@ -47,8 +46,5 @@ def test_a_release_during_a_running_request_ends_the_server(
         with pytest.raises(httpx.HTTPError):
             http.post("/release_memory_occupation", json={})
         worker.join(120)
-        deadline = time.monotonic() + 60  # SGLang sleeps 5 s for crash diagnostics before it exits
-        while proc.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not proc.is_alive()
+        wait_until_dead(proc)
         assert "release_memory_occupation should be called only when server is idle" in proc.log_tail(400)

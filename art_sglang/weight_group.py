@@ -1,0 +1,53 @@
+"""The process group that carries weights from the trainer to inference servers (SGLang 0.5.17's
+`/init_weights_update_group` + `/update_weights_from_distributed`): rank 0 is the sender, the servers'
+ranks follow from their `rank_offset`. Joined exactly as SGLang's `init_custom_process_group` does (a
+TCP rendezvous at the sender's address, a store prefixed with the group's name, torch's own group
+helper), so a group made here meets SGLang's ranks; no default process group is needed.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+
+def join(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    *,
+    backend: str = "nccl",
+    timeout_s: float = 300.0,
+) -> dist.ProcessGroup:
+    """This process's member of the group; returns once every rank has joined (rank 0 hosts the
+    rendezvous). Raises what torch raises when the others do not come within `timeout_s`."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    rendezvous = c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    store, rank, world_size = next(rendezvous)
+    store.set_timeout(timeout)
+    group, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        c10d.PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+    )
+    # Group ranks are global ranks here (the helper records them only for groups of a default group).
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    """Send `tensor` from rank 0 to every rank of `group` (on the others: receive into it)."""
+    dist.broadcast(tensor, src=0, group=group)
+
+
+def leave(group: dist.ProcessGroup) -> None:
+    dist.destroy_process_group(group)
