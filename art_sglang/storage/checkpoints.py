@@ -2,6 +2,9 @@
 adapter_model.safetensors, loadable by peft and by SGLang's /load_lora_adapter), optimizer.pt and
 trainer_state.json. A checkpoint is written into `<step:04d>.tmp-<random>` in the same folder, every
 file fsynced, then renamed into place, so a crash never leaves a half-written folder under a step name.
+The optimizer state may follow the rename (`LateFile`: a temp name, fsync, rename, so it is there whole
+or not at all): trainer_state.json lists the files of the complete step, and a step that lacks one of them
+(the trainer stopped before it was written) is incomplete, never resumed (`missing_files`).
 
 ART's LocalBackend writes the same layout with the adapter files only; such a folder is a checkpoint too
 (resumed with a fresh optimizer). A folder under a step name that is not a readable adapter is never
@@ -10,21 +13,29 @@ deleted or replaced: `set_aside` renames it to `<step:04d>.broken-<time>`."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 OPTIMIZER = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
 CHECKPOINT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER, TRAINER_STATE)
+PUBLISHED_FILES = (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    TRAINER_STATE,
+)  # what the rename needs; the adapter serves
+COMPLETE_FILES_KEY = "files"  # in trainer_state.json: every file of the complete step
 _STEP_DIR = re.compile(r"^\d{4,}$")
 _TMP_MARK = ".tmp-"
 _BROKEN_MARK = ".broken-"
@@ -92,15 +103,16 @@ def remove_stale_temp_dirs(checkpoint_dir: Path) -> None:
 
 
 def write_checkpoint(checkpoint_dir: Path, step: int, write: Callable[[Path], None]) -> Path:
-    """Run `write(tmp)` to fill a temp folder, fsync it, and rename it to `<step:04d>`. A folder already
-    at that name that holds no adapter is set aside first; one that holds an adapter is never replaced."""
+    """Run `write(tmp)` to fill a temp folder (at least PUBLISHED_FILES), fsync it, and rename it to
+    `<step:04d>`. A folder already at that name that holds no adapter is set aside first; one that holds
+    an adapter is never replaced."""
     folder = Path(checkpoint_dir)
     folder.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(folder, step)
     tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}{_TMP_MARK}", dir=folder))
     try:
         write(tmp)
-        missing = [name for name in CHECKPOINT_FILES if not (tmp / name).is_file()]
+        missing = [name for name in PUBLISHED_FILES if not (tmp / name).is_file()]
         if missing:
             raise RuntimeError(f"checkpoint {step} is missing {missing}")
         for path in tmp.iterdir():
@@ -116,6 +128,53 @@ def write_checkpoint(checkpoint_dir: Path, step: int, write: Callable[[Path], No
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+class LateFile:
+    """A file of a checkpoint written after its folder is renamed into place. Its space is taken when it
+    is created in the temp folder, so a full disk fails the checkpoint's write, not this file later;
+    `finish` fills it, fsyncs it and renames it to its name (through a descriptor of the folder, which
+    follows the folder if it is set aside meanwhile), so it is there whole or not at all."""
+
+    def __init__(self, folder: Path, name: str, size: int) -> None:
+        self._name = name
+        self._tmp = f"{name}{_TMP_MARK}{secrets.token_hex(4)}"
+        self._fd = os.open(Path(folder) / self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self._folder: int | None = None
+        try:
+            os.posix_fallocate(self._fd, 0, max(size, 1))
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without reservations
+                os.close(self._fd)
+                raise
+
+    def placed(self, folder: Path) -> None:
+        """The temp folder was renamed to `folder` (call it right after the rename)."""
+        self._folder = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+
+    def finish(self, write: Callable[[BinaryIO], None]) -> None:
+        """Write the file (again, after a failed try) and rename it into place."""
+        assert self._folder is not None, "finish() before placed()"
+        with os.fdopen(os.dup(self._fd), "r+b") as stream:
+            stream.seek(0)
+            write(stream)
+            stream.truncate()
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(self._tmp, self._name, src_dir_fd=self._folder, dst_dir_fd=self._folder)
+        with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
+            os.fsync(self._folder)
+
+    def close(self) -> None:
+        for fd in (self._fd, self._folder):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def missing_files(path: Path, trainer_state: dict[str, Any]) -> list[str]:
+    """The files of the complete step (as its trainer_state.json lists them) that the folder lacks."""
+    return [name for name in trainer_state.get(COMPLETE_FILES_KEY, ()) if not (Path(path) / name).is_file()]
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

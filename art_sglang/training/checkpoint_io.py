@@ -85,23 +85,23 @@ def read_checkpoint(path: Path, device: torch.device) -> CheckpointState:
             raise unreadable(ckpt.TRAINER_STATE, exc) from None
     elif optimizer is not None:
         raise unreadable(ckpt.TRAINER_STATE, "missing next to the optimizer state")
+    missing = ckpt.missing_files(path, trainer_state or {})
+    if missing:
+        raise unreadable(missing[0], "missing: the trainer stopped before this step was complete")
     return CheckpointState(adapter_config, weights, optimizer, trainer_state, optimizer_problem)
 
 
-def save_adapter(model: Any, folder: Path, base_model: str) -> None:
-    """Write the adapter in PEFT format with only LoRA A/B weights (what SGLang's loader accepts)."""
+def adapter_of(model: Any, base_model: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """The adapter as SGLang's loader accepts it: the LoRA A/B weights only (on the model's device), and
+    the peft config to save next to them (naming `base_model`, for inference)."""
     from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
 
     state = get_peft_model_state_dict(model)
-    lora = {
-        k: v.detach().to("cpu").contiguous() for k, v in state.items() if ".lora_A." in k or ".lora_B." in k
-    }
-    save_file(lora, str(folder / ckpt.ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    lora = {k: v.detach() for k, v in state.items() if ".lora_A." in k or ".lora_B." in k}
     config = copy.deepcopy(model.peft_config["default"])
     config.base_model_name_or_path = base_model
     config.inference_mode = True
-    config.save_pretrained(str(folder))
+    return lora, config
 
 
 def rng_state() -> dict[str, Any]:

@@ -4,6 +4,8 @@ the `Trainer` that owns it, so they need not know the trainer."""
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,4 +40,23 @@ def adamw_settings(config: TrainerConfig, learning_rate: float) -> dict[str, Any
         "betas": (config.adam_beta1, config.adam_beta2),
         "eps": config.adam_epsilon,
         "weight_decay": config.weight_decay,
+    }
+
+
+def copy_optimizer_state(
+    state: dict[str, Any], copies: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+) -> dict[str, Any]:
+    """A copy of an optimizer state_dict whose tensors are `copies(its tensors)`: clones for a rollback,
+    host copies for a checkpoint (one batched call either way, not a deepcopy's Python per tensor)."""
+    import torch
+
+    entries = state["state"]
+    tensors = [v for entry in entries.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+    copied = iter(copies(tensors))
+    return {
+        "state": {
+            index: {k: next(copied) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+            for index, entry in entries.items()
+        },
+        "param_groups": copy.deepcopy(state["param_groups"]),
     }

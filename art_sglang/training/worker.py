@@ -78,76 +78,84 @@ def _serve(channel: _Channel | None, ranks: Any) -> None:
             channel.send(request_id, event, **fields)
 
     trainer: Trainer | None = None
-    while True:
-        # The line as it came, parsed by every rank at once: a step's request (its rollouts with a logprob
-        # entry per token) takes longer to parse, or to pickle for the others, than to pass on as text.
-        line = ranks.from_main(_read_line() if ranks.is_main else None)
-        if line is None:
-            return
-        try:
-            request = _parse(line)
-        except ValueError as exc:  # the same text fails on every rank: all skip it
-            send(None, ERROR, error_type=TRAINER_ERROR, message=f"{type(exc).__name__}: {exc}")
-            continue
-        rid, cmd = request.get("id"), request.get("cmd")
-        try:
-            if cmd == "shutdown":
-                send(rid, RESULT, data={})
+    try:
+        while True:
+            # The line as it came, parsed by every rank at once: a step's request (its rollouts with a logprob
+            # entry per token) takes longer to parse, or to pickle for the others, than to pass on as text.
+            line = ranks.from_main(_read_line() if ranks.is_main else None)
+            if line is None:
                 return
-            if cmd == "init":
-                config = TrainerConfig.model_validate(request["config"])
-                trainer = Trainer(request["base_model"], request["checkpoint_dir"], config, ranks)
-                step = trainer.resume_or_init()
-                data = {
-                    "step": step,
-                    "resumed": trainer.resumed,
-                    "backend": trainer.loaded.backend,
-                    "notes": trainer.notes,
-                    "device": str(trainer.device),
-                    "ranks": ranks.world,
-                    "pids": ranks.gather(os.getpid()),
-                }
-                send(rid, RESULT, data=data)
+            try:
+                request = _parse(line)
+            except ValueError as exc:  # the same text fails on every rank: all skip it
+                send(None, ERROR, error_type=TRAINER_ERROR, message=f"{type(exc).__name__}: {exc}")
                 continue
-            if trainer is None:
-                raise RuntimeError(f"{cmd!r} before init")
-            if cmd == "train":
-                options = TrainOptions.model_validate(request["options"])
-                outcome = trainer.train(
-                    request["groups"], options, lambda data, rid=rid: send(rid, PROGRESS, data=data)
-                )
-                send(rid, RESULT, data=outcome.__dict__)
-            elif cmd == "sft":
-                batches = [SFTBatch(b["trajectories"], float(b["learning_rate"])) for b in request["batches"]]
-                outcome = trainer.train_sft(batches, lambda data, rid=rid: send(rid, PROGRESS, data=data))
-                send(rid, RESULT, data=outcome.__dict__)
-            elif cmd == "offload":
-                send(rid, RESULT, data=trainer.offload(bool(request.get("keep_weights"))))
-            elif cmd == "reload":
-                free = float(request.get("min_free_bytes") or 0.0)
-                send(rid, RESULT, data=trainer.reload(free, float(request.get("timeout_s", 10.0))))
-            else:
-                raise RuntimeError(f"unknown command {cmd!r}")
-        except TrainingInputError as exc:
-            send(rid, ERROR, error_type=INPUT_ERROR, message=str(exc))
-            if cmd == "init" and ranks.world > 1:
-                raise
-        except TrainingError as exc:  # a refused step: the trainer is back at its last checkpoint
-            traceback.print_exc()
-            send(rid, ERROR, error_type=STEP_ERROR, message=str(exc))
-            if cmd == "init" and ranks.world > 1:
-                raise
-        except Exception as exc:
-            traceback.print_exc()
-            message = f"{type(exc).__name__}: {exc}"
-            if ranks.world > 1:
-                message += (
-                    f" (on rank 0 of {ranks.world}; the trainer stops and the next step restarts it; its log "
-                    "names the rank that failed first)"
-                )
-            send(rid, ERROR, error_type=TRAINER_ERROR, message=message)
-            if ranks.world > 1:
-                raise  # the other ranks may wait in a collective this rank will never join
+            rid, cmd = request.get("id"), request.get("cmd")
+            try:
+                if cmd == "shutdown":
+                    send(rid, RESULT, data={})
+                    return
+                if cmd == "init":
+                    config = TrainerConfig.model_validate(request["config"])
+                    trainer = Trainer(request["base_model"], request["checkpoint_dir"], config, ranks)
+                    step = trainer.resume_or_init()
+                    data = {
+                        "step": step,
+                        "resumed": trainer.resumed,
+                        "backend": trainer.loaded.backend,
+                        "notes": trainer.notes,
+                        "device": str(trainer.device),
+                        "ranks": ranks.world,
+                        "pids": ranks.gather(os.getpid()),
+                    }
+                    send(rid, RESULT, data=data)
+                    continue
+                if trainer is None:
+                    raise RuntimeError(f"{cmd!r} before init")
+                if cmd not in ("train", "sft"):  # a step waits for the last optimizer state at its checkpoint
+                    trainer.settle()
+                if cmd == "train":
+                    options = TrainOptions.model_validate(request["options"])
+                    outcome = trainer.train(
+                        request["groups"], options, lambda data, rid=rid: send(rid, PROGRESS, data=data)
+                    )
+                    send(rid, RESULT, data=outcome.__dict__)
+                elif cmd == "sft":
+                    batches = [
+                        SFTBatch(b["trajectories"], float(b["learning_rate"])) for b in request["batches"]
+                    ]
+                    outcome = trainer.train_sft(batches, lambda data, rid=rid: send(rid, PROGRESS, data=data))
+                    send(rid, RESULT, data=outcome.__dict__)
+                elif cmd == "offload":
+                    send(rid, RESULT, data=trainer.offload(bool(request.get("keep_weights"))))
+                elif cmd == "reload":
+                    free = float(request.get("min_free_bytes") or 0.0)
+                    send(rid, RESULT, data=trainer.reload(free, float(request.get("timeout_s", 10.0))))
+                else:
+                    raise RuntimeError(f"unknown command {cmd!r}")
+            except TrainingInputError as exc:
+                send(rid, ERROR, error_type=INPUT_ERROR, message=str(exc))
+                if cmd == "init" and ranks.world > 1:
+                    raise
+            except TrainingError as exc:  # a refused step: the trainer is back at its last checkpoint
+                traceback.print_exc()
+                send(rid, ERROR, error_type=STEP_ERROR, message=str(exc))
+                if cmd == "init" and ranks.world > 1:
+                    raise
+            except Exception as exc:
+                traceback.print_exc()
+                message = f"{type(exc).__name__}: {exc}"
+                if ranks.world > 1:
+                    message += (
+                        f" (on rank 0 of {ranks.world}; the trainer stops and the next step restarts it; its log "
+                        "names the rank that failed first)"
+                    )
+                send(rid, ERROR, error_type=TRAINER_ERROR, message=message)
+                if ranks.world > 1:
+                    raise  # the other ranks may wait in a collective this rank will never join
+    finally:
+        if trainer is not None:
+            trainer.close()  # the last checkpoint's optimizer state on disk before the exit
 
 
 def _read_line() -> str | None:

@@ -1,0 +1,126 @@
+"""Rank 0's checkpoint writes, with the optimizer state off the step's path.
+
+A step's answer waits for what the server needs: the adapter, its config and trainer_state.json, written
+and renamed into place (checkpoints.write_checkpoint). optimizer.pt (twice the adapter's size, about
+0.3 s of serialisation and fsync at 1.5B) is written from a host copy in a background thread into space
+reserved before the rename (checkpoints.LateFile), while the next step computes. trainer_state.json lists
+the complete step's files: a step whose optimizer.pt never arrived (the trainer stopped first) is
+incomplete, and resume sets it aside rather than continue it with a fresh optimizer. `settle` waits for
+the write (the next checkpoint, every other command and the worker's exit call it), tries a failed one
+again, and raises if that fails too."""
+
+from __future__ import annotations
+
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..storage import checkpoints as ckpt
+from .train_state import copy_optimizer_state
+
+_ZIP_OVERHEAD = 4096  # bytes per tensor record in torch.save's zip, generously (the reserve is trimmed)
+
+
+@dataclass
+class _Pending:
+    step: int
+    file: ckpt.LateFile
+    state: dict[str, Any]  # the optimizer state_dict, its tensors host copies
+    future: Future[None]
+
+    def write(self) -> None:
+        self.file.finish(lambda stream: torch.save(self.state, stream))
+
+
+class CheckpointWriter:
+    """Writes checkpoints one after the other, each step's optimizer state in the background."""
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optimizer-state")
+        self._pending: _Pending | None = None
+
+    @property
+    def unsettled_step(self) -> int | None:
+        """The step whose optimizer state may not be on disk yet."""
+        return self._pending.step if self._pending is not None else None
+
+    def write(
+        self,
+        checkpoint_dir: Path,
+        step: int,
+        adapter: tuple[dict[str, torch.Tensor], Any],
+        optimizer: dict[str, Any],
+        trainer_state: dict[str, Any],
+    ) -> Path:
+        """Publish checkpoint `step`: `adapter` (LoRA tensors and peft config, saved as SGLang loads it)
+        and `trainer_state` now, `optimizer` (a state_dict) in the background. Waits for the previous
+        step's optimizer state first (`settle`)."""
+        from safetensors.torch import save_file
+
+        self.settle()
+        weights, config = adapter
+        weights = dict(zip(weights, host_copies(list(weights.values())), strict=True))
+        sizes: list[int] = []
+
+        def copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            sizes.extend(t.numel() * t.element_size() + _ZIP_OVERHEAD for t in tensors)
+            return host_copies(tensors)
+
+        state = copy_optimizer_state(optimizer, copies)
+        reserve = sum(sizes) + 2**16
+        late: list[ckpt.LateFile] = []
+
+        def fill(tmp: Path) -> None:
+            save_file(weights, str(tmp / ckpt.ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            config.save_pretrained(str(tmp))
+            files = {**trainer_state, ckpt.COMPLETE_FILES_KEY: list(ckpt.CHECKPOINT_FILES)}
+            ckpt.write_json(tmp / ckpt.TRAINER_STATE, files)
+            late.append(ckpt.LateFile(tmp, ckpt.OPTIMIZER, reserve))
+
+        try:
+            path = ckpt.write_checkpoint(checkpoint_dir, step, fill)
+            late[0].placed(path)
+        except BaseException:
+            for file in late:
+                file.close()
+            raise
+        pending = _Pending(step, late[0], state, Future())
+        pending.future = self._thread.submit(pending.write)
+        self._pending = pending
+        return path
+
+    def settle(self) -> None:
+        """Wait until the last step's optimizer state is on disk; a failed write is tried once more here,
+        and its error raised if it fails again (it is tried again at the next call)."""
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            pending.future.result()
+        except Exception:
+            traceback.print_exc()
+            pending.write()
+        pending.file.close()
+        self._pending = None
+
+    def close(self) -> None:
+        """Settle, then stop the thread."""
+        try:
+            self.settle()
+        finally:
+            self._thread.shutdown(wait=True)
+
+
+def host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """CPU copies of `tensors`, from a GPU in one batch of asynchronous transfers into pinned memory
+    (torch caches pinned blocks, so after the first step nothing is allocated) and one synchronisation."""
+    copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
+    if copies:
+        torch._foreach_copy_(copies, [t.detach() for t in tensors], non_blocking=True)
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()
+    return copies
