@@ -172,6 +172,17 @@ class LateFile:
                     os.close(fd)
 
 
+def is_complete(path: Path) -> bool:
+    """An adapter, and every file its trainer_state.json lists (the optimizer state follows the step's
+    answer by a moment); unreadable trainer state counts as incomplete."""
+    if not has_adapter(path) or not (Path(path) / TRAINER_STATE).exists():
+        return has_adapter(path)
+    try:
+        return not missing_files(path, read_trainer_state(path))
+    except (OSError, ValueError):
+        return False
+
+
 def missing_files(path: Path, trainer_state: dict[str, Any]) -> list[str]:
     """The files of the complete step (as its trainer_state.json lists them) that the folder lacks."""
     return [name for name in trainer_state.get(COMPLETE_FILES_KEY, ()) if not (Path(path) / name).is_file()]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from training_helpers import make_choice, trajectory
 
 from art_sglang.config import TrainerConfig
 from art_sglang.errors import TrainingError
-from art_sglang.storage.checkpoints import list_checkpoints
+from art_sglang.storage.checkpoints import is_complete, list_checkpoints, step_folders
 from art_sglang.training.options import TrainOptions
 from art_sglang.training.process import TrainerProcess
 from art_sglang.trajectories import TrajectoryGroup
@@ -50,6 +51,10 @@ def worker(folder: Path, checkpoints: Path, model: Path) -> TrainerProcess:
 
 
 def files(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` once its checkpoints are complete (optimizer.pt follows a step's answer)."""
+    deadline = time.monotonic() + 30
+    while not all(is_complete(p) for p in step_folders(folder)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
@@ -131,7 +136,7 @@ async def test_full_disk_is_refused_and_rolled_back(
         await proc.start()
         first = await proc.train(groups(tokenizer, 1), PPO)
         assert first.checkpoint_path is not None
-        size = sum(p.stat().st_size for p in first.checkpoint_path.iterdir())
+        size = sum(len(content) for name, content in files(checkpoints).items() if name.startswith("0001/"))
         # Leave room for half a checkpoint.
         with filler.open("wb") as handle, contextlib.suppress(OSError):
             handle.write(b"\0" * (shutil.disk_usage(small_disk).free - size // 2))

@@ -4,6 +4,7 @@ without signal, context-only trajectories, over-long sequences, and offload on C
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,7 @@ def test_rows_are_optimizer_steps(tiny_model_path: Path, tmp_path: Path, tokeniz
     trainer = Trainer(str(tiny_model_path), tmp_path, TrainerConfig())
     trainer.resume_or_init()
     outcome = trainer.train(batch(tokenizer), TrainOptions(packed_sequence_length=64), lambda _: None)
+    trainer.settle()  # the optimizer state follows the step's answer
     state = torch.load(outcome.checkpoint_path / "optimizer.pt")["state"]
     steps = {float(s["step"]) for s in state.values()}
     assert outcome.metrics["gradient_steps"] > 1 and steps == {outcome.metrics["gradient_steps"]}
@@ -162,6 +164,7 @@ def test_an_unreadable_optimizer_state_resumes_the_adapter_with_a_fresh_optimize
     trainer = Trainer(str(tiny_model_path), tmp_path, TrainerConfig())
     trainer.resume_or_init()
     trainer.train(batch(tokenizer), TrainOptions(learning_rate=5e-2), lambda _: None)
+    trainer.settle()
     optimizer = tmp_path / "0001" / "optimizer.pt"
     optimizer.write_bytes(optimizer.read_bytes()[:200])  # truncated
     resumed = Trainer(str(tiny_model_path), tmp_path, TrainerConfig())
@@ -173,6 +176,34 @@ def test_an_unreadable_optimizer_state_resumes_the_adapter_with_a_fresh_optimize
     assert [n for n in resumed.notes if "optimizer.pt" in n and "fresh optimizer" in n], resumed.notes
     outcome = resumed.train(batch(tokenizer), TrainOptions(learning_rate=5e-2), lambda _: None)
     assert outcome.trained and outcome.step == 2
+
+
+def test_the_step_answers_before_its_optimizer_state_is_written_and_an_incomplete_step_is_never_resumed(
+    tiny_model_path: Path, tmp_path: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer waits for the adapter (what the server loads), not for optimizer.pt, which a thread writes
+    meanwhile; a step whose optimizer.pt never arrived (the trainer stopped first) is set aside on resume,
+    which continues the step before it with that step's optimizer state."""
+    trainer = Trainer(str(tiny_model_path), tmp_path, TrainerConfig())
+    trainer.resume_or_init()
+    trainer.settle()
+    release = threading.Event()
+    save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, f: (release.wait(30), save(obj, f)))
+    outcome = trainer.train(batch(tokenizer), TrainOptions(learning_rate=5e-2), lambda _: None)
+    folder = outcome.checkpoint_path
+    assert (folder / "adapter_model.safetensors").is_file() and not (folder / "optimizer.pt").exists()
+    release.set()
+    trainer.settle()
+    assert torch.load(folder / "optimizer.pt")["state"]
+    assert [p.name for p in folder.iterdir() if ".tmp-" in p.name] == []
+
+    (folder / "optimizer.pt").unlink()  # as a crash before the rename leaves it
+    resumed = Trainer(str(tiny_model_path), tmp_path, TrainerConfig())
+    assert resumed.resume_or_init() == 0
+    [aside] = [p.name for p in tmp_path.iterdir() if p.name != "0000"]
+    assert aside.startswith("0001.broken-")
+    assert [n for n in resumed.notes if "0001" in n and "stopped before this step was complete" in n]
 
 
 def test_a_learning_rate_too_large_is_named_when_the_step_overflows(
