@@ -131,6 +131,8 @@ class Trainer:
             return self.step
         self.step = 0
         _, failure = self._write({})
+        if failure is None:
+            failure = self._settled()  # start-up answers with a complete step 0
         if failure is not None:
             raise TrainingError(failure)
         return 0
@@ -172,22 +174,26 @@ class Trainer:
     def _write(self, metrics: dict[str, float]) -> tuple[Path | None, str | None]:
         """save_checkpoint, or what went wrong in words (torch reports a full disk as 'enforce fail at
         inline_container.cc'), its traceback in the log."""
-        unsettled = self._writer.unsettled_step
-        try:
-            self._writer.settle()
-        except Exception as exc:
-            traceback.print_exc()
-            reason = write_failure(exc, self.checkpoint_dir)
-            return None, (
-                f"the optimizer state of checkpoint {unsettled} could not be written to {self.checkpoint_dir} "
-                f"(so step {self.step} was not saved either): {reason}"
-            )
+        failure = self._settled()
+        if failure is not None:
+            return None, f"{failure} (so step {self.step} was not saved either)"
         try:
             return self.save_checkpoint(metrics), None
         except Exception as exc:
             traceback.print_exc()
             reason = write_failure(exc, self.checkpoint_dir)
             return None, f"checkpoint {self.step} could not be written to {self.checkpoint_dir}: {reason}"
+
+    def _settled(self) -> str | None:
+        """Settle the last checkpoint; what went wrong in words, if it could not be completed."""
+        unsettled = self._writer.unsettled_step
+        try:
+            self._writer.settle()
+        except Exception as exc:
+            traceback.print_exc()
+            reason = write_failure(exc, self.checkpoint_dir)
+            return f"the optimizer state of checkpoint {unsettled} could not be written to {self.checkpoint_dir}: {reason}"
+        return None
 
     def _apply_checkpoint(self, path: Path, state: CheckpointState) -> None:
         from peft import set_peft_model_state_dict
