@@ -7,6 +7,7 @@ import contextlib
 import re
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ if str(REPO) not in sys.path:
 
 import art_sglang as art  # noqa: E402
 from art_sglang.serving.servers.process import claim_port, release_port  # noqa: E402
+from art_sglang.storage.checkpoints import is_complete, step_folders  # noqa: E402
 from environments.char_share import CharShareTask  # noqa: E402
 
 TASK = CharShareTask(max_tokens=6)
@@ -74,8 +76,18 @@ async def chat(
         return response
 
 
+def settled(checkpoints: Path, timeout_s: float = 30.0) -> None:
+    """Wait until every step folder under `checkpoints` is complete: a step's optimizer.pt follows its
+    answer by a moment (training/checkpoint_writer.py)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(is_complete(p) for p in step_folders(checkpoints)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def tree_snapshot(root: Path) -> dict[str, int]:
-    """Every file under `root` with its size: compared before and after to prove nothing changed."""
+    """Every file under `root` (its checkpoints complete) with its size: compared before and after to
+    prove nothing changed."""
+    settled(root)
     return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
 
 

@@ -8,19 +8,19 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from backend_helpers import settled
 from safetensors.torch import load_file
 from training_helpers import make_choice, trajectory
 
 from art_sglang.config import TrainerConfig
 from art_sglang.errors import TrainingError
-from art_sglang.storage.checkpoints import is_complete, list_checkpoints, step_folders
+from art_sglang.storage.checkpoints import list_checkpoints
 from art_sglang.training.options import TrainOptions
 from art_sglang.training.process import TrainerProcess
 from art_sglang.trajectories import TrajectoryGroup
@@ -52,9 +52,7 @@ def worker(folder: Path, checkpoints: Path, model: Path) -> TrainerProcess:
 
 def files(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` once its checkpoints are complete (optimizer.pt follows a step's answer)."""
-    deadline = time.monotonic() + 30
-    while not all(is_complete(p) for p in step_folders(folder)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    settled(folder)
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
