@@ -13,7 +13,7 @@ from training_helpers import make_choice, sampled
 
 from art_sglang.errors import TrainingInputError
 from art_sglang.training.tokenize import ChatTokenizer, TokenizeStats, tokenize_groups
-from art_sglang.training.validation import for_trainer, groups_to_wire, validate_groups
+from art_sglang.training.validation import for_trainer, groups_to_wire, logprob_entries, validate_groups
 from art_sglang.trajectories import Trajectory, TrajectoryGroup
 
 
@@ -122,10 +122,10 @@ def test_the_worker_is_sent_only_what_it_reads_and_trains_the_same(
     wire = groups_to_wire([TrajectoryGroup([choice_trajectory(exact), choice_trajectory(text)])])
     full = copy.deepcopy(wire)
     slim = for_trainer(wire)
-    sent_exact, sent_text = (
-        t["messages_and_choices"][1]["logprobs"]["content"] for t in slim[0]["trajectories"]
-    )
-    assert sent_exact == [{"logprob": -0.5}] * len(ids)
+    sent_exact, sent_text = (t["messages_and_choices"][1]["logprobs"] for t in slim[0]["trajectories"])
+    assert list(sent_exact) == ["packed_float64"]  # the values only, as bytes
+    assert logprob_entries({"logprobs": sent_exact}) == [{"logprob": -0.5}] * len(ids)
+    sent_text = sent_text["content"]
     assert all(set(e) == {"token", "bytes", "logprob"} for e in sent_text) and len(sent_text) > 1
     assert wire == full  # the caller's groups are left as they were
     validate_groups(slim, allow_training_without_logprobs=False)
