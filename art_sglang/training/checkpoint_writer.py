@@ -42,6 +42,7 @@ class CheckpointWriter:
     def __init__(self) -> None:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optimizer-state")
         self._pending: _Pending | None = None
+        self._buffers: list[torch.Tensor] = []
 
     @property
     def unsettled_step(self) -> int | None:
@@ -63,15 +64,15 @@ class CheckpointWriter:
 
         self.settle()
         weights, config = adapter
-        weights = dict(zip(weights, host_copies(list(weights.values())), strict=True))
-        sizes: list[int] = []
+        copied: list[torch.Tensor] = []
 
         def copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-            sizes.extend(t.numel() * t.element_size() + _ZIP_OVERHEAD for t in tensors)
-            return host_copies(tensors)
+            copied.extend(self._host_copies([*weights.values(), *tensors]))
+            return copied[len(weights) :]
 
         state = copy_optimizer_state(optimizer, copies)
-        reserve = sum(sizes) + 2**16
+        weights = dict(zip(weights, copied[: len(weights)], strict=True))
+        reserve = sum(t.numel() * t.element_size() + _ZIP_OVERHEAD for t in copied[len(weights) :]) + 2**16
         late: list[ckpt.LateFile] = []
 
         def fill(tmp: Path) -> None:
@@ -93,6 +94,18 @@ class CheckpointWriter:
         self._pending = pending
         return path
 
+    def _host_copies(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of `tensors` in host buffers kept from step to step (pinned for a GPU's, so the copy is one
+        batch of asynchronous transfers and one synchronisation; fresh host memory costs page faults per
+        step). The buffers are free again once the last write is settled."""
+        if [(t.shape, t.dtype) for t in tensors] != [(b.shape, b.dtype) for b in self._buffers]:
+            self._buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
+        if tensors:
+            torch._foreach_copy_(self._buffers, [t.detach() for t in tensors], non_blocking=True)
+        if any(t.is_cuda for t in tensors):
+            torch.cuda.synchronize()
+        return list(self._buffers)
+
     def settle(self) -> None:
         """Wait until the last step's optimizer state is on disk; a failed write is tried once more here,
         and its error raised if it fails again (it is tried again at the next call)."""
@@ -113,14 +126,3 @@ class CheckpointWriter:
             self.settle()
         finally:
             self._thread.shutdown(wait=True)
-
-
-def host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """CPU copies of `tensors`, from a GPU in one batch of asynchronous transfers into pinned memory
-    (torch caches pinned blocks, so after the first step nothing is allocated) and one synchronisation."""
-    copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
-    if copies:
-        torch._foreach_copy_(copies, [t.detach() for t in tensors], non_blocking=True)
-    if any(t.is_cuda for t in tensors):
-        torch.cuda.synchronize()
-    return copies
