@@ -4,6 +4,7 @@ without signal, context-only trajectories, over-long sequences, and offload on C
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from art_sglang.errors import TrainerError
 from art_sglang.tiny_model import build_tiny_model
 from art_sglang.training.options import TrainOptions
 from art_sglang.training.packing import plan_micro_batches
+from art_sglang.training.ranks import Ranks
 from art_sglang.training.tokenize import TokenizedSequence
 from art_sglang.training.trainer import Trainer
 from art_sglang.training.validation import groups_to_wire
@@ -44,6 +46,24 @@ def test_plan_micro_batches_respects_budget() -> None:
     seqs = [TokenizedSequence([0] * n, [0] * n, [0.0] * n, 0, i) for i, n in enumerate([5, 30, 12, 12, 8])]
     plan = plan_micro_batches(seqs, 24)
     assert [[len(s.input_ids) for s in b] for b in plan] == [[30], [12, 12], [8, 5]]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_ranks_split_a_row_so_the_slowest_rank_forwards_the_least(world: int) -> None:
+    """The GPU bench's row (24 sequences of ~1k tokens, a budget of 8 per micro-batch): each rank gets its
+    equal share and micro-batches it, 2 ranks 8+4 each (4 micro-batches in all where one rank runs 3).
+    Dealing out the one-rank plan's micro-batches instead keeps the count at 3 but gives one rank 8+8:
+    the step waits for the slowest rank, so fewer micro-batches in all would be slower."""
+    row = [TokenizedSequence([1] * 1020, [0] + [1] * 1019, [0.0] * 1020, 0, i) for i in range(24)]
+    shares = [Ranks(rank, world).share(row, lambda s: len(s.input_ids)) for rank in range(world)]
+    plans = [[len(b) for b in plan_micro_batches(share, 8192)] for share in shares]
+    assert sorted(s.trajectory for share in shares for s in share) == list(range(24))
+    assert plans == {2: [[8, 4], [8, 4]], 3: [[8], [8], [8]]}[world]
+    # No split does better for the slowest rank: it needs ceil(24 / world / 8) micro-batches at least, and
+    # holds at least 24 / world sequences.
+    assert (
+        max(len(p) for p in plans) == math.ceil(24 / world / 8) and max(sum(p) for p in plans) == 24 // world
+    )
 
 
 def test_micro_batches_accumulate_to_the_full_batch_step(
