@@ -131,30 +131,29 @@ def write_checkpoint(checkpoint_dir: Path, step: int, write: Callable[[Path], No
 
 
 class LateFile:
-    """A file of a checkpoint written after its folder is renamed into place. Its space is taken when it
-    is created in the temp folder, so a full disk fails the checkpoint's write, not this file later;
-    `finish` fills it, fsyncs it and renames it to its name (through a descriptor of the folder, which
-    follows the folder if it is set aside meanwhile), so it is there whole or not at all."""
+    """A file of a checkpoint written after its folder is renamed into place. Created in the temp folder
+    with its space taken, so a full disk fails the checkpoint's write, not this file later; `finish` fills
+    it, fsyncs it and renames it to its name through a descriptor of the folder (which follows the folder's
+    renames: into place, or aside), so it is there whole or not at all."""
 
     def __init__(self, folder: Path, name: str, size: int) -> None:
         self._name = name
         self._tmp = f"{name}{_TMP_MARK}{secrets.token_hex(4)}"
-        self._fd = os.open(Path(folder) / self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        self._folder: int | None = None
+        self._folder = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=self._folder)
+        except BaseException:
+            os.close(self._folder)
+            raise
         try:
             os.posix_fallocate(self._fd, 0, max(size, 1))
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without reservations
-                os.close(self._fd)
+                self.close()
                 raise
-
-    def placed(self, folder: Path) -> None:
-        """The temp folder was renamed to `folder` (call it right after the rename)."""
-        self._folder = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
 
     def finish(self, write: Callable[[BinaryIO], None]) -> None:
         """Write the file (again, after a failed try) and rename it into place."""
-        assert self._folder is not None, "finish() before placed()"
         with os.fdopen(os.dup(self._fd), "r+b") as stream:
             stream.seek(0)
             write(stream)
@@ -167,9 +166,8 @@ class LateFile:
 
     def close(self) -> None:
         for fd in (self._fd, self._folder):
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def is_complete(path: Path) -> bool:

@@ -84,7 +84,6 @@ class CheckpointWriter:
 
         try:
             path = ckpt.write_checkpoint(checkpoint_dir, step, fill)
-            late[0].placed(path)
         except BaseException:
             for file in late:
                 file.close()

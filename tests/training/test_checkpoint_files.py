@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,3 +79,31 @@ def test_existing_complete_checkpoint_is_not_overwritten(tmp_path: Path) -> None
     ckpt.write_checkpoint(tmp_path, 4, fill)
     with pytest.raises(FileExistsError):
         ckpt.write_checkpoint(tmp_path, 4, fill)
+
+
+def test_a_late_file_is_there_whole_or_not_at_all_and_follows_its_folder(tmp_path: Path) -> None:
+    """The optimizer state written after the rename: a failed write leaves no file under its name, and a
+    step set aside meanwhile (the server refused it) takes the file along."""
+    late: list[ckpt.LateFile] = []
+
+    def published(folder: Path) -> None:
+        for name in ckpt.PUBLISHED_FILES:
+            (folder / name).write_text("{}")
+        ckpt.write_json(folder / ckpt.TRAINER_STATE, {ckpt.COMPLETE_FILES_KEY: list(ckpt.CHECKPOINT_FILES)})
+        late.append(ckpt.LateFile(folder, ckpt.OPTIMIZER, 1024))
+
+    path = ckpt.write_checkpoint(tmp_path, 1, published)
+    assert ckpt.list_checkpoints(tmp_path) == [1] and not ckpt.is_complete(path)
+
+    def fails(stream: Any) -> None:
+        stream.write(b"half")
+        raise OSError("I/O error")
+
+    with pytest.raises(OSError, match="I/O error"):
+        late[0].finish(fails)
+    assert not (path / ckpt.OPTIMIZER).exists() and not ckpt.is_complete(path)
+    aside = ckpt.set_aside(path)
+    late[0].finish(lambda stream: stream.write(b"state"))
+    late[0].close()
+    assert (aside / ckpt.OPTIMIZER).read_bytes() == b"state" and ckpt.is_complete(aside)
+    assert sorted(p.name for p in aside.iterdir()) == sorted(ckpt.CHECKPOINT_FILES)
