@@ -30,11 +30,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 OPTIMIZER = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
 CHECKPOINT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER, TRAINER_STATE)
-PUBLISHED_FILES = (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    TRAINER_STATE,
-)  # what the rename needs; the adapter serves
+# What the rename needs (the adapter serves from then on); optimizer.pt may follow.
+PUBLISHED_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINER_STATE)
 COMPLETE_FILES_KEY = "files"  # in trainer_state.json: every file of the complete step
 _STEP_DIR = re.compile(r"^\d{4,}$")
 _TMP_MARK = ".tmp-"
@@ -173,8 +170,10 @@ class LateFile:
 def is_complete(path: Path) -> bool:
     """An adapter, and every file its trainer_state.json lists (the optimizer state follows the step's
     answer by a moment); unreadable trainer state counts as incomplete."""
-    if not has_adapter(path) or not (Path(path) / TRAINER_STATE).exists():
-        return has_adapter(path)
+    if not has_adapter(path):
+        return False
+    if not (Path(path) / TRAINER_STATE).exists():  # ART's layout: the adapter is the whole step
+        return True
     try:
         return not missing_files(path, read_trainer_state(path))
     except (OSError, ValueError):
