@@ -69,7 +69,8 @@
 #   training_devices=[1, 2, 3]) through 3 synchronous and 2 pipelined steps on the 1.5B shape (GPU roles and
 #   memory per step, nothing left after close()), four-gpu-7b the same on the 7B shape (~7 min, after
 #   models-7b); bench-trainer-ddp3 (~3.5 min): trainer tokens/s and where a step's time goes on 1, 2 and 3
-#   ranks; bench-pipeline-four-gpu (~5 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop
+#   ranks; bench-trainer-ddp3-mb24k (~3.5 min): the same with a row's share forwarded as one micro-batch
+#   (does a row's second micro-batch cost more than its first?); bench-pipeline-four-gpu (~5 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop
 #   on the example's layout; bench-pipeline-replicas (~4 min, after stage.sh art and router): the same with 2
 #   replicas (GPUs 0-1) and 2 ranks (GPUs 2-3)
 # replicas-1gpu (~4 min, 1 GPU, stage.sh router first): two replicas on the first visible GPU behind the router
@@ -291,6 +292,9 @@ for name in "$@"; do
     bench-trainer-ddp3) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2,3
                              --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 8192 --steps 3
                              --name bench_trainer_ddp3 --work /tmp/bench-trainer-ddp3 --out "$results") ;;
+    bench-trainer-ddp3-mb24k) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2,3
+                             --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 24576 --steps 3
+                             --name bench_trainer_ddp3_mb24k --work /tmp/bench-trainer-ddp3-mb24k --out "$results") ;;
     *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
   esac
   # Each pytest suite keeps its own temporary folder, so several suites can run at once (device/per_gpu.sh) and
