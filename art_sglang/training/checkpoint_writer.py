@@ -6,8 +6,8 @@ and renamed into place (checkpoints.write_checkpoint). optimizer.pt (twice the a
 reserved before the rename (checkpoints.LateFile), while the next step computes. trainer_state.json lists
 the complete step's files: a step whose optimizer.pt never arrived (the trainer stopped first) is
 incomplete, and resume sets it aside rather than continue it with a fresh optimizer. `settle` waits for
-the write (the next checkpoint, every other command and the worker's exit call it), tries a failed one
-again, and raises if that fails too."""
+the write (the next checkpoint and the worker's exit call it; not offload, which follows a step at once in
+shared mode), tries a failed one again, and raises if that fails too."""
 
 from __future__ import annotations
 

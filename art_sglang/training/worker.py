@@ -112,8 +112,6 @@ def _serve(channel: _Channel | None, ranks: Any) -> None:
                     continue
                 if trainer is None:
                     raise RuntimeError(f"{cmd!r} before init")
-                if cmd not in ("train", "sft"):  # a step waits for the last optimizer state at its checkpoint
-                    trainer.settle()
                 if cmd == "train":
                     options = TrainOptions.model_validate(request["options"])
                     outcome = trainer.train(
