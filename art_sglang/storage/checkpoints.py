@@ -4,7 +4,8 @@ trainer_state.json. A checkpoint is written into `<step:04d>.tmp-<random>` in th
 file fsynced, then renamed into place, so a crash never leaves a half-written folder under a step name.
 The optimizer state may follow the rename (`LateFile`: a temp name, fsync, rename, so it is there whole
 or not at all): trainer_state.json lists the files of the complete step, and a step that lacks one of them
-(the trainer stopped before it was written) is incomplete, never resumed (`missing_files`).
+(the trainer stopped before it was written) is incomplete (`missing_files`). Its adapter was published
+(served under its name), so it is still resumed, with a fresh optimizer.
 
 ART's LocalBackend writes the same layout with the adapter files only; such a folder is a checkpoint too
 (resumed with a fresh optimizer). A folder under a step name that is not a readable adapter is never

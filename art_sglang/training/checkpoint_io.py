@@ -72,22 +72,26 @@ def read_checkpoint(path: Path, device: torch.device) -> CheckpointState:
     except Exception as exc:  # safetensors raises its own error types for a truncated file
         raise unreadable(ckpt.ADAPTER_WEIGHTS, exc) from None
     optimizer = optimizer_problem = None
-    if (path / ckpt.OPTIMIZER).exists():
-        try:
-            optimizer = torch.load(path / ckpt.OPTIMIZER, map_location=device)
-        except Exception as exc:  # torch.load raises pickle, zip and runtime errors alike
-            optimizer_problem = str(unreadable(ckpt.OPTIMIZER, exc))
     trainer_state = None
     if (path / ckpt.TRAINER_STATE).exists():
         try:
             trainer_state = ckpt.read_trainer_state(path)
         except (OSError, ValueError) as exc:
             raise unreadable(ckpt.TRAINER_STATE, exc) from None
-    elif optimizer is not None:
-        raise unreadable(ckpt.TRAINER_STATE, "missing next to the optimizer state")
     missing = ckpt.missing_files(path, trainer_state or {})
-    if missing:
+    if [name for name in missing if name != ckpt.OPTIMIZER]:
         raise unreadable(missing[0], "missing: the trainer stopped before this step was complete")
+    if missing:
+        # The optimizer state follows the step's answer: the adapter was published (served under its
+        # name), so the step stays; only its moments are lost, as with ART's adapter-only checkpoints.
+        optimizer_problem = f"{path / ckpt.OPTIMIZER}: missing (the trainer stopped before it was written)"
+    elif (path / ckpt.OPTIMIZER).exists():
+        try:
+            optimizer = torch.load(path / ckpt.OPTIMIZER, map_location=device)
+        except Exception as exc:  # torch.load raises pickle, zip and runtime errors alike
+            optimizer_problem = str(unreadable(ckpt.OPTIMIZER, exc))
+    if trainer_state is None and optimizer is not None:
+        raise unreadable(ckpt.TRAINER_STATE, "missing next to the optimizer state")
     return CheckpointState(adapter_config, weights, optimizer, trainer_state, optimizer_problem)
 
 

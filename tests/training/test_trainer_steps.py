@@ -198,12 +198,12 @@ def test_an_unreadable_optimizer_state_resumes_the_adapter_with_a_fresh_optimize
     assert outcome.trained and outcome.step == 2
 
 
-def test_the_step_answers_before_its_optimizer_state_is_written_and_an_incomplete_step_is_never_resumed(
+def test_the_step_answers_before_its_optimizer_state_is_written_and_an_incomplete_step_keeps_its_adapter(
     tiny_model_path: Path, tmp_path: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The answer waits for the adapter (what the server loads), not for optimizer.pt, which a thread writes
-    meanwhile; a step whose optimizer.pt never arrived (the trainer stopped first) is set aside on resume,
-    which continues the step before it with that step's optimizer state."""
+    meanwhile; a step whose optimizer.pt never arrived (the trainer stopped first) was served under its name,
+    so resume keeps it, its adapter with a fresh optimizer, and says so."""
     trainer = Trainer(str(tiny_model_path), tmp_path, TrainerConfig())
     trainer.resume_or_init()
     trainer.settle()
@@ -220,10 +220,16 @@ def test_the_step_answers_before_its_optimizer_state_is_written_and_an_incomplet
 
     (folder / "optimizer.pt").unlink()  # as a crash before the rename leaves it
     resumed = Trainer(str(tiny_model_path), tmp_path, TrainerConfig())
-    assert resumed.resume_or_init() == 0
-    [aside] = [p.name for p in tmp_path.iterdir() if p.name != "0000"]
-    assert aside.startswith("0001.broken-")
-    assert [n for n in resumed.notes if "0001" in n and "stopped before this step was complete" in n]
+    assert resumed.resume_or_init() == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0000", "0001"]
+    assert not resumed.optimizer.state
+    assert [n for n in resumed.notes if "optimizer.pt: missing" in n and "fresh optimizer" in n], (
+        resumed.notes
+    )
+    trained = dict(trainer.model.named_parameters())
+    for name, param in resumed.model.named_parameters():
+        if param.requires_grad:
+            assert torch.equal(param.detach().cpu(), trained[name].detach().cpu()), name
 
 
 def test_a_learning_rate_too_large_is_named_when_the_step_overflows(
