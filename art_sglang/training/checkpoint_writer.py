@@ -5,7 +5,7 @@ and renamed into place (checkpoints.write_checkpoint). optimizer.pt (twice the a
 0.3 s of serialisation and fsync at 1.5B) is written from a host copy in a background thread into space
 reserved before the rename (checkpoints.LateFile), while the next step computes. trainer_state.json lists
 the complete step's files: a step whose optimizer.pt never arrived (the trainer stopped first) is
-incomplete, and resume sets it aside rather than continue it with a fresh optimizer. `settle` waits for
+incomplete; its adapter was served under its name, so resume keeps it, with a fresh optimizer. `settle` waits for
 the write (the next checkpoint and the worker's exit call it; not offload, which follows a step at once in
 shared mode), tries a failed one again, and raises if that fails too."""
 
@@ -99,8 +99,8 @@ class CheckpointWriter:
         step). The buffers are free again once the last write is settled."""
         if [(t.shape, t.dtype) for t in tensors] != [(b.shape, b.dtype) for b in self._buffers]:
             self._buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
-        if tensors:
-            torch._foreach_copy_(self._buffers, [t.detach() for t in tensors], non_blocking=True)
+        for buffer, tensor in zip(self._buffers, tensors, strict=True):
+            buffer.copy_(tensor.detach(), non_blocking=True)  # into pinned memory: queued, not waited for
         if any(t.is_cuda for t in tensors):
             torch.cuda.synchronize()
         return list(self._buffers)
