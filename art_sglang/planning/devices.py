@@ -435,5 +435,5 @@ def require_ray() -> None:
     if not installed:
         raise ConfigError(
             "cluster= runs the inference replicas as Ray actors, and Ray is not installed in this "
-            "environment: pip install 'art-sglang[ray]'"
+            "environment: pip install -e '.[ray]' in the art_sglang checkout"
         )
