@@ -3,7 +3,7 @@ with xgrammar, SGLang's default grammar backend: which tokens a grammar allows n
 over a sampled token. The trainer replays a rollout's grammar over its sampled ids with it; the reference
 engine samples under it.
 
-xgrammar is optional (`pip install 'art-sglang[grammars]'`): without it `available()` is False, the
+xgrammar is optional (the `[grammars]` extra): without it `available()` is False, the
 trainer refuses grammar-constrained rollouts and the reference engine answers grammar requests with 400
 (`constraints.grammars_available()`, which needs no torch).
 The vocabulary is the model's (SGLang builds xgrammar's tokenizer info with the model config's vocab size

@@ -311,7 +311,12 @@ def test_auto_detect_off_trusts_the_config_without_gpus_found():
         ),
         (
             lambda: layout_for(discovery=NO_GPU, inference_device=0, training_devices=[1]),
-            "inference_device/training_devices were set but no GPU is visible (nvidia-smi not found)",
+            "inference_device/training_devices were set but no GPU is visible (nvidia-smi not found); check "
+            "the driver and CUDA_VISIBLE_DEVICES, leave out inference_device/training_devices to run on CPU",
+        ),
+        (
+            lambda: layout_for(discovery=NO_GPU, engine="sglang", inference_device=0, training_devices=[1]),
+            "use engine='reference' without inference_device/training_devices to run on CPU",
         ),
         (
             lambda: layout_for(discovery=visible(2), engine="reference", training_devices=[1]),
@@ -355,6 +360,25 @@ def test_impossible_settings_fail_with_the_fix(call, message):
     with pytest.raises(ConfigError) as error:
         call()
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("asked", "advised"),
+    [
+        ({"engine": "sglang"}, {"engine": "reference"}),
+        ({"inference_device": 0, "training_devices": [1, 2, 3]}, {}),
+        ({"engine": "sglang", "inference_device": 0, "training_devices": [1]}, {"engine": "reference"}),
+    ],
+)
+def test_the_no_gpu_error_advises_settings_that_run_on_cpu(asked, advised):
+    # Its advice, followed to the letter, must not lead into the next ConfigError (engine='reference' refuses
+    # GPU indices, so "use engine='reference'" alone was not enough when GPUs were set).
+    with pytest.raises(ConfigError) as error:
+        layout_for(discovery=NO_GPU, **asked)
+    message = str(error.value)
+    assert ("use engine='reference'" in message) == ("engine" in advised)
+    assert ("leave out inference_device/training_devices" in message) == ("engine" not in advised)
+    assert layout_for(discovery=NO_GPU, **advised).mode == "cpu"
 
 
 @pytest.mark.parametrize(

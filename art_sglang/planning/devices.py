@@ -298,9 +298,15 @@ def choose_layout(
     if not gpus and not trust_config:
         if engine == "sglang" or explicit:
             asked = "engine='sglang'" if engine == "sglang" else "inference_device/training_devices were set"
+            # engine='reference' refuses GPU indices, so running on CPU means leaving out what was asked.
+            to_cpu = {
+                (True, False): "use engine='reference'",
+                (False, True): "leave out inference_device/training_devices",
+                (True, True): "use engine='reference' without inference_device/training_devices",
+            }[(engine == "sglang", explicit)]
             raise ConfigError(
                 f"{asked} but no GPU is visible ({discovery.detail}); check the driver and "
-                "CUDA_VISIBLE_DEVICES, use engine='reference' to run on CPU, or set "
+                f"CUDA_VISIBLE_DEVICES, {to_cpu} to run on CPU, or set "
                 "DeviceConfig(auto_detect=False, ...) to use the given GPU indices without detection"
             )
         return DeviceLayout("cpu", "reference", (), (), f"no GPU visible: {discovery.detail}", cuda_ids)
@@ -429,5 +435,5 @@ def require_ray() -> None:
     if not installed:
         raise ConfigError(
             "cluster= runs the inference replicas as Ray actors, and Ray is not installed in this "
-            "environment: pip install 'art-sglang[ray]'"
+            "environment: pip install -e '.[ray]' in the art_sglang checkout"
         )

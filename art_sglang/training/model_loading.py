@@ -39,7 +39,9 @@ def choose_backend(use_unsloth: bool | Literal["auto"]) -> Backend:
     if not torch.cuda.is_available():
         raise TrainerError("use_unsloth=True needs a CUDA GPU, and none is visible to the trainer")
     if not installed:
-        raise TrainerError("use_unsloth=True but unsloth is not installed (pip install 'art-sglang[train]')")
+        raise TrainerError(
+            "use_unsloth=True but unsloth is not installed (pip install -e '.[train]' in the art_sglang checkout)"
+        )
     return "unsloth"
 
 

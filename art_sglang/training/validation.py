@@ -317,7 +317,7 @@ def _validate_constraint(choice: WireGroup, where: str, train_unconstrained: boo
     if constraint.grammar is not None and not grammars_available():
         problem = (
             f"it was sampled under a {constraint.grammar.kind} grammar, which this trainer replays only with "
-            "xgrammar (pip install 'art-sglang[grammars]' where train() runs); without it its logprobs would "
+            "xgrammar (pip install -e '.[grammars]' in the art_sglang checkout, where train() runs); without it its logprobs would "
             "be computed without the grammar's mask"
         )
     elif ids is None:

@@ -293,5 +293,7 @@ def test_cuda_mps_on_where_it_cannot_apply_is_refused(monkeypatch, tmp_path):
 
 def test_a_cluster_without_ray_installed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray finds
-    with pytest.raises(ConfigError, match=r"Ray is not installed.*art-sglang\[ray\]"):
+    with pytest.raises(
+        ConfigError, match=r"Ray is not installed.*pip install -e '\.\[ray\]' in the art_sglang checkout"
+    ):
         SGLangBackend(cluster=art.ClusterConfig(gpus_per_replica=0))
