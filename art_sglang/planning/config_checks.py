@@ -58,6 +58,11 @@ def check_request(
 
 def check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
     """Configuration clashes between server and trainer, found before anything starts."""
+    if sglang.weight_sync_method == "merged" and trainer.load_in_4bit:
+        raise ConfigError(
+            "weight_sync_method='merged' serves the bf16 base plus the adapter, merged by the trainer; a "
+            "4-bit trainer base is not the server's base: set load_in_4bit=False or weight_sync_method='lora'"
+        )
     if trainer.lora_rank > sglang.max_lora_rank:
         raise ConfigError(
             f"TrainerConfig(lora_rank={trainer.lora_rank}) exceeds SGLangConfig(max_lora_rank="
@@ -118,8 +123,8 @@ def check_same_server(model: Any, settings: ModelSettings, plan: ServingPlan, se
         )
     if not SYNC_TRAITS[plan.weight_sync].several_models:
         raise ConfigError(
-            "weight_sync_method='disk' merges one model's weights into the server's base weights, so "
-            "only one model can be registered: use weight_sync_method='lora' to serve several"
+            f"weight_sync_method={plan.weight_sync!r} merges one model's weights into the server's base "
+            "weights, so only one model can be registered: use weight_sync_method='lora' to serve several"
         )
     different: dict[str, Any] = {
         key: value
