@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from backend_helpers import bearer, chat, sample_groups
+from backend_helpers import bearer, chat, kill_tree, sample_groups, settled
 
 import art_sglang as art
 from art_sglang import SGLangBackend, SGLangConfig
@@ -156,5 +156,39 @@ async def test_a_failed_push_is_pushed_again_then_restarts_the_server(
         assert version == "fused@2"
         assert (await chat(gateway, "fused@1")).status_code == 404
         await _assert_as_peft_merges(service, model.base_model, store, served, tmp_path)
+    finally:
+        await backend.close()
+
+
+async def test_a_trainer_that_dies_mid_push_is_restarted_and_pushes_the_step_whole(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer killed while the server holds the first bucket of step 1 (a mix): it restarts from its
+    newest complete checkpoint, step 1, and pushes that whole before `fused@1` is served."""
+    path = tmp_path / ".art"
+    backend = _backend(path)
+    model = art.TrainableModel(name="fused", project="merged", base_model=str(tiny_model_path))
+    store = ModelStore(path, "merged", "fused")
+    original = ServerClient.update_weights_from_tensor
+    killed: list[int] = []
+    armed: list[bool] = []  # once registered
+
+    async def killing(self: ServerClient, payload: str, **kwargs: Any) -> None:
+        await original(self, payload, **kwargs)
+        if armed and not killed:  # step 1's first bucket, once
+            settled(store.checkpoint_dir(1).parent)  # step 1 resumable
+            killed.append(kill_tree(backend.trainer(model).pid))
+
+    monkeypatch.setattr(ServerClient, "update_weights_from_tensor", killing)
+    try:
+        await model.register(backend)
+        armed.append(True)
+        service = backend.inference
+        assert service is not None
+        assert await _train_step(backend, model, 1) == 1
+        assert killed and backend.trainer(model).pid not in killed
+        served, version = await _forced_logprobs(model.inference_base_url.removesuffix("/v1"), "fused@1")
+        assert version == "fused@1"
+        await _assert_as_peft_merges(service, model.base_model, store, {1: served}, tmp_path)
     finally:
         await backend.close()
