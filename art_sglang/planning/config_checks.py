@@ -211,6 +211,19 @@ def check_cluster_sync(config: SGLangConfig) -> None:
         )
 
 
+def check_merged_push(config: SGLangConfig, layout: DeviceLayout) -> None:
+    """Merged weights reach an SGLang server as CUDA IPC handles of the trainer's GPU: built for one server
+    of one GPU that the trainer shares (docs/merged-rollouts.md; the NCCL push is not built yet)."""
+    if config.weight_sync_method != "merged" or layout.engine != "sglang":
+        return
+    if layout.mode != "shared" or len(layout.replicas) > 1 or len(layout.training_gpus) > 1:
+        raise ConfigError(
+            "weight_sync_method='merged' pushes the trainer's weights by CUDA IPC, built for one server that "
+            "shares the trainer's one GPU; split mode, replicas and several training GPUs need the NCCL push, "
+            "not built yet: use weight_sync_method='lora' or 'disk'"
+        )
+
+
 def pipelining_problem(
     handoff: HandoffStrategy, *, gateway: bool, weight_sync: WeightSyncMethod
 ) -> str | None:

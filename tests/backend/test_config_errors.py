@@ -249,6 +249,16 @@ def test_merged_weights_refuse_a_4bit_base_and_a_second_model():
     later = SimpleNamespace(name="later", project="p", base_model="m")
     with pytest.raises(ConfigError, match=r"weight_sync_method='merged'.*only one model"):
         check_same_server(later, model_settings(None, request.trainer), plan, "m")
+    # On SGLang the push is CUDA IPC from the trainer's GPU: one server sharing it, until the NCCL push.
+    shared = DeviceLayout("shared", "sglang", (0,), (0,), "test")
+    plan = make_plan(BackendRequest(merged, TrainerConfig(), layout=shared), None, detect_gpus())
+    assert plan.weight_sync == "merged"
+    for layout in (
+        DeviceLayout("split", "sglang", (0,), (1,), "test"),
+        DeviceLayout("shared", "sglang", (0, 1), (0, 1), "test", replica_gpus=((0,), (1,))),
+    ):
+        with pytest.raises(ConfigError, match=r"CUDA IPC.*NCCL push, not built yet"):
+            make_plan(BackendRequest(merged, TrainerConfig(), layout=layout), None, detect_gpus())
 
 
 def test_replicas_sharing_a_gpu_split_its_memory_and_each_gets_its_gpus(tmp_path):
