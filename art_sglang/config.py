@@ -15,7 +15,9 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from .tool_choice import DEFAULT_PARSER
 
-WeightSyncMethod = Literal["lora", "disk", "restart"]
+WeightSyncMethod = Literal["lora", "disk", "restart", "merged"]
+# The launch flags of LoRA serving, left out where no adapter is ever loaded (weight_sync_method="merged").
+LORA_FLAGS = frozenset({"max_loras_per_batch", "max_lora_rank", "lora_target_modules", "lora_backend"})
 SharedStrategy = Literal["sleep", "restart", "co_resident"]
 CudaMpsMode = Literal["auto", "on", "off"]
 SleepRelease = Literal["auto", "kv_cache", "all"]
@@ -104,7 +106,15 @@ class SGLangConfig(BaseModel):
     weight_sync_method: WeightSyncMethod = Field(
         "lora",
         description="How a new step reaches the server: 'lora' hot-loads the adapter, 'disk' merges it and "
-        "calls update_weights_from_disk, 'restart' restarts the server with the adapter preloaded.",
+        "calls update_weights_from_disk, 'restart' restarts the server with the adapter preloaded, 'merged' "
+        "(opt-in, docs/merged-rollouts.md) starts the server without LoRA and pushes the trainer's merged "
+        "weights from memory after each step (update_weights_from_tensor).",
+    )
+    merged_bucket_bytes: int = Field(
+        512 << 20,
+        ge=1,
+        description="weight_sync_method='merged': the most bytes of merged weights pushed in one request (the "
+        "server holds one such bucket beside its weights while it loads).",
     )
     flush_cache_on_sync: bool = Field(False, description="Flush the prefix cache after each weight sync.")
     server_timeout: float = Field(
@@ -292,10 +302,14 @@ class SGLangConfig(BaseModel):
     def server_args(self, model_path: str, port: int) -> list[str]:
         """Arguments after `python -m sglang.launch_server` (the reference engine takes the same): the
         `LaunchFlag` fields in field order. A switch is given when True, a None value leaves its flag out
-        (the server's own default), a list gives its items."""
-        args = ["--model-path", model_path, "--host", self.host, "--port", str(port), "--enable-lora"]
+        (the server's own default), a list gives its items. With merged weights LoRA is off (`LORA_FLAGS`)."""
+        lora = self.weight_sync_method != "merged"  # merged weights: no LoRA kernels at all
+        args = ["--model-path", model_path, "--host", self.host, "--port", str(port)]
+        args += ["--enable-lora"] if lora else []
         for field, flag in LAUNCH_FLAGS.items():
             value = getattr(self, field)
+            if field in LORA_FLAGS and not lora:
+                continue
             if isinstance(value, bool):
                 args.extend([flag] if value else [])
             elif isinstance(value, list):

@@ -27,6 +27,14 @@ def test_defaults_render_the_flags_the_backend_relies_on() -> None:
     assert not set(absent) & set(args)
 
 
+def test_merged_weights_start_the_server_without_lora() -> None:
+    """weight_sync_method='merged' never loads an adapter: no LoRA kernels, no LoRA flag at all."""
+    config = SGLangConfig(weight_sync_method="merged", lora_backend="triton", lora_target_modules=["all"])
+    args = config.server_args("/models/m", 30001)
+    assert not [arg for arg in args if "lora" in arg]
+    assert "--enable-cache-report" in args
+
+
 def test_optional_flags_and_extra_args_are_rendered() -> None:
     config = SGLangConfig(
         context_length=2048,
@@ -89,7 +97,7 @@ def test_server_timeout_comes_from_the_environment(monkeypatch: pytest.MonkeyPat
     ("kwargs", "message"),
     [
         ({"mem_fraction_static": 1.5}, "less than 1"),
-        ({"weight_sync_method": "tensor"}, r"'lora', 'disk' or 'restart'"),
+        ({"weight_sync_method": "tensor"}, r"'lora', 'disk', 'restart' or 'merged'"),
         ({"enable_weights_cpu_backup": True}, "needs enable_memory_saver=True"),
         ({"max_loras_per_batch": 1}, "max_loras_per_batch must be >= 2"),
         ({"lora_target_modules": [" "]}, "must not contain empty names"),

@@ -116,6 +116,21 @@ async def test_cache_memory_weights_and_metrics(
     assert "sglang:" in await client.metrics()
 
 
+async def test_weight_version_pause_and_a_refused_push(client: ServerClient, server: ServerProcess) -> None:
+    """The calls a merged-weight push makes (serving/servers/weight_push.py): a payload that is not
+    base64 is refused before anything changes, and the version stays."""
+    assert await client.weight_version() == "default"
+    await client.pause_generation("abort")
+    with pytest.raises(ServerRequestError) as info:
+        await client.update_weights_from_tensor(
+            "not base64!", load_format=None, flush_cache=True, weight_version="m@1"
+        )
+    assert info.value.status == 400
+    await client.continue_generation()
+    assert await client.weight_version() == "default"
+    assert (await get(server, "/health_generate")).status_code == 200  # generating again
+
+
 async def test_update_weights_from_bad_path(client: ServerClient) -> None:
     with pytest.raises(ServerRequestError, match="/nothing/here") as info:
         await client.update_weights_from_disk("/nothing/here")

@@ -30,7 +30,7 @@ class RegisteredModel:
 
     def target(self, step: int) -> SyncTarget:
         checkpoint = self.store.checkpoint_dir(step)
-        return SyncTarget(self.model.name, step, checkpoint, self.store, self.model.base_model)
+        return SyncTarget(self.model.name, step, checkpoint, self.store, self.model.base_model, self.trainer)
 
 
 def checkpoint_of(models: Iterable[RegisteredModel], name: str) -> Path | None:

@@ -43,7 +43,10 @@ class StepRunner:
     @classmethod
     def for_plan(cls, plan: ServingPlan, service: InferenceService) -> StepRunner:
         """The runner `plan` asks for: its handoff and its weight-sync method."""
-        sync = make_weight_sync(plan.weight_sync, service, plan.server_config.adapters_to_keep)
+        config = plan.server_config
+        sync = make_weight_sync(
+            plan.weight_sync, service, config.adapters_to_keep, config.merged_bucket_bytes
+        )
         handoff = GpuHandoff(plan.handoff, service, plan.release)
         return cls(service, handoff, sync, flush_cache_on_sync=plan.server_config.flush_cache_on_sync)
 

@@ -14,6 +14,10 @@ commands.
 - `DiskSync` ("disk"): merge the adapter into the base weights on CPU, `update_weights_from_disk`, and
   serve `<name>@<step>` by the base slot (the gateway rewrites the name to the base model id). Older steps
   are gone with the old weights, so only the newest name is served; one model per server.
+- `MergedSync` ("merged", opt-in; docs/merged-rollouts.md): the trainer merges its adapter into its
+  never-written base weights and pushes them from memory into the servers (`InferenceService.push_weights`:
+  generation paused, buckets, the version with the last); `<name>@<step>` is served by the base slot once
+  the servers report that version. As with "disk", only the newest name is served; one model per server.
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import WeightSyncMethod
+from ..errors import ServerRequestError, TrainerError
 from ..serving.adapters import InferenceService
 from ..serving.served_names import served_name, served_prefix
+from ..serving.servers.weight_push import BucketSink
 from ..storage.model_store import ModelStore
+from ..training.process import TrainerProcess
 from .merge import merge_in_subprocess
 
 
@@ -40,6 +47,7 @@ class SyncTarget:
     checkpoint: Path
     store: ModelStore
     base_model: str
+    trainer: TrainerProcess | None = None  # holds the step's weights in memory (merged sync pushes them)
 
     @property
     def inference_name(self) -> str:
@@ -55,9 +63,10 @@ class WeightSync(ABC):
 
     method: WeightSyncMethod
 
-    def __init__(self, service: InferenceService, adapters_to_keep: int):
+    def __init__(self, service: InferenceService, adapters_to_keep: int, bucket_bytes: int):
         self.service = service
         self.adapters_to_keep = adapters_to_keep
+        self.bucket_bytes = bucket_bytes
 
     async def prepare(self, target: SyncTarget) -> None:  # noqa: B027 - most strategies need no prepare step
         """Work that needs no server; idempotent (it may run again before `apply`)."""
@@ -104,10 +113,61 @@ class DiskSync(WeightSync):
         self.service.serve_alias(target.inference_name, target.prefix)
 
 
-STRATEGIES: dict[str, type[WeightSync]] = {"lora": LoraSync, "restart": RestartSync, "disk": DiskSync}
+class TrainerWeights:
+    """A model's trainer as the source of the weights pushed into the servers (`WeightsSource`): its
+    merged weights, named `<name>@<the trainer's step>`. A trainer that is not running is started first
+    (it resumes its newest complete checkpoint), so a server restarted after the trainer died gets them."""
+
+    # named_tensors.FLATTENED_BUCKET, spelled out here: that module imports torch.
+    load_format = "flattened_bucket"
+
+    def __init__(self, trainer: TrainerProcess, name: str, bucket_bytes: int) -> None:
+        self._trainer = trainer
+        self._name = name
+        self._bucket_bytes = bucket_bytes
+        self.step: int | None = None  # of the weights pushed last
+
+    async def version(self) -> str:
+        if not self._trainer.is_alive() or self._trainer.step is None:
+            await self._trainer.start()
+        assert self._trainer.step is not None
+        self.step = self._trainer.step
+        return served_name(self._name, self.step)
+
+    async def push(self, sink: BucketSink) -> None:
+        async def checked(payload: str, last: bool, step: int) -> bool:
+            # Before the first bucket is loaded: the trainer may have trained on since `version` was read.
+            if step != self.step:
+                raise TrainerError(f"the trainer holds step {step}'s weights, not step {self.step}'s")
+            return await sink(payload, last)
+
+        await self._trainer.push_merged(checked, max_bytes=self._bucket_bytes, load_format=self.load_format)
+
+
+class MergedSync(WeightSync):
+    method = "merged"
+
+    async def apply(self, target: SyncTarget, *, may_restart: bool) -> None:
+        if target.trainer is None:
+            raise TrainerError(f"{target.inference_name}: merged weights come from a running trainer")
+        source = TrainerWeights(target.trainer, target.name, self.bucket_bytes)
+        await self.service.push_weights(source, target.prefix)
+        if source.step != target.step:  # a trainer restarted meanwhile resumed another checkpoint
+            raise ServerRequestError(
+                f"{target.inference_name} could not be served: the trainer holds step {source.step}, which "
+                "the servers now serve"
+            )
+
+
+STRATEGIES: dict[str, type[WeightSync]] = {
+    "lora": LoraSync,
+    "restart": RestartSync,
+    "disk": DiskSync,
+    "merged": MergedSync,
+}
 
 
 def make_weight_sync(
-    method: WeightSyncMethod, service: InferenceService, adapters_to_keep: int
+    method: WeightSyncMethod, service: InferenceService, adapters_to_keep: int, bucket_bytes: int
 ) -> WeightSync:
-    return STRATEGIES[method](service, adapters_to_keep)
+    return STRATEGIES[method](service, adapters_to_keep, bucket_bytes)

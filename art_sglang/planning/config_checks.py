@@ -58,6 +58,11 @@ def check_request(
 
 def check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
     """Configuration clashes between server and trainer, found before anything starts."""
+    if sglang.weight_sync_method == "merged" and trainer.load_in_4bit:
+        raise ConfigError(
+            "weight_sync_method='merged' serves the bf16 base plus the adapter, merged by the trainer; a "
+            "4-bit trainer base is not the server's base: set load_in_4bit=False or weight_sync_method='lora'"
+        )
     if trainer.lora_rank > sglang.max_lora_rank:
         raise ConfigError(
             f"TrainerConfig(lora_rank={trainer.lora_rank}) exceeds SGLangConfig(max_lora_rank="
@@ -118,8 +123,8 @@ def check_same_server(model: Any, settings: ModelSettings, plan: ServingPlan, se
         )
     if not SYNC_TRAITS[plan.weight_sync].several_models:
         raise ConfigError(
-            "weight_sync_method='disk' merges one model's weights into the server's base weights, so "
-            "only one model can be registered: use weight_sync_method='lora' to serve several"
+            f"weight_sync_method={plan.weight_sync!r} merges one model's weights into the server's base "
+            "weights, so only one model can be registered: use weight_sync_method='lora' to serve several"
         )
     different: dict[str, Any] = {
         key: value
@@ -203,6 +208,19 @@ def check_cluster_sync(config: SGLangConfig) -> None:
         raise ConfigError(
             f"weight_sync_method={config.weight_sync_method!r} with cluster=: replicas on other nodes "
             "get each step as a shipped LoRA adapter; use weight_sync_method='lora'"
+        )
+
+
+def check_merged_push(config: SGLangConfig, layout: DeviceLayout) -> None:
+    """Merged weights reach an SGLang server as CUDA IPC handles of the trainer's GPU: built for one server
+    of one GPU that the trainer shares (docs/merged-rollouts.md; the NCCL push is not built yet)."""
+    if config.weight_sync_method != "merged" or layout.engine != "sglang":
+        return
+    if layout.mode != "shared" or len(layout.replicas) > 1 or len(layout.training_gpus) > 1:
+        raise ConfigError(
+            "weight_sync_method='merged' pushes the trainer's weights by CUDA IPC, built for one server that "
+            "shares the trainer's one GPU; split mode, replicas and several training GPUs need the NCCL push, "
+            "not built yet: use weight_sync_method='lora' or 'disk'"
         )
 
 

@@ -20,6 +20,7 @@ from .config_checks import (
     check_compatible,
     check_cuda_mps,
     check_memory_saver,
+    check_merged_push,
     check_model_gpus,
     check_replicas,
 )
@@ -125,6 +126,7 @@ def make_plan(
     layout, config = settled.layout, settled.server_config
     if request.cluster is not None:
         check_cluster_sync(config)
+    check_merged_push(config, layout)
     release: Literal["kv_cache", "all"] = "all"
     total = _gpu_total_bytes(layout, gpus)
     if settled.handoff == "sleep":

@@ -34,6 +34,8 @@ SYNC_TRAITS: dict[WeightSyncMethod, SyncTraits] = {
     "restart": SyncTraits(),
     # Merged weights hold one step of one model: an older adapter on top would be wrong.
     "disk": SyncTraits(serves_older_steps=False, several_models=False),
+    # The trainer's merged weights pushed from memory: the same one step of one model (docs/merged-rollouts.md).
+    "merged": SyncTraits(serves_older_steps=False, several_models=False),
 }
 
 

@@ -34,6 +34,7 @@ from .served_names import step_of
 from .servers.group import ServerGroup
 from .servers.replica import RemotePlacement, Server, ServerHandle
 from .servers.replica_health import ReplicaRouter
+from .servers.weight_push import WeightsSource, push_or_none, push_weights
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class InferenceService:
         self._aliases: dict[str, str] = {}  # names served by the base slot (merged weights)
         self._base_ids: list[str] = []
         self._base_weights: Path | None = None  # merged weights the base slot holds; None = the original
+        self._pushed: tuple[WeightsSource, str] | None = None  # weights pushed into the base slot, prefix
         self._holds = 0  # nested holds of the gateway; requests wait while > 0
 
     # --- what others may read ----------------------------------------------------------------------------
@@ -197,6 +199,8 @@ class InferenceService:
         if self._base_weights is not None:
             # A fresh process holds the original base weights; the merged ones are applied again.
             await server.client.update_weights_from_disk(str(self._base_weights))
+        if self._pushed is not None:  # likewise the pushed ones, served under the name they report
+            self.serve_alias(await push_weights([server], self._pushed[0]), self._pushed[1])
         if len(self._servers.processes) == 1:  # a fresh process: what was stranded went with the old one
             self._stranded.clear()
             if self._gateway is not None:
@@ -374,6 +378,18 @@ class InferenceService:
                     await client.flush_cache()
             self._base_weights = path
             return previous
+
+    async def push_weights(self, source: WeightsSource, prefix: str) -> None:
+        """Serve `source`'s pushed weights by the base slot under the name they report, on every server and
+        each that starts later (requests held); a failed push is retried whole, then the servers restart."""
+        async with self._servers.command(), self.holding():
+            self._pushed = (source, prefix)
+            self._aliases = {k: v for k, v in self._aliases.items() if not k.startswith(prefix)}
+            version = await push_or_none(self._servers.up(), source)
+            if version is None:
+                await self._servers.restart_all()  # `server_started` pushes and serves them
+            else:
+                self.serve_alias(version, prefix)
 
     def serve_alias(self, name: str, prefix: str) -> None:
         """Serve `name` with the base slot, replacing earlier aliases that start with `prefix`."""

@@ -10,12 +10,13 @@ SGLang's `load_weights` takes them; modules LoRA does not wrap never change and 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ..errors import TrainerError
+from ..named_tensors import LoadFormat, buckets, serialize
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -47,6 +48,26 @@ def merged_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
                 delta = module.lora_B[name].weight.float() @ module.lora_A[name].weight.float()
                 merged = merged + (delta.T if module.fan_in_fan_out else delta) * module.scaling[name]
             yield checkpoint_name(module_name) + ".weight", merged.to(weight.dtype)
+
+
+def push_merged(
+    model: Any, max_bytes: int, load_format: LoadFormat, send: Callable[[str, bool], bool]
+) -> int:
+    """Hand the merged weights of `model` over bucket by bucket: `send(payload, last)` gets each bucket's
+    `serialized_named_tensors` entry and returns once the server has answered it (True: go on). The bucket
+    being sent and the next one (to know which is last) are the only ones alive. Returns the buckets sent;
+    fewer than all when `send` said stop."""
+    parts = buckets(merged_weights(model), max_bytes)
+    current = next(parts, None)
+    sent = 0
+    while current is not None:
+        following = next(parts, None)
+        # The payload names shared memory (or a CUDA IPC handle): `current` stays alive until `send` returns.
+        if not send(serialize(current, load_format), following is None):
+            return sent
+        sent += 1
+        current = following
+    return sent
 
 
 def checkpoint_name(module_name: str) -> str:

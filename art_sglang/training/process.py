@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from subprocess import Popen
 from typing import IO, Any
@@ -46,6 +46,7 @@ _LAUNCHER_VARIABLES = {
 _STEP_COMMANDS = ("train", "sft")
 
 ProgressCallback = Callable[[dict[str, Any]], None]
+BucketCallback = Callable[[str, bool, int], Awaitable[bool]]  # (payload, last, step) -> go on
 _ERRORS: dict[Any, type[TrainerError] | type[TrainingInputError]] = {
     INPUT_ERROR: TrainingInputError,
     STEP_ERROR: TrainingError,
@@ -195,6 +196,18 @@ class TrainerProcess(ManagedProcess):
         """Take the GPU for a step once `min_free_bytes` are free on it (see `Trainer.reload`)."""
         return await self._request("reload", min_free_bytes=min_free_bytes, timeout_s=timeout_s)
 
+    async def push_merged(
+        self, on_bucket: BucketCallback, *, max_bytes: int, load_format: str | None
+    ) -> tuple[int, int]:
+        """Hand the servers the trainer's merged weights (merged_weights.py), bucket by bucket:
+        `on_bucket(payload, last, step)` loads one of `step`'s weights on the servers and returns True to go
+        on; the worker keeps the bucket alive until it returns. Returns (the step those weights are, buckets sent): fewer than all
+        when `on_bucket` returned False. An exception in `on_bucket` stops the push and is raised."""
+        data = await self._request(
+            "push_merged", on_bucket=on_bucket, max_bytes=max_bytes, load_format=load_format
+        )
+        return int(data["step"]), int(data["buckets"])
+
     async def stop(self) -> None:
         """Ask the worker to exit, then kill whatever is left of its tree. Idempotent. A request in flight
         then raises a `TrainerError` that says the trainer was stopped, not that it died."""
@@ -219,7 +232,14 @@ class TrainerProcess(ManagedProcess):
     def _died(self, what: str) -> TrainerError:
         return TrainerError(self.describe_death(what))
 
-    async def _request(self, cmd: str, *, on_progress: ProgressCallback | None = None, **fields: Any) -> dict:
+    async def _request(
+        self,
+        cmd: str,
+        *,
+        on_progress: ProgressCallback | None = None,
+        on_bucket: BucketCallback | None = None,
+        **fields: Any,
+    ) -> dict:
         async with self._lock:
             popen, lines = self._popen, self._lines
             if popen is None or lines is None:
@@ -256,7 +276,9 @@ class TrainerProcess(ManagedProcess):
                 if message.get("id") != rid:
                     continue  # the tail of a request whose caller was cancelled
                 event = message.get("event")
-                if event == PROGRESS and on_progress is not None:
+                if event == PROGRESS and on_bucket is not None:
+                    await self._answer_bucket(popen, rid, on_bucket, message.get("data") or {})
+                elif event == PROGRESS and on_progress is not None:
                     on_progress(message.get("data") or {})
                 elif event == RESULT:
                     if cmd in _STEP_COMMANDS:
@@ -271,6 +293,18 @@ class TrainerProcess(ManagedProcess):
                         await asyncio.to_thread(_wait_quietly, popen)
                         raise self._died(f"stopped after an error on rank 0 ({text})")
                     raise error(text)
+
+    async def _answer_bucket(
+        self, popen: Popen[bytes], rid: int, on_bucket: BucketCallback, data: dict[str, Any]
+    ) -> None:
+        """Hand a pushed bucket to `on_bucket` and ack it; a failure acks "stop" first, so the worker
+        finishes the command (its result is then skipped as a cancelled request's)."""
+        ok = False
+        try:
+            ok = bool(await on_bucket(str(data["payload"]), bool(data["last"]), int(data["step"])))
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                await asyncio.to_thread(_write, popen.stdin, {"id": rid, "cmd": "ack", "ok": ok})
 
     def _silence_limit(self, cmd: str) -> float | None:
         """How long a step may go without a word from the worker, from its measured steps; None: no bound

@@ -5,8 +5,11 @@ JSON lines over stdin/stdout. Each request `{"id": n, "cmd": ...}` is answered b
 "result", "data": {...}}` or `{"id": n, "event": "error", "error_type": ..., "message": ...}`.
 Commands: `init` (base_model, checkpoint_dir, config → step, resume notes), `train` (groups, options →
 outcome), `sft` (batches of trajectories with learning rates → one progress event per batch, outcome),
-`offload`, `reload`, `shutdown`. stdout carries protocol lines only: everything else (library prints,
-warnings, C-level output) is redirected to stderr, which the parent writes to logs/trainer.log.
+`offload`, `reload`, `push_merged` (max_bytes, load_format → one progress event per bucket of merged
+weights, `{"payload", "last", "step"}`, each answered by the parent's `{"id": n, "cmd": "ack", "ok": bool}`
+once the servers loaded it; then `{"step", "buckets"}`), `shutdown`. stdout carries protocol lines only:
+everything else (library prints, warnings, C-level output) is redirected to stderr, which the parent
+writes to logs/trainer.log.
 Heavy imports happen inside `main` so that the parent can import the protocol names cheaply.
 Under torch's launcher (several training devices) every rank runs this module: rank 0 speaks the
 protocol and passes each request on to the others (ranks.py).
@@ -126,6 +129,8 @@ def _serve(channel: _Channel | None, ranks: Any) -> None:
                     send(rid, RESULT, data=outcome.__dict__)
                 elif cmd == "offload":
                     send(rid, RESULT, data=trainer.offload(bool(request.get("keep_weights"))))
+                elif cmd == "push_merged":
+                    send(rid, RESULT, data=_push_merged(trainer, request, channel, ranks.is_main))
                 elif cmd == "reload":
                     free = float(request.get("min_free_bytes") or 0.0)
                     send(rid, RESULT, data=trainer.reload(free, float(request.get("timeout_s", 10.0))))
@@ -154,6 +159,30 @@ def _serve(channel: _Channel | None, ranks: Any) -> None:
     finally:
         if trainer is not None:
             trainer.close()  # the last checkpoint's optimizer state on disk before the exit
+
+
+def _push_merged(trainer: Any, request: dict[str, Any], channel: _Channel | None, main: bool) -> dict:
+    """The `push_merged` command. Every rank holds the same weights, so rank 0 alone pushes; it reads the
+    parent's acks itself (they are not passed on: the other ranks wait for the next command meanwhile)."""
+    from .merged_weights import push_merged
+
+    rid = request.get("id")
+
+    def send_bucket(payload: str, last: bool) -> bool:
+        assert channel is not None
+        channel.send(rid, PROGRESS, data={"payload": payload, "last": last, "step": trainer.step})
+        line = _read_line()
+        ack = _parse(line) if line is not None else {}
+        if ack.get("id") != rid or ack.get("cmd") != "ack":
+            raise RuntimeError(f"push_merged: expected the parent's ack of a bucket, got {line!r}")
+        return bool(ack.get("ok"))
+
+    sent = (
+        push_merged(trainer.model, int(request["max_bytes"]), request.get("load_format"), send_bucket)
+        if main
+        else 0
+    )
+    return {"step": trainer.step, "buckets": sent}
 
 
 def _read_line() -> str | None:

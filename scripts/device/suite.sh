@@ -86,6 +86,7 @@
 # burst (~3 min, 1 GPU): waves of rollouts with hot-loads and idle gaps past SGLang's keep-alive, none lost
 # shared-prefill (~2 min): the contract test of prefill sharing alone (the contract suite includes it)
 # contract-weights (~4 min, 1 GPU): issue 40's contract tests alone (weight pushes, update groups, pause)
+# sync-merged (~3 min, 1 GPU): weight_sync_method='merged' on SGLang, one step in shared mode (the sync suite includes it)
 # bench-weight-push (~3 min, 1 GPU): merged-weight sync by CUDA IPC (shared mode), buckets of 128/512/2048
 #   MiB, merge and whole sync (pause to first token) per step; bench-weight-push-nccl (~3 min, 2 GPUs): the
 #   same by NCCL broadcast from GPU 1 (split mode). BENCH_MODEL=... for the 7B shape
@@ -146,6 +147,7 @@ for name in "$@"; do
     shared-sleep) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k sleep) ;;
     shared-restart) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k restart) ;;
     sync) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py) ;;
+    sync-merged) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py -k merged) ;;
     split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_split_mode.py) ;;
     art-program) cmd=("${pytest[@]}" -m gpu tests/gpu/test_art_program.py) ;;
     faults-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k split) ;;

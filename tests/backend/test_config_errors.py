@@ -237,6 +237,30 @@ def test_a_later_model_is_held_to_what_the_first_asked_for_not_to_the_fitted_set
         check_same_server(later, same, plan, "another-base-model")
 
 
+def test_merged_weights_refuse_a_4bit_base_and_a_second_model():
+    """The trainer's merged weights are the server's base plus the adapter: not from a 4-bit base, and of
+    one model only."""
+    merged = SGLangConfig(weight_sync_method="merged")
+    with pytest.raises(ConfigError, match=r"4-bit trainer base.*load_in_4bit=False"):
+        check_compatible(merged, TrainerConfig(load_in_4bit=True))
+    request = BackendRequest(merged, TrainerConfig(), layout=CPU_SHARED)
+    plan = make_plan(request, model_settings(None, request.trainer), detect_gpus())
+    assert "--enable-lora" not in plan.server_config.server_args("m", 30001)
+    later = SimpleNamespace(name="later", project="p", base_model="m")
+    with pytest.raises(ConfigError, match=r"weight_sync_method='merged'.*only one model"):
+        check_same_server(later, model_settings(None, request.trainer), plan, "m")
+    # On SGLang the push is CUDA IPC from the trainer's GPU: one server sharing it, until the NCCL push.
+    shared = DeviceLayout("shared", "sglang", (0,), (0,), "test")
+    plan = make_plan(BackendRequest(merged, TrainerConfig(), layout=shared), None, detect_gpus())
+    assert plan.weight_sync == "merged"
+    for layout in (
+        DeviceLayout("split", "sglang", (0,), (1,), "test"),
+        DeviceLayout("shared", "sglang", (0, 1), (0, 1), "test", replica_gpus=((0,), (1,))),
+    ):
+        with pytest.raises(ConfigError, match=r"CUDA IPC.*NCCL push, not built yet"):
+            make_plan(BackendRequest(merged, TrainerConfig(), layout=layout), None, detect_gpus())
+
+
 def test_replicas_sharing_a_gpu_split_its_memory_and_each_gets_its_gpus(tmp_path):
     two_on_one = DeviceLayout(
         "split", "sglang", (0,), (1,), "test", cuda_ids=("GPU-aa11", "GPU-bb22"), replica_gpus=((0,), (0,))

@@ -41,6 +41,18 @@ def test_a_disguised_inference_path_still_checks_the_model(target: str) -> None:
     assert isinstance(forwarded, Forward) and forwarded.path == "/v1/chat/completions"
 
 
+def test_another_step_of_merged_weights_is_refused_naming_the_step_they_hold() -> None:
+    for name in ("merged@2", "merged@4"):
+        refused = route("POST", "/v1/chat/completions", _chat(name), SERVED)
+        assert isinstance(refused, Refuse) and refused.status == 404 and refused.unknown == (name,)
+        assert (
+            f"`{name}` is not served: the merged weights hold `merged@3`"
+            in refused.payload["error"]["message"]
+        )
+    other = route("POST", "/v1/chat/completions", _chat("agent@0"), SERVED)
+    assert isinstance(other, Refuse) and "Loaded adapters: agent@1" in other.payload["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("method", "target"),
     [

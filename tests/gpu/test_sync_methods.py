@@ -1,8 +1,10 @@
 """The other weight-sync methods on real SGLang: `disk` (merge the adapter into the base weights and
-`update_weights_from_disk`) and `restart` (restart the server with the new adapter preloaded). The mode is
-the machine's: split with 2 GPUs, shared (sleep) with 1. The peft trainer keeps each run short.
+`update_weights_from_disk`), `restart` (restart the server with the new adapter preloaded) and `merged`
+(the trainer's merged weights pushed from its memory by CUDA IPC; shared mode on GPU 0 whatever the machine,
+the only layout it is built for). The mode of the others is the machine's: split with 2 GPUs, shared (sleep)
+with 1. The peft trainer keeps each run short.
 
-    pytest -m gpu tests/gpu/test_sync_methods.py      (~4 min)
+    pytest -m gpu tests/gpu/test_sync_methods.py      (~6 min)
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from art_sglang import SGLangBackend, SGLangConfig, TrainableModel, TrainerConfi
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio(loop_scope="module")]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["disk", "restart"])
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["disk", "restart", "merged"])
 async def synced(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, gpu_model: str):
     method = request.param
     root = tmp_path_factory.mktemp(f"sync-{method}")
@@ -26,6 +28,7 @@ async def synced(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         sglang_config=config,
         trainer_config=TrainerConfig(use_unsloth=False),
         path=str(root / ".art"),
+        **({"inference_device": 0, "training_devices": [0]} if method == "merged" else {}),
     )
     model = TrainableModel(name="agent", project=f"gpu-sync-{method}", base_model=gpu_model)
     try:
@@ -58,8 +61,8 @@ async def test_new_step_is_served_with_the_new_weights(synced) -> None:
     restarted = not (server_pids() & pids)
     if method == "restart":
         assert restarted
-    elif backend.layout.mode == "split":
-        assert not restarted  # disk sync reloads weights in place
+    elif backend.layout.mode == "split" or method == "merged":
+        assert not restarted  # disk sync reloads weights in place; merged pushes them
     record(
         f"sync-{method}/{backend.layout.mode}",
         mode=backend.layout.mode,

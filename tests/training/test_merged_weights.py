@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from art_sglang.errors import TrainerError
-from art_sglang.training.merged_weights import merged_weights
+from art_sglang.training.merged_weights import merged_weights, push_merged
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -70,3 +70,39 @@ def test_a_quantized_base_is_refused(tiny_model_path: Path) -> None:
     layer.weight = torch.nn.Parameter(torch.zeros(layer.weight.shape, dtype=torch.uint8), requires_grad=False)
     with pytest.raises(TrainerError, match="load_in_4bit=False"):
         list(merged_weights(peft_model))
+
+
+def test_push_hands_over_bounded_buckets_in_order_and_stops_when_told(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Serializing (test_named_tensors.py) is replaced by a note of the bucket: a CPU tensor shared from the
+    test process would start torch's shared-memory manager beside it."""
+    import art_sglang.training.merged_weights as module
+
+    serialized: list[list[tuple[str, torch.Tensor]]] = []
+    formats: set[object] = set()
+
+    def note(bucket: list[tuple[str, torch.Tensor]], load_format: object) -> str:
+        serialized.append([(name, tensor.clone()) for name, tensor in bucket])
+        formats.add(load_format)
+        return str(len(serialized) - 1)
+
+    monkeypatch.setattr(module, "serialize", note)
+    peft_model = _peft_model(tiny_model_path, torch.float32)
+    merged = list(merged_weights(peft_model))
+    bound = sum(t.numel() * t.element_size() for _, t in merged) // 5
+    received: list[tuple[str, bool]] = []
+
+    def take(payload: str, last: bool) -> bool:
+        received.append((payload, last))
+        return True
+
+    assert push_merged(peft_model, bound, "flattened_bucket", take) == len(received) >= 5
+    assert formats == {"flattened_bucket"}
+    assert [payload for payload, _ in received] == [str(i) for i in range(len(received))]
+    assert [last for _, last in received] == [False] * (len(received) - 1) + [True]
+    assert all(sum(t.numel() * t.element_size() for _, t in b) <= bound for b in serialized)
+    pushed = [item for bucket in serialized for item in bucket]
+    assert [name for name, _ in pushed] == [name for name, _ in merged]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(pushed, merged, strict=True))
+    assert push_merged(peft_model, bound, None, lambda payload, last: False) == 0

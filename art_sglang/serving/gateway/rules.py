@@ -47,6 +47,7 @@ from urllib.parse import unquote
 from ...constraints import ALLOWED_FIELD, CONSTRAINT_FIELD, ConstraintError, SamplingConstraint, constraint_of
 from ...tool_choice import DEFAULT_PARSER, TEMPLATE_TOOLS_FIELD, ToolUse, UnknownParser, tool_use
 from ..choice_count import GENERATE_PATH, ChoiceCountError, choices_per_prompt
+from ..served_names import parse_served_name, served_prefix
 
 # Paths whose body names a model; the first two can carry the sampled ids (`return_token_ids`).
 CHAT_PATH = "/v1/chat/completions"
@@ -155,13 +156,7 @@ def route(
         if not authorized:
             # Do not list the served names to a caller without the key; the server would say 401 too.
             return Refuse(401, error("invalid API key", "invalid_api_key"))
-        loaded = sorted(served.adapters) or ["(no adapter loaded)"]
-        message = (
-            f"The model `{unknown[0]}` is not loaded on the inference server, so it would have been "
-            f"answered by the base model. Loaded adapters: {', '.join(loaded)}. "
-            "Use model.get_inference_name() for the current step."
-        )
-        return Refuse(404, error(message, "model_not_found", "model"), unknown)
+        return Refuse(404, error(not_served(unknown[0], served), "model_not_found", "model"), unknown)
     try:
         n = choices_per_prompt(path, payload)
     except ChoiceCountError as exc:
@@ -185,6 +180,24 @@ def route(
         constraint = shown = None
     return Forward(
         canonical, body, tuple(names), payload=payload, constraint=constraint, template_tools=shown
+    )
+
+
+def not_served(name: str, served: Served) -> str:
+    """Why `name` is refused: another step of a model whose merged weights hold one step (they would answer
+    it with another policy), or a name that is not loaded."""
+    parsed = parse_served_name(name)
+    holding = [a for a in served.aliases if parsed is not None and a.startswith(served_prefix(parsed[0]))]
+    if holding:
+        return (
+            f"The model `{name}` is not served: the merged weights hold `{holding[0]}`, and only the step "
+            "they hold is (an older step's weights are replaced when a newer one is published). Use "
+            "model.get_inference_name() for the current step."
+        )
+    loaded = sorted(served.adapters) or ["(no adapter loaded)"]
+    return (
+        f"The model `{name}` is not loaded on the inference server, so it would have been answered by the "
+        f"base model. Loaded adapters: {', '.join(loaded)}. Use model.get_inference_name() for the current step."
     )
 
 

@@ -204,6 +204,32 @@ class ServerClient:
         """Replace the base weights with those at `model_path`; `ServerRequestError` if it fails."""
         await self._post_checked("/update_weights_from_disk", {"model_path": model_path})
 
+    async def update_weights_from_tensor(
+        self, payload: str, *, load_format: str | None, flush_cache: bool, weight_version: str | None
+    ) -> None:
+        """Load one bucket of named tensors (`named_tensors.serialize`'s base64 text, for the server's one
+        tensor-parallel rank); `flush_cache` and `weight_version` belong with a push's last bucket.
+        `ServerRequestError` if refused (nothing is rolled back: earlier buckets stay loaded)."""
+        body = {
+            "serialized_named_tensors": [payload],
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "weight_version": weight_version,
+        }
+        await self._post_checked("/update_weights_from_tensor", body)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Hold new requests in the server (`abort`: and end those in flight); see docs/merged-rollouts.md."""
+        await self._request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        """Let requests run again after `pause_generation`."""
+        await self._request("POST", "/continue_generation", {})
+
+    async def weight_version(self) -> str:
+        """The weight version the server reports (`/model_info`): "default" until an update names one."""
+        return str((await self._request("GET", "/model_info")).json()["weight_version"])
+
     async def metrics(self) -> str:
         """`GET /metrics` in Prometheus text format (empty unless the server runs with metrics enabled)."""
         return (await self._request("GET", "/metrics")).text
