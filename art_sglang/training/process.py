@@ -201,8 +201,9 @@ class TrainerProcess(ManagedProcess):
     ) -> tuple[int, int]:
         """Hand the servers the trainer's merged weights (merged_weights.py), bucket by bucket:
         `on_bucket(payload, last, step)` loads one of `step`'s weights on the servers and returns True to go
-        on; the worker keeps the bucket alive until it returns. Returns (the step those weights are, buckets sent): fewer than all
-        when `on_bucket` returned False. An exception in `on_bucket` stops the push and is raised."""
+        on; the worker keeps the bucket alive until it returns. Returns (the step those weights are, buckets
+        sent): fewer than all when `on_bucket` returned False. An exception in `on_bucket` stops the push and
+        is raised."""
         data = await self._request(
             "push_merged", on_bucket=on_bucket, max_bytes=max_bytes, load_format=load_format
         )

@@ -180,9 +180,7 @@ class Trainer:
         try:
             return self.save_checkpoint(metrics), None
         except Exception as exc:
-            traceback.print_exc()
-            reason = write_failure(exc, self.checkpoint_dir)
-            return None, f"checkpoint {self.step} could not be written to {self.checkpoint_dir}: {reason}"
+            return None, self._write_failure(f"checkpoint {self.step}", exc)
 
     def _settled(self) -> str | None:
         """Settle the last checkpoint; what went wrong in words, if it could not be completed."""
@@ -190,10 +188,15 @@ class Trainer:
         try:
             self._writer.settle()
         except Exception as exc:
-            traceback.print_exc()
-            reason = write_failure(exc, self.checkpoint_dir)
-            return f"the optimizer state of checkpoint {unsettled} could not be written to {self.checkpoint_dir}: {reason}"
+            return self._write_failure(f"the optimizer state of checkpoint {unsettled}", exc)
         return None
+
+    def _write_failure(self, what: str, exc: Exception) -> str:
+        """`what` could not be written, in words (its traceback in the log)."""
+        traceback.print_exc()
+        return (
+            f"{what} could not be written to {self.checkpoint_dir}: {write_failure(exc, self.checkpoint_dir)}"
+        )
 
     def _apply_checkpoint(self, path: Path, state: CheckpointState) -> None:
         from peft import set_peft_model_state_dict
