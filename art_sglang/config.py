@@ -107,7 +107,7 @@ class SGLangConfig(BaseModel):
         "lora",
         description="How a new step reaches the server: 'lora' hot-loads the adapter, 'disk' merges it and "
         "calls update_weights_from_disk, 'restart' restarts the server with the adapter preloaded, 'merged' "
-        "(opt-in, docs/merged-rollouts.md; CPU-tested, not yet run on SGLang) starts the server without LoRA "
+        "(opt-in, docs/merged-rollouts.md; one-GPU shared mode only, ran on SGLang 0.5.17) starts the server without LoRA "
         "and pushes the trainer's merged weights from memory after each step (update_weights_from_tensor).",
     )
     merged_bucket_bytes: int = Field(
