@@ -305,8 +305,8 @@ for name in "$@"; do
     bench-trainer-ddp3-b192) cmd=(env TORCH_LOGS=recompiles python3 scripts/bench_trainer.py --model "$big" --backends unsloth
                              --ranks 1,2,3 --batch 192 --seq 1024 --packings 24576 --micro-batch-tokens 8192 --steps 2
                              --name bench_trainer_ddp3_b192 --work "/tmp/work-$name" --out "$results") ;;
-    # The per-micro-batch cost is the trainer's Python (py-spy, 2026-11-27): without gradient checkpointing a
-    # backward no longer runs the forward again.
+    # Most of a micro-batch's fixed cost sits in Unsloth's checkpointed backward (py-spy, 2026-11-27): without
+    # gradient checkpointing a backward no longer runs the forward again.
     bench-trainer-ddp3-nockpt) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2,3
                              --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 8192 --steps 3
                              --gradient-checkpointing off --name bench_trainer_ddp3_nockpt --work "/tmp/work-$name"
