@@ -74,6 +74,7 @@ def _serve(channel: _Channel | None, ranks: Any) -> None:
     from ..errors import TrainingError, TrainingInputError
     from .options import TrainOptions
     from .sft import SFTBatch
+    from .step_profile import StepProfiler
     from .trainer import Trainer
 
     def send(request_id: Any, event: str, **fields: Any) -> None:
@@ -81,6 +82,7 @@ def _serve(channel: _Channel | None, ranks: Any) -> None:
             channel.send(request_id, event, **fields)
 
     trainer: Trainer | None = None
+    profiler = StepProfiler(ranks.rank, ranks.world)
     try:
         while True:
             # The line as it came, parsed by every rank at once: a step's request (its rollouts with a logprob
@@ -117,9 +119,10 @@ def _serve(channel: _Channel | None, ranks: Any) -> None:
                     raise RuntimeError(f"{cmd!r} before init")
                 if cmd == "train":
                     options = TrainOptions.model_validate(request["options"])
-                    outcome = trainer.train(
-                        request["groups"], options, lambda data, rid=rid: send(rid, PROGRESS, data=data)
-                    )
+                    with profiler.train_call():
+                        outcome = trainer.train(
+                            request["groups"], options, lambda data, rid=rid: send(rid, PROGRESS, data=data)
+                        )
                     send(rid, RESULT, data=outcome.__dict__)
                 elif cmd == "sft":
                     batches = [

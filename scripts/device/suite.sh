@@ -73,7 +73,8 @@
 #   (does a row's second micro-batch cost more than its first?); bench-trainer-ddp3-b192 (~4 min): the same
 #   with 192 trajectories a step (24 GRPO groups of 8); loss-curves-3 (~3.5 min): scripts/loss_curves.py,
 #   8 steps of one model and seed on 1 rank twice and on 3 ranks; bench-trainer-ddp3-nockpt(-mb24k) (~3.5 min
-#   each): bench-trainer-ddp3(-mb24k) without gradient checkpointing; bench-pipeline-four-gpu (~5 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop
+#   each): bench-trainer-ddp3(-mb24k) without gradient checkpointing; bench-trainer-ddp3-profile (~2.5 min): a
+#   torch.profiler timeline of a step on 1 and on 3 ranks into $OUT/trainer-profile-*; bench-pipeline-four-gpu (~5 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop
 #   on the example's layout; bench-pipeline-replicas (~4 min, after stage.sh art and router): the same with 2
 #   replicas (GPUs 0-1) and 2 ranks (GPUs 2-3)
 # replicas-1gpu (~4 min, 1 GPU, stage.sh router first): two replicas on the first visible GPU behind the router
@@ -314,6 +315,12 @@ for name in "$@"; do
     bench-trainer-ddp3-nockpt-mb24k) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth
                              --ranks 1,2,3 --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 24576 --steps 3
                              --gradient-checkpointing off --name bench_trainer_ddp3_nockpt_mb24k
+                             --work "/tmp/work-$name" --out "$results") ;;
+    # A CUDA timeline of one rank's 3rd step (after the warm-up) at each rank count: is a micro-batch's fixed cost
+    # the GPU's or the launches'? (train3-rank*-busy.json: kernel time against wall time)
+    bench-trainer-ddp3-profile) cmd=(env ART_SGLANG_TRAINER_PROFILE="$OUT/trainer-profile-$name" python3
+                             scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,3 --batch 48 --seq 1024
+                             --packings 24576 --micro-batch-tokens 8192 --steps 2 --name bench_trainer_ddp3_profile
                              --work "/tmp/work-$name" --out "$results") ;;
     loss-curves-3) cmd=(python3 scripts/loss_curves.py --model "$big" --runs 1,1,3 --steps 8 --name loss_curves_3
                         --work "/tmp/work-$name" --out "$results") ;;
