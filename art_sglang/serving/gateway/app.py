@@ -11,7 +11,9 @@ for the clients (aiohttp) plus what the backend needs to take a server away safe
 - `loader`: a name that is not served is offered to it first (the backend loads an older step whose
   checkpoint is on disk); the request goes on if it returns True, else it is answered 404.
 - Bodies over `max_body_bytes` are refused with 413 before they are read; malformed JSON is a 400.
-- A request with a sampling constraint is answered whole, each choice carrying it (`with_constraint`).
+- A request with a sampling constraint is answered whole, each choice carrying it (`with_constraint`); so
+  is one on an alias (merged weights), each choice with its weight versions, continued on the new weights
+  when an update aborted it (`resend`).
 - With `share_lead` set, requests of one prompt that arrive together wait until one prefill-only request
   computed it (`prefill_sharing`), so the server does not compute it once per request.
 - Every response closes its connection: ART's client (httpx) looks at each idle connection it keeps
@@ -38,7 +40,9 @@ import aiohttp
 from aiohttp import web
 
 from ...tool_choice import DEFAULT_PARSER
+from ..choice_count import GENERATE_PATH
 from .prefill_sharing import Answer, PrefillSharing, bad_gateway, prompt_key
+from .resend import DRAINED, Post, with_versions
 from .rules import NOT_FORWARDED, Forward, Refuse, Served, error, route, with_constraint
 from .stranded_adapters import StrandedAdapters
 from .upstream import Upstream
@@ -332,6 +336,9 @@ class AdapterGateway:
                 return _json(503, _CLOSED)
             if answer.status == 200:
                 body = with_constraint(answer.body, decision.constraint, decision.template_tools)
+                if decision.versioned:
+                    resend = self._continuation_sender(decision, request) if decision.resend else None
+                    body = await with_versions(decision.path, decision.payload or {}, body, resend)
                 answer = Answer(answer.status, body)
             return _answer(answer)
         sent = await self._send(request.method, decision, self._upstream_headers(request))
@@ -342,6 +349,19 @@ class AdapterGateway:
             return await self._relay(request, upstream, decision.names)
         finally:
             self._finished(decision, replica)
+
+    def _continuation_sender(self, decision: Forward, request: web.Request) -> Post:
+        """Posts the continuation of a request an update aborted (resend.py), once the gateway lets requests
+        through again (the push holds them until the servers serve the new weights)."""
+
+        async def post(body: dict) -> tuple[int, bytes]:
+            assert self._open is not None
+            await self._open.wait()
+            continued = Forward(GENERATE_PATH, json.dumps(body).encode(), decision.names, payload=body)
+            answer = await self._exchange(continued, self._upstream_headers(request))
+            return answer.status, answer.body
+
+        return post
 
     async def _exchange(self, decision: Forward, headers: dict[str, str]) -> Answer:
         """POST `decision` and read the whole answer (for prefill sharing)."""
@@ -420,7 +440,8 @@ _CLOSED = error(
 
 def _keys(decision: Forward) -> tuple[str, ...]:
     """The in-flight counters a request counts in: each name it asks for, and every request's."""
-    return (*(decision.names or ("",)), ANY)
+    drained = (DRAINED,) if decision.aliased and not decision.resend else ()
+    return (*(decision.names or ("",)), *drained, ANY)
 
 
 def _bearer(request: web.Request) -> str | None:

@@ -96,7 +96,10 @@ class Forward:
     steps need not parse it again; `constraint`: the sampling constraint to attach to each choice;
     `template_tools`: the tools the chat template rendered, to attach where they are not the request's;
     `prompt`: which requests share its prompt (`prefill_sharing.prompt_key`), set once by the gateway
-    where prefill sharing or the choice among replicas groups requests by it."""
+    where prefill sharing or the choice among replicas groups requests by it. `aliased`: it names an alias
+    (merged weights); `versioned`: such a request answered whole, whose choices get their weight versions;
+    `resend`: one of those that is continued when an update aborts it (resend.py). A push waits for the
+    other aliased ones to finish."""
 
     path: str
     body: bytes
@@ -106,11 +109,14 @@ class Forward:
     constraint: SamplingConstraint | None = None
     template_tools: list[Any] | None = None
     prompt: str | None = field(default=None, compare=False)
+    aliased: bool = False
+    versioned: bool = False
+    resend: bool = False
 
     @property
     def annotated(self) -> bool:
         """Whether each returned choice gets a field for training (the answer is then read whole)."""
-        return self.constraint is not None or self.template_tools is not None
+        return self.constraint is not None or self.template_tools is not None or self.versioned
 
 
 @dataclass(frozen=True)
@@ -178,9 +184,13 @@ def route(
         body = json.dumps(payload).encode()
     if payload.get("stream"):  # allowed on untrained models only: relayed as it comes, nothing to annotate
         constraint = shown = None
+    aliased = any(name in served.aliases for name in names)
+    versioned = aliased and path in TOKEN_ID_PATHS and not payload.get("stream")
+    resend = versioned and constraint is None and shown is None and payload.get("return_token_ids") is True
     return Forward(
-        canonical, body, tuple(names), payload=payload, constraint=constraint, template_tools=shown
-    )
+        canonical, body, tuple(names), payload=payload, constraint=constraint, template_tools=shown,
+        aliased=aliased, versioned=versioned, resend=resend,
+    )  # fmt: skip
 
 
 def not_served(name: str, served: Served) -> str:
