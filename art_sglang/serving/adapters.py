@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..config import ClusterConfig
 from ..errors import AdapterLoadError, AdapterOperationTimeoutError, ServerCrashedError, ServerRequestError
-from ..planning.serving_plan import ServingPlan
+from ..planning.serving_plan import SYNC_TRAITS, ServingPlan
 from ..process_tree import gather_all
 from ..storage.model_store import check_adapter
 from .gateway.app import ANY, AdapterGateway
@@ -304,7 +304,10 @@ class InferenceService:
         rollout finishes on the step it started with. Leases nest and may overlap."""
         self._leases[name] += 1
         try:
-            await self.add_adapter(name, path)
+            if SYNC_TRAITS[
+                self._config.weight_sync_method
+            ].serves_older_steps:  # else by alias (`serve_alias`)
+                await self.add_adapter(name, path)
             yield
         finally:
             self._leases[name] -= 1

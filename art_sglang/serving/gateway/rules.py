@@ -47,7 +47,7 @@ from urllib.parse import unquote
 from ...constraints import ALLOWED_FIELD, CONSTRAINT_FIELD, ConstraintError, SamplingConstraint, constraint_of
 from ...tool_choice import DEFAULT_PARSER, TEMPLATE_TOOLS_FIELD, ToolUse, UnknownParser, tool_use
 from ..choice_count import GENERATE_PATH, ChoiceCountError, choices_per_prompt
-from ..served_names import parse_served_name, served_prefix
+from ..served_names import parse_served_name, served_prefix, step_of
 
 # Paths whose body names a model; the first two can carry the sampled ids (`return_token_ids`).
 CHAT_PATH = "/v1/chat/completions"
@@ -200,9 +200,10 @@ def not_served(name: str, served: Served) -> str:
     holding = [a for a in served.aliases if parsed is not None and a.startswith(served_prefix(parsed[0]))]
     if holding:
         return (
-            f"The model `{name}` is not served: the merged weights hold `{holding[0]}`, and only the step "
-            "they hold is (an older step's weights are replaced when a newer one is published). Use "
-            "model.get_inference_name() for the current step."
+            f"The model `{name}` is not served: the merged weights hold `{max(holding, key=step_of)}`, and only "
+            "the step they hold is (and the steps up to SGLangConfig.max_steps_off_policy before it; an older "
+            "step's weights are replaced when a newer one is published). Use model.get_inference_name() for "
+            "the current step."
         )
     loaded = sorted(served.adapters) or ["(no adapter loaded)"]
     return (
