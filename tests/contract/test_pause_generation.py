@@ -21,6 +21,7 @@ from weight_push import PROMPT_IDS, Asked, Pusher, Streamed, assert_same, from_d
 from art_sglang.serving.servers.process import ServerProcess
 
 LONG = 1500  # tokens: a generation still running when the test pauses it
+HELD = 12  # requests held at once: more than a thread pool of the reference engine has threads
 
 
 @pytest.fixture
@@ -41,6 +42,20 @@ def test_a_paused_engine_holds_new_requests_and_continues_them(
         time.sleep(1.0)
         assert not asked.answers  # held while paused
     assert_same(asked.answer(), expected)
+
+
+def test_an_update_and_the_continue_come_through_however_many_requests_a_pause_holds(
+    client: httpx.Client, server: ServerProcess, pusher: Pusher, base_weights: None, perturbed: str
+) -> None:
+    """A merged push meets the requests that arrived since its pause (a pipelined trainer's rollouts): more
+    than the reference engine's worker threads (6 on 2 cores) must not keep the update or the continue
+    from running."""
+    with paused(client, "abort"):
+        held = [Asked(server.base_url) for _ in range(HELD)]
+        time.sleep(1.0)
+        assert not any(asked.answers for asked in held)
+        pusher.push_ok(model=perturbed, version="v1")
+    assert {asked.answer().weight_version for asked in held} == {"v1"}
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
