@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from backend_helpers import sample_groups
+from openai.types.chat.chat_completion import Choice
 
 import art_sglang as art
 from art_sglang import SGLangBackend, SGLangConfig
@@ -40,10 +41,43 @@ async def _long_rollout(model: art.TrainableModel) -> Any:
     return completion.choices[0]
 
 
-async def _across_a_step(backend: SGLangBackend, model: art.TrainableModel, groups: list) -> Any:
+async def _long_streamed_rollout(model: art.TrainableModel) -> Any:
+    """The streamed rollout's chunks put together as a Choice (with the fields of its last chunk's choice)."""
+    client = model.openai_client()
+    stream = await client.chat.completions.create(
+        model=model.get_inference_name(),
+        messages=PROMPT,  # type: ignore[arg-type]
+        max_tokens=LONG,
+        logprobs=True,
+        stream=True,
+        # The text holds every sampled token (EOS among them), so its tokens spell it for the trainer.
+        extra_body={"ignore_eos": True, "skip_special_tokens": False},
+    )
+    content, entries, last = "", [], None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            entries += [e.model_dump() for e in (choice.logprobs.content or [])] if choice.logprobs else []
+            last = choice if choice.finish_reason is not None else last
+    assert last is not None
+    fields = {VERSIONS_FIELD: (last.model_extra or {})[VERSIONS_FIELD]}
+    return Choice.model_validate(
+        {
+            "index": 0,
+            "finish_reason": last.finish_reason,
+            "logprobs": {"content": entries},
+            "message": {"role": "assistant", "content": content},
+            **fields,
+        }
+    )
+
+
+async def _across_a_step(
+    backend: SGLangBackend, model: art.TrainableModel, groups: list, rollout_fn: Any = _long_rollout
+) -> Any:
     """A long rollout on the current step, held mid-generation (an in-place pause) while train() makes
     the next step, whose push aborts it; returns its choice once the gateway continued it."""
-    rollout = asyncio.create_task(_long_rollout(model))
+    rollout = asyncio.create_task(rollout_fn(model))
     await asyncio.sleep(1.0)  # generating
     assert not rollout.done()
     assert backend.inference is not None
@@ -57,7 +91,9 @@ def _assert_one_choice_of_two_versions(choice: Any, name: str, step: int) -> lis
     spans = getattr(choice, VERSIONS_FIELD)
     assert [span["version"] for span in spans] == [f"{name}@{step}", f"{name}@{step + 1}"]
     assert all(span["tokens"] > 0 for span in spans)
-    assert sum(span["tokens"] for span in spans) == LONG == len(choice.token_ids)
+    assert sum(span["tokens"] for span in spans) == LONG
+    if getattr(choice, "token_ids", None) is not None:  # whole answers carry the sampled ids
+        assert len(choice.token_ids) == LONG
     assert choice.finish_reason == "length"
     assert len(choice.logprobs.content) == LONG  # every token's logprob, from the weights that sampled it
     return spans
@@ -94,6 +130,26 @@ async def test_a_rollout_across_an_update_is_one_choice_of_two_versions(
         assert older.status_code == 200, older.text
         assert older.json()["choices"][0][VERSIONS_FIELD] == [{"version": "fused@2", "tokens": 2}]
         assert oldest.status_code == 404 and "hold `fused@2`" in oldest.json()["error"]["message"]
+    finally:
+        await backend.close()
+
+
+async def test_a_streamed_rollout_across_an_update_is_one_stream_of_two_versions(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    backend = _backend(tmp_path / ".art", max_steps_off_policy=1)
+    model = art.TrainableModel(name="fused", project="merged", base_model=str(tiny_model_path))
+    try:
+        await model.register(backend)
+        groups = await sample_groups(model, seed=1)
+        choice = await _across_a_step(backend, model, groups, _long_streamed_rollout)
+        _assert_one_choice_of_two_versions(choice, "fused", 0)
+        # Its text is what its tokens spell, so the trainer takes it as any streamed choice.
+        assert "".join(entry.token for entry in choice.logprobs.content) == choice.message.content
+        short = (await sample_groups(model, groups=1, size=1, seed=2))[0].trajectories[0]
+        rollout = art.Trajectory(messages_and_choices=[*PROMPT, choice], reward=1.0)
+        result = await backend.train(model, [art.TrajectoryGroup([rollout, short])], learning_rate=5e-2)
+        assert result.step == 2
     finally:
         await backend.close()
 

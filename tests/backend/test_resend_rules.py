@@ -5,12 +5,14 @@ aborted answer and its continuations, with the weight version of every run of to
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from art_sglang.serving.gateway.resend import VERSIONS_FIELD, continuation, with_versions
 from art_sglang.serving.gateway.rules import CHAT_PATH, Forward, Served, route
+from art_sglang.serving.gateway.stream_resend import continued, sse_events
 
 SERVED = Served(frozenset({"agent@1"}), frozenset({"base"}), {"m@3": "base"})
 
@@ -22,14 +24,18 @@ def _route(model: str, **extra: object) -> Forward:
     return decision
 
 
-def test_only_whole_unconstrained_answers_on_merged_weights_are_continued() -> None:
+def test_unconstrained_requests_on_merged_weights_are_continued() -> None:
     plain = _route("m@3", logprobs=True)
     assert (plain.aliased, plain.versioned, plain.resend) == (True, True, True)
     assert plain.annotated  # read whole, so its choices can carry their versions
     streamed = _route("m@3", stream=True)
-    assert (streamed.aliased, streamed.versioned, streamed.resend) == (True, False, False)
+    assert (streamed.aliased, streamed.versioned, streamed.resend) == (True, False, True)
+    several = _route("m@3", stream=True, n=2)  # one continuation per stream
+    assert (several.aliased, several.resend) == (True, False)
     constrained = _route("m@3", regex="[ab]+")
     assert (constrained.versioned, constrained.resend) == (True, False)
+    tools = _route("m@3", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert (tools.versioned, tools.resend) == (True, False)  # the parser would start over on the rest
     without_ids = _route("m@3", return_token_ids=False)  # nothing to continue from
     assert (without_ids.versioned, without_ids.resend) == (True, False)
     adapter = _route("agent@1")
@@ -136,3 +142,53 @@ async def test_without_a_continuation_the_choice_keeps_one_span(status: int) -> 
     assert choice[VERSIONS_FIELD] == [{"version": "m@3", "tokens": 4}]
     assert choice["finish_reason"] == finished["choices"][0]["finish_reason"]
     assert len(choice["token_ids"]) == 4
+
+
+def _chunk(content: str | None = None, finish: str | None = None, role: bool = False) -> dict[str, Any]:
+    delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": content}
+    return {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+
+
+def _usage(tokens: int) -> dict[str, Any]:
+    return {
+        "choices": [],
+        "usage": {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens},
+    }
+
+
+async def _events(*events: Any) -> AsyncIterator[Any]:
+    for event in events:
+        yield event
+
+
+@pytest.mark.parametrize("usage", [True, False])
+async def test_an_aborted_stream_goes_on_from_its_text_as_one_stream(usage: bool) -> None:
+    first = _events(
+        _chunk(role=True), _chunk("He"), _chunk("llo"), _chunk(finish="abort"), _usage(2), "[DONE]"
+    )
+    rest = _events(_chunk(role=True), _chunk(" you"), _chunk(finish="length"), _usage(1), "[DONE]")
+    posted: list[dict[str, Any]] = []
+
+    async def post(body: dict[str, Any]) -> tuple[str | None, AsyncIterator[Any]]:
+        posted.append(body)
+        return "m@4", rest
+
+    payload: dict[str, Any] = {"model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                               "stream": True, **({"stream_options": {"include_usage": True}} if usage else {})}  # fmt: skip
+    sent = [event async for event in continued(payload, first, "m@3", post)]
+    parsed = [event async for event in sse_events(_events(*sent))]
+    assert posted == [{**payload, "stream_options": {"include_usage": True}, "continue_final_message": True,
+                       "messages": [*payload["messages"], {"role": "assistant", "content": "Hello"}], "max_tokens": 1}]  # fmt: skip
+    chunks = [e for e in parsed if isinstance(e, dict) and e.get("choices")]
+    assert [c["choices"][0]["delta"].get("content") for c in chunks] == ["", "He", "llo", " you", None]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"  # never the abort
+    assert chunks[-1]["choices"][0][VERSIONS_FIELD] == [
+        {"version": "m@3", "tokens": 2},
+        {"version": "m@4", "tokens": 1},
+    ]
+    usages = [e["usage"] for e in parsed if isinstance(e, dict) and "usage" in e]
+    assert usages == ([{"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}] if usage else [])
+    assert parsed[-1] == "[DONE]"

@@ -87,6 +87,8 @@ def stitch(path: str, choice: dict[str, Any], part: Mapping[str, Any], usage: di
 
 def add_span(spans: list[dict[str, Any]], version: str | None, tokens: int) -> list[dict[str, Any]]:
     """`spans` with `tokens` more sampled by `version` (joined to the last span when it is that version)."""
+    if tokens == 0:
+        return spans
     if spans and spans[-1]["version"] == version:
         return [*spans[:-1], {"version": version, "tokens": spans[-1]["tokens"] + tokens}]
     return [*spans, {"version": version, "tokens": tokens}]

@@ -186,11 +186,21 @@ def route(
         constraint = shown = None
     aliased = any(name in served.aliases for name in names)
     versioned = aliased and path in TOKEN_ID_PATHS and not payload.get("stream")
-    resend = versioned and constraint is None and shown is None and payload.get("return_token_ids") is True
+    plain = constraint is None and shown is None and not payload.get("tools")  # as its continuation samples
+    streamed = aliased and path == CHAT_PATH and bool(payload.get("stream")) and n == 1
+    resend = plain and (payload.get("return_token_ids") is True if versioned else streamed)
     return Forward(
         canonical, body, tuple(names), payload=payload, constraint=constraint, template_tools=shown,
         aliased=aliased, versioned=versioned, resend=resend,
     )  # fmt: skip
+
+
+def serving_version(names: tuple[str, ...], served: Served) -> str | None:
+    """The weights a request on an alias is served by now: its model's newest step the merged weights hold
+    (older aliases are served by them too)."""
+    models = {parsed[0] for name in names if name in served.aliases and (parsed := parse_served_name(name))}
+    held = [alias for alias in served.aliases if (parsed := parse_served_name(alias)) and parsed[0] in models]
+    return max(held, key=step_of, default=None)
 
 
 def not_served(name: str, served: Served) -> str:
