@@ -33,6 +33,8 @@ success. So:
   unless the client set the field itself, so each Choice carries the ids the server sampled and the
   trainer trains on exactly those instead of re-tokenizing the text. (SGLang 0.5.17's stream chunks are
   not recorded carrying the ids, so a rollout that needs exact ids should not stream.)
+- A request on an alias is marked for the merged-weight update in flight (`Forward.versioned`, `resend`:
+  resend.py, stream_resend.py).
 """
 
 from __future__ import annotations
@@ -98,8 +100,8 @@ class Forward:
     `prompt`: which requests share its prompt (`prefill_sharing.prompt_key`), set once by the gateway
     where prefill sharing or the choice among replicas groups requests by it. `aliased`: it names an alias
     (merged weights); `versioned`: such a request answered whole, whose choices get their weight versions;
-    `resend`: one of those that is continued when an update aborts it (resend.py). A push waits for the
-    other aliased ones to finish."""
+    `resend`: an aliased request continued when an update aborts it (resend.py, or stream_resend.py for a
+    stream). A push waits for the other aliased ones to finish."""
 
     path: str
     body: bytes
