@@ -7,6 +7,8 @@ refuses it beyond; the prefix cache is flushed with each update unless flush_cac
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,30 +31,21 @@ def _backend(path: Path, **config: Any) -> SGLangBackend:
     return SGLangBackend(path=str(path), sglang_config=settings)
 
 
-async def _long_rollout(model: art.TrainableModel) -> Any:
-    client = model.openai_client()
-    completion = await client.chat.completions.create(
-        model=model.get_inference_name(),
-        messages=PROMPT,  # type: ignore[arg-type]
-        max_tokens=LONG,
-        logprobs=True,
-        extra_body={"ignore_eos": True},
+def _ask(model: art.TrainableModel, **extra: Any) -> Any:
+    """A long rollout (EOS ignored) with logprobs on the model's current step."""
+    return model.openai_client().chat.completions.create(
+        model=model.get_inference_name(), messages=PROMPT, max_tokens=LONG, logprobs=True, **extra
     )
-    return completion.choices[0]
+
+
+async def _long_rollout(model: art.TrainableModel) -> Any:
+    return (await _ask(model, extra_body={"ignore_eos": True})).choices[0]
 
 
 async def _long_streamed_rollout(model: art.TrainableModel) -> Any:
-    """The streamed rollout's chunks put together as a Choice (with the fields of its last chunk's choice)."""
-    client = model.openai_client()
-    stream = await client.chat.completions.create(
-        model=model.get_inference_name(),
-        messages=PROMPT,  # type: ignore[arg-type]
-        max_tokens=LONG,
-        logprobs=True,
-        stream=True,
-        # The text holds every sampled token (EOS among them), so its tokens spell it for the trainer.
-        extra_body={"ignore_eos": True, "skip_special_tokens": False},
-    )
+    """The streamed rollout's chunks put together as a Choice (with the fields of its last chunk's choice).
+    Its text holds every sampled token (EOS among them), so its tokens spell it for the trainer."""
+    stream = await _ask(model, stream=True, extra_body={"ignore_eos": True, "skip_special_tokens": False})
     content, entries, last = "", [], None
     async for chunk in stream:
         for choice in chunk.choices:
@@ -99,18 +92,34 @@ def _assert_one_choice_of_two_versions(choice: Any, name: str, step: int) -> lis
     return spans
 
 
-async def test_a_rollout_across_an_update_is_one_choice_of_two_versions(
-    tmp_path: Path, tiny_model_path: Path
-) -> None:
-    backend = _backend(tmp_path / ".art", max_steps_off_policy=1)
-    model = art.TrainableModel(name="fused", project="merged", base_model=str(tiny_model_path))
+@contextlib.asynccontextmanager
+async def _rolled_out_across_a_step(
+    path: Path, base_model: Path, rollout_fn: Any, **config: Any
+) -> AsyncIterator[tuple[SGLangBackend, art.TrainableModel, Any]]:
+    """(backend, model, the choice of a long rollout of step 0 held across step 1's push), checked to be one
+    complete choice of two version spans."""
+    backend = _backend(path, **config)
+    model = art.TrainableModel(name="fused", project="merged", base_model=str(base_model))
     try:
         await model.register(backend)
         groups = await sample_groups(model, seed=1)
-        choice = await _across_a_step(backend, model, groups)
+        choice = await _across_a_step(backend, model, groups, rollout_fn)
         _assert_one_choice_of_two_versions(choice, "fused", 0)
         assert model.get_inference_name() == "fused@1"
+        yield backend, model, choice
+    finally:
+        await backend.close()
 
+
+@pytest.mark.parametrize("rollout_fn", [_long_rollout, _long_streamed_rollout], ids=["whole", "streamed"])
+async def test_a_rollout_across_an_update_is_one_choice_of_two_versions(
+    tmp_path: Path, tiny_model_path: Path, rollout_fn: Any
+) -> None:
+    async with _rolled_out_across_a_step(
+        tmp_path / ".art", tiny_model_path, rollout_fn, max_steps_off_policy=1
+    ) as (backend, model, choice):
+        if rollout_fn is _long_streamed_rollout:  # no ids: its tokens spell its text for the trainer
+            assert "".join(entry.token for entry in choice.logprobs.content) == choice.message.content
         # The trainer takes it one step behind (max_steps_off_policy=1)...
         rollout = art.Trajectory(messages_and_choices=[*PROMPT, choice], reward=1.0)
         short = (await sample_groups(model, groups=1, size=1, seed=2))[0].trajectories[0]
@@ -130,45 +139,20 @@ async def test_a_rollout_across_an_update_is_one_choice_of_two_versions(
         assert older.status_code == 200, older.text
         assert older.json()["choices"][0][VERSIONS_FIELD] == [{"version": "fused@2", "tokens": 2}]
         assert oldest.status_code == 404 and "hold `fused@2`" in oldest.json()["error"]["message"]
-    finally:
-        await backend.close()
-
-
-async def test_a_streamed_rollout_across_an_update_is_one_stream_of_two_versions(
-    tmp_path: Path, tiny_model_path: Path
-) -> None:
-    backend = _backend(tmp_path / ".art", max_steps_off_policy=1)
-    model = art.TrainableModel(name="fused", project="merged", base_model=str(tiny_model_path))
-    try:
-        await model.register(backend)
-        groups = await sample_groups(model, seed=1)
-        choice = await _across_a_step(backend, model, groups, _long_streamed_rollout)
-        _assert_one_choice_of_two_versions(choice, "fused", 0)
-        # Its text is what its tokens spell, so the trainer takes it as any streamed choice.
-        assert "".join(entry.token for entry in choice.logprobs.content) == choice.message.content
-        short = (await sample_groups(model, groups=1, size=1, seed=2))[0].trajectories[0]
-        rollout = art.Trajectory(messages_and_choices=[*PROMPT, choice], reward=1.0)
-        result = await backend.train(model, [art.TrajectoryGroup([rollout, short])], learning_rate=5e-2)
-        assert result.step == 2
-    finally:
-        await backend.close()
 
 
 async def test_without_the_bound_a_rollout_across_an_update_is_refused(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:
-    backend = _backend(tmp_path / ".art")  # max_steps_off_policy unset: 0 steps
-    model = art.TrainableModel(name="fused", project="merged", base_model=str(tiny_model_path))
-    try:
-        await model.register(backend)
-        groups = await sample_groups(model, seed=1)
-        choice = await _across_a_step(backend, model, groups)
-        _assert_one_choice_of_two_versions(choice, "fused", 0)
+    # max_steps_off_policy unset: 0 steps
+    async with _rolled_out_across_a_step(tmp_path / ".art", tiny_model_path, _long_rollout) as (
+        backend,
+        model,
+        choice,
+    ):
         rollout = art.Trajectory(messages_and_choices=[*PROMPT, choice], reward=1.0)
         with pytest.raises(TrainingInputError, match=r"group 0, trajectory 0: .*`fused@0`, 1 steps behind"):
             await backend.train(model, [art.TrajectoryGroup([rollout, rollout])], learning_rate=5e-2)
-    finally:
-        await backend.close()
 
 
 async def _cached_tokens(model: art.TrainableModel) -> int:
