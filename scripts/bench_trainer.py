@@ -78,6 +78,7 @@ async def bench_backend(
         lora_rank=args.lora_rank,
         max_seq_length=max([args.seq + 64, *(p for p in args.packings if p is not None)]),
         micro_batch_tokens=args.micro_batch_tokens,
+        gradient_checkpointing={"on": True, "off": False, "default": None}[args.gradient_checkpointing],
     )
     gpus = list(range(ranks)) if args.gpu else None
     proc = TrainerProcess(
@@ -115,6 +116,7 @@ def _summary(steps: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
     wall = sum(s for s, _ in steps)
     return {
         "step_s": wall / len(steps),
+        "step_s_each": [s for s, _ in steps],
         "train_tokens_per_s": tokens / wall,
         "forward_tokens_per_s": sum(m["tokens_per_second"] for _, m in steps) / len(steps),
         "tokens_per_step": forwarded / len(steps),
@@ -155,6 +157,13 @@ async def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--gradient-checkpointing",
+        choices=["default", "on", "off"],
+        default="default",
+        help="TrainerConfig.gradient_checkpointing (default: on with a GPU): off trades memory for the "
+        "recomputed forward of every backward",
+    )
     parser.add_argument("--backends", default="auto", help="peft,unsloth | auto (unsloth only with a GPU)")
     parser.add_argument("--ranks", default="1", help="trainer rank counts to compare, e.g. 1,2")
     parser.add_argument("--name", default="bench_trainer", help="file name of the JSON and markdown")
@@ -203,6 +212,7 @@ async def main() -> None:
         "steps": args.steps,
         "lora_rank": args.lora_rank,
         "micro_batch_tokens": args.micro_batch_tokens,
+        "gradient_checkpointing": args.gradient_checkpointing,
         "results": results,
         "environment": environment(),
     }

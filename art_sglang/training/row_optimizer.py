@@ -36,8 +36,10 @@ class _Sums:
     loss: float = 0.0  # sum over rows of the row's loss
     kl: float = 0.0  # sum over rows of the row's mean KL
     grad_norm: float = 0.0  # sum over rows
-    ratio: float = 0.0  # sum over tokens
-    clipped: float = 0.0  # count over tokens
+    # Sums kept on the device until the step's end: reading them per micro-batch waited for its backward
+    # before the next micro-batch could be queued.
+    ratio: float | torch.Tensor = 0.0  # sum over tokens
+    clipped: int | torch.Tensor = 0  # count over tokens
     tokens: int = 0
     tokens_forwarded: int = 0
     micro_batches: int = 0
@@ -86,14 +88,20 @@ class RowOptimizer:
                     (kl_sum,) = ranks.reduce([float(sum(k.sum() for k in kl))])
                 row_kl = kl_sum / (row_tokens + ROW_MEAN_EPS)
             self._state.optimizer.zero_grad(set_to_none=True)
-            row_loss = 0.0
+            shares_of_loss: list[torch.Tensor] = []
             with times.phase("forward_backward"):
                 for index, batch in enumerate(batches):
-                    row_loss += self._micro_batch(
-                        batch, row_tokens, options, kl[index] if kl is not None else None, row_kl, sums
+                    shares_of_loss.append(
+                        self._micro_batch(
+                            batch, row_tokens, options, kl[index] if kl is not None else None, row_kl, sums
+                        )
                     )
                     sums.micro_batches += 1
                     progress({"phase": "train", "micro_batch": sums.micro_batches, "micro_batches": total})
+                # One wait for the row's last backward (a rank with no share of the row has none).
+                row_loss = (
+                    float(torch.stack(shares_of_loss).sum(dtype=torch.float64)) if shares_of_loss else 0.0
+                )
             with times.phase("all_reduce"):
                 (row_loss,) = ranks.sum_gradients(self._state.params, [row_loss])
             with times.phase("optimizer"):
@@ -103,7 +111,13 @@ class RowOptimizer:
             sums.grad_norm += grad_norm
         with times.phase("all_reduce"):
             ratio, clipped, tokens, forwarded, micro_batches = ranks.reduce(
-                [sums.ratio, sums.clipped, sums.tokens, sums.tokens_forwarded, sums.micro_batches]
+                [
+                    float(sums.ratio),
+                    float(sums.clipped),
+                    sums.tokens,
+                    sums.tokens_forwarded,
+                    sums.micro_batches,
+                ]
             )
             # The slowest and the fastest rank's forward/backward (the step waits for the slowest), and
             # the fullest rank's memory, in one collective.
@@ -167,8 +181,8 @@ class RowOptimizer:
         kl: torch.Tensor | None,
         row_kl: float,
         sums: _Sums,
-    ) -> float:
-        """Forward and backward one micro-batch; returns its share of the row's loss."""
+    ) -> torch.Tensor:
+        """Forward and backward one micro-batch; returns its share of the row's loss (on the device)."""
         tensors = self._tensors(batch)
         mask = tensors["mask"]
         sampled = mask[:, 1:].bool()
@@ -194,11 +208,11 @@ class RowOptimizer:
         terms = token_loss(inputs, options)
         share = terms.loss.sum() / (row_tokens + ROW_MEAN_EPS)
         share.backward()
-        sums.ratio += float(terms.ratio.sum())
-        sums.clipped += float(terms.clipped.sum())
+        sums.ratio += terms.ratio.sum(dtype=torch.float64)
+        sums.clipped += terms.clipped.sum()
         sums.tokens += int(new.numel())
         sums.tokens_forwarded += sum(len(s.input_ids) for s in batch)
-        return float(share.detach())
+        return share.detach()
 
     def _tensors(self, batch: list[TokenizedSequence]) -> dict[str, Any]:
         width = max(len(s.input_ids) for s in batch)

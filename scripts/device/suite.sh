@@ -70,7 +70,10 @@
 #   memory per step, nothing left after close()), four-gpu-7b the same on the 7B shape (~7 min, after
 #   models-7b); bench-trainer-ddp3 (~3.5 min): trainer tokens/s and where a step's time goes on 1, 2 and 3
 #   ranks; bench-trainer-ddp3-mb24k (~3.5 min): the same with a row's share forwarded as one micro-batch
-#   (does a row's second micro-batch cost more than its first?); bench-pipeline-four-gpu (~5 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop
+#   (does a row's second micro-batch cost more than its first?); bench-trainer-ddp3-b192 (~4 min): the same
+#   with 192 trajectories a step (24 GRPO groups of 8); loss-curves-3 (~3.5 min): scripts/loss_curves.py,
+#   8 steps of one model and seed on 1 rank twice and on 3 ranks; bench-trainer-ddp3-nockpt(-mb24k) (~3.5 min
+#   each): bench-trainer-ddp3(-mb24k) without gradient checkpointing; bench-pipeline-four-gpu (~5 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop
 #   on the example's layout; bench-pipeline-replicas (~4 min, after stage.sh art and router): the same with 2
 #   replicas (GPUs 0-1) and 2 ranks (GPUs 2-3)
 # replicas-1gpu (~4 min, 1 GPU, stage.sh router first): two replicas on the first visible GPU behind the router
@@ -291,12 +294,29 @@ for name in "$@"; do
                       tests/gpu/test_four_gpus.py) ;;
     # Rows of 24 sequences (2 per step): 12 per rank on 2, 8 on 3, so a rank's share is never the cap; ART's
     # default rows (2048 tokens: 2 of these sequences) bound any rank count at 2x (bench-trainer-ddp has them).
-    bench-trainer-ddp3) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2,3
+    # TORCH_LOGS=recompiles: the trainer logs (collected below) say whether a rank count meets more compiled
+    # shapes than the compiler keeps.
+    bench-trainer-ddp3) cmd=(env TORCH_LOGS=recompiles python3 scripts/bench_trainer.py --model "$big" --backends unsloth
+                             --ranks 1,2,3 --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 8192 --steps 3
+                             --name bench_trainer_ddp3 --work "/tmp/work-$name" --out "$results") ;;
+    bench-trainer-ddp3-mb24k) cmd=(env TORCH_LOGS=recompiles python3 scripts/bench_trainer.py --model "$big" --backends unsloth
+                             --ranks 1,2,3 --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 24576 --steps 3
+                             --name bench_trainer_ddp3_mb24k --work "/tmp/work-$name" --out "$results") ;;
+    bench-trainer-ddp3-b192) cmd=(env TORCH_LOGS=recompiles python3 scripts/bench_trainer.py --model "$big" --backends unsloth
+                             --ranks 1,2,3 --batch 192 --seq 1024 --packings 24576 --micro-batch-tokens 8192 --steps 2
+                             --name bench_trainer_ddp3_b192 --work "/tmp/work-$name" --out "$results") ;;
+    # Most of a micro-batch's fixed cost sits in Unsloth's checkpointed backward (py-spy, 2026-11-27): without
+    # gradient checkpointing a backward no longer runs the forward again.
+    bench-trainer-ddp3-nockpt) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2,3
                              --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 8192 --steps 3
-                             --name bench_trainer_ddp3 --work /tmp/bench-trainer-ddp3 --out "$results") ;;
-    bench-trainer-ddp3-mb24k) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2,3
-                             --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 24576 --steps 3
-                             --name bench_trainer_ddp3_mb24k --work /tmp/bench-trainer-ddp3-mb24k --out "$results") ;;
+                             --gradient-checkpointing off --name bench_trainer_ddp3_nockpt --work "/tmp/work-$name"
+                             --out "$results") ;;
+    bench-trainer-ddp3-nockpt-mb24k) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth
+                             --ranks 1,2,3 --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 24576 --steps 3
+                             --gradient-checkpointing off --name bench_trainer_ddp3_nockpt_mb24k
+                             --work "/tmp/work-$name" --out "$results") ;;
+    loss-curves-3) cmd=(python3 scripts/loss_curves.py --model "$big" --runs 1,1,3 --steps 8 --name loss_curves_3
+                        --work "/tmp/work-$name" --out "$results") ;;
     *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
   esac
   # Each pytest suite keeps its own temporary folder, so several suites can run at once (device/per_gpu.sh) and
@@ -306,7 +326,7 @@ for name in "$@"; do
   "${cmd[@]}" 2>&1 | tee -a "$OUT/$name.log" | grep -E --line-buffered '^(===|PASSED|FAILED|ERROR|SKIPPED)|passed|failed|error|\| '
   rc=${PIPESTATUS[0]}
   echo "=== $name: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/$name.log"
-  for log in $(find "/tmp/pt-$name" "/tmp/work-$name" -name 'server*.log' -size -4M 2>/dev/null); do
+  for log in $(find "/tmp/pt-$name" "/tmp/work-$name" \( -name 'server*.log' -o -name 'trainer*.log' \) -size -4M 2>/dev/null); do
     mkdir -p "$OUT/$name-logs" && cp "$log" "$OUT/$name-logs/$(echo "${log#/tmp/}" | tr / _)"
   done
   [ "$rc" = 0 ] || failed=$((failed + 1))
