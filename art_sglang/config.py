@@ -243,8 +243,8 @@ class SGLangConfig(BaseModel):
     max_steps_off_policy: int | None = Field(
         None,
         ge=0,
-        description="ART's PipelineTrainer's max_steps_off_policy (None: not pipelined): rollouts use adapters "
-        "of up to that + 1 steps at once (max_loras_per_batch is raised to that unless set); with 'merged', "
+        description="ART's PipelineTrainer max_steps_off_policy (None: not pipelined): rollouts use adapters"
+        " of up to that + 1 steps at once (max_loras_per_batch is raised to that unless set); with 'merged', "
         "train() refuses a rollout sampled by weights more steps behind the trained one (None: 0).",
     )
 

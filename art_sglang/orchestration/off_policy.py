@@ -24,10 +24,11 @@ def check_off_policy(groups: CheckedGroups, model: str, step: int, max_steps_off
                     oldest = _oldest_step(choice.get(VERSIONS_FIELD), model)
                     if oldest is not None and step - oldest > bound:
                         raise TrainingInputError(
-                            f"group {g}, trajectory {t}: tokens sampled by `{model}@{oldest}`, {step - oldest} "
-                            f"steps behind step {step} that this call trains from, more than "
-                            f"max_steps_off_policy={bound} allows (SGLangConfig(max_steps_off_policy=N); "
-                            f"ART's PipelineTrainer drops groups that are older than its own bound)"
+                            f"group {g}, trajectory {t}: tokens sampled by `{model}@{oldest}`, "
+                            f"{step - oldest} steps behind step {step} that this call trains from, more "
+                            f"than max_steps_off_policy={bound} allows (set "
+                            "SGLangConfig(max_steps_off_policy=N); ART's PipelineTrainer drops groups that "
+                            "are older than its own bound)"
                         )
 
 

@@ -244,6 +244,7 @@ def pipelining_problem(
     if not (traits.keeps_older_steps or traits.updates_in_flight):
         return (
             f"weight_sync_method={weight_sync!r} serves only the newest step (older steps' rollouts would "
-            "change policy or be cut off mid-request): use weight_sync_method='lora' (the default) or 'merged'"
+            "change policy or be cut off mid-request): use weight_sync_method='lora' (the default) or "
+            "'merged'"
         )
     return None

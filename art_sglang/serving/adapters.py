@@ -304,9 +304,7 @@ class InferenceService:
         rollout finishes on the step it started with. Leases nest and may overlap."""
         self._leases[name] += 1
         try:
-            if SYNC_TRAITS[
-                self._config.weight_sync_method
-            ].serves_older_steps:  # else by alias (`serve_alias`)
+            if SYNC_TRAITS[self._config.weight_sync_method].serves_older_steps:  # else by alias (serve_alias)
                 await self.add_adapter(name, path)
             yield
         finally:
@@ -400,8 +398,8 @@ class InferenceService:
         return self._config.flush_cache_on_sync is not False  # None (the default) flushes pushed weights
 
     def serve_alias(self, name: str, prefix: str, older: int = 0) -> None:
-        """Serve `name` with the base slot, replacing earlier aliases that start with `prefix`; and the names
-        of the `older` steps before it (pipelined rollouts on them get `name`'s weights, their choices say so)."""
+        """Serve `name` with the base slot, replacing earlier aliases that start with `prefix`; and the
+        names of the `older` steps before it (their rollouts get `name`'s weights; their choices say so)."""
         self._aliases = {k: v for k, v in self._aliases.items() if not k.startswith(prefix)}
         model, step = parse_served_name(name) or (name, 0)
         for older_step in range(max(step - older, 0), step):

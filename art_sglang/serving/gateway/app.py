@@ -35,6 +35,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -354,13 +355,17 @@ class AdapterGateway:
             if decision.resend and upstream.status == 200:
                 version = serving_version(decision.names, self._served)
                 async with upstream:
-                    events = continued(decision.payload or {}, sse_events(upstream.content.iter_any()), version,
-                                       self._stream_sender(decision, request))  # fmt: skip
+                    chunks = sse_events(upstream.content.iter_any())
+                    events = continued(
+                        decision.payload or {}, chunks, version, self._stream_sender(decision, request)
+                    )
                     return await relay_events(request, events, self._closing)
-            refused = lambda answer: self.stranded.note(decision.names, answer.status, answer.body)  # noqa: E731
-            return await relay(request, upstream, self._closing, refused)
+            return await relay(request, upstream, self._closing, partial(self._note_refusal, decision.names))
         finally:
             self._finished(decision, replica)
+
+    def _note_refusal(self, names: tuple[str, ...], answer: Answer) -> None:
+        self.stranded.note(names, answer.status, answer.body)
 
     def _stream_sender(self, decision: Forward, request: web.Request) -> StreamPost:
         """Sends the continuation of a stream an update aborted (stream_resend.py) once requests flow again;

@@ -212,10 +212,10 @@ def not_served(name: str, served: Served) -> str:
     holding = [a for a in served.aliases if parsed is not None and a.startswith(served_prefix(parsed[0]))]
     if holding:
         return (
-            f"The model `{name}` is not served: the merged weights hold `{max(holding, key=step_of)}`, and only "
-            "the step they hold is (and the steps up to SGLangConfig.max_steps_off_policy before it; an older "
-            "step's weights are replaced when a newer one is published). Use model.get_inference_name() for "
-            "the current step."
+            f"The model `{name}` is not served: the merged weights hold `{max(holding, key=step_of)}`, and "
+            "only the step they hold is (and the steps up to SGLangConfig.max_steps_off_policy before it; "
+            "an older step's weights are replaced when a newer one is published). Use "
+            "model.get_inference_name() for the current step."
         )
     loaded = sorted(served.adapters) or ["(no adapter loaded)"]
     return (
