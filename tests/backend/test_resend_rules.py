@@ -172,13 +172,16 @@ async def test_an_aborted_stream_goes_on_from_its_text_as_one_stream(usage: bool
     rest = _events(_chunk(role=True), _chunk(" you"), _chunk(finish="length"), _usage(1), "[DONE]")
     posted: list[dict[str, Any]] = []
 
-    async def post(body: dict[str, Any]) -> tuple[str | None, AsyncIterator[Any]]:
+    serving = ["m@3"]  # what the gateway serves: m@4 from the push on
+
+    async def post(body: dict[str, Any]) -> AsyncIterator[Any]:
         posted.append(body)
-        return "m@4", rest
+        serving[0] = "m@4"
+        return rest
 
     payload: dict[str, Any] = {"model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                                "stream": True, **({"stream_options": {"include_usage": True}} if usage else {})}  # fmt: skip
-    sent = [event async for event in continued(payload, first, "m@3", post)]
+    sent = [event async for event in continued(payload, first, lambda: serving[0], post)]
     parsed = [event async for event in sse_events(_events(*sent))]
     assert posted == [{**payload, "stream_options": {"include_usage": True}, "continue_final_message": True,
                        "messages": [*payload["messages"], {"role": "assistant", "content": "Hello"}], "max_tokens": 1}]  # fmt: skip

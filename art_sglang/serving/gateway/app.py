@@ -353,29 +353,31 @@ class AdapterGateway:
         upstream, replica = sent
         try:
             if decision.resend and upstream.status == 200:
-                version = serving_version(decision.names, self._served)
                 async with upstream:
                     chunks = sse_events(upstream.content.iter_any())
+                    serving = partial(self._serving, decision.names)  # the weights serving it, when asked
                     events = continued(
-                        decision.payload or {}, chunks, version, self._stream_sender(decision, request)
+                        decision.payload or {}, chunks, serving, self._stream_sender(decision, request)
                     )
                     return await relay_events(request, events, self._closing)
             return await relay(request, upstream, self._closing, partial(self._note_refusal, decision.names))
         finally:
             self._finished(decision, replica)
 
+    def _serving(self, names: tuple[str, ...]) -> str | None:
+        return serving_version(names, self._served)
+
     def _note_refusal(self, names: tuple[str, ...], answer: Answer) -> None:
         self.stranded.note(names, answer.status, answer.body)
 
     def _stream_sender(self, decision: Forward, request: web.Request) -> StreamPost:
-        """Sends the continuation of a stream an update aborted (stream_resend.py) once requests flow again;
-        its events, and the weights that serve it."""
+        """Sends the continuation of a stream an update aborted (stream_resend.py), once requests flow."""
 
-        async def post(body: dict) -> tuple[str | None, AsyncIterator[Any]]:
+        async def post(body: dict) -> AsyncIterator[Any]:
             assert self._open is not None
             await self._open.wait()
             continued = Forward(decision.path, json.dumps(body).encode(), decision.names, payload=body)
-            return serving_version(decision.names, self._served), self._events(continued, request)
+            return self._events(continued, request)
 
         return post
 

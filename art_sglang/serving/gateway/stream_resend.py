@@ -18,8 +18,8 @@ from typing import Any
 
 from .resend import MAX_RESENDS, VERSIONS_FIELD, add_span
 
-# One continuation: the chat body -> (the version that serves it, its events), once it may be sent.
-StreamPost = Callable[[dict[str, Any]], Awaitable[tuple[str | None, AsyncIterator[Any]]]]
+# One continuation: the chat body -> its events, once it may be sent.
+StreamPost = Callable[[dict[str, Any]], Awaitable[AsyncIterator[Any]]]
 DONE = "[DONE]"
 
 
@@ -60,18 +60,23 @@ def sse(payload: Any) -> bytes:
 
 
 async def continued(
-    payload: Mapping[str, Any], events: AsyncIterator[Any], version: str | None, post: StreamPost
+    payload: Mapping[str, Any],
+    events: AsyncIterator[Any],
+    serving: Callable[[], str | None],
+    post: StreamPost,
 ) -> AsyncIterator[bytes]:
-    """The client's stream from the upstream `events` (sampled by `version`), each run an update aborted
-    continued by `post` (up to `MAX_RESENDS` times)."""
+    """The client's stream from the upstream `events`, each run an update aborted continued by `post` (up
+    to `MAX_RESENDS` times). A run's version is `serving()` when its first chunk comes: a stream's headers
+    come before a paused server generates, its first chunk only once it does."""
     text, sampled, spans = "", 0, []
     usage: dict[str, Any] | None = None
     final: dict[str, Any] | None = None
     for attempt in range(MAX_RESENDS + 1):
-        ended, tokens = None, 0
+        ended, tokens, version = None, 0, None
         async for event in events:
             if event == DONE:
                 break
+            version = version or serving()
             choices = event.get("choices") if isinstance(event, dict) else None
             if not choices:  # the usage chunk, or an error event
                 if isinstance(event, dict) and isinstance(event.get("usage"), dict):
@@ -96,7 +101,7 @@ async def continued(
         body = chat_continuation(payload, text, sampled)
         if body is None:
             break
-        version, events = await post(body)
+        events = await post(body)
     if final is not None:
         final["choices"][0][VERSIONS_FIELD] = spans
         yield sse(final)
