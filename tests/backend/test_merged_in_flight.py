@@ -14,8 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from backend_helpers import sample_groups
-from openai.types.chat.chat_completion import Choice
+from backend_helpers import choice_of_stream, sample_groups
 
 import art_sglang as art
 from art_sglang import SGLangBackend, SGLangConfig
@@ -46,23 +45,7 @@ async def _long_streamed_rollout(model: art.TrainableModel) -> Any:
     """The streamed rollout's chunks put together as a Choice (with the fields of its last chunk's choice).
     Its text holds every sampled token (EOS among them), so its tokens spell it for the trainer."""
     stream = await _ask(model, stream=True, extra_body={"ignore_eos": True, "skip_special_tokens": False})
-    content, entries, last = "", [], None
-    async for chunk in stream:
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            entries += [e.model_dump() for e in (choice.logprobs.content or [])] if choice.logprobs else []
-            last = choice if choice.finish_reason is not None else last
-    assert last is not None
-    fields = {VERSIONS_FIELD: (last.model_extra or {})[VERSIONS_FIELD]}
-    return Choice.model_validate(
-        {
-            "index": 0,
-            "finish_reason": last.finish_reason,
-            "logprobs": {"content": entries},
-            "message": {"role": "assistant", "content": content},
-            **fields,
-        }
-    )
+    return await choice_of_stream(stream, VERSIONS_FIELD)
 
 
 async def _across_a_step(

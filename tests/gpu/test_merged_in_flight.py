@@ -9,15 +9,19 @@ runs of tokens name the weights that sampled them, and train() takes them (max_s
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 from gpu_helpers import PROMPTS, make_groups, record, sglang_test_config
-from openai.types.chat.chat_completion import Choice
 
 from art_sglang import SGLangBackend, TrainableModel, TrainerConfig, Trajectory, TrajectoryGroup
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
+from backend_helpers import choice_of_stream
 
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio(loop_scope="module")]
 
@@ -54,17 +58,7 @@ async def _whole(model: TrainableModel) -> Any:
 
 async def _streamed(model: TrainableModel) -> Any:
     stream = await _ask(model, stream=True, extra_body={"ignore_eos": True, "skip_special_tokens": False})
-    content, entries, last = "", [], None
-    async for chunk in stream:
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            entries += [e.model_dump() for e in (choice.logprobs.content or [])] if choice.logprobs else []
-            last = choice if choice.finish_reason is not None else last
-    assert last is not None
-    return Choice.model_validate(
-        {"index": 0, "finish_reason": last.finish_reason, "logprobs": {"content": entries},
-         "message": {"role": "assistant", "content": content}, VERSIONS: (last.model_extra or {})[VERSIONS]}
-    )  # fmt: skip
+    return await choice_of_stream(stream, VERSIONS)
 
 
 async def test_rollouts_across_a_step_are_continued_on_the_new_weights(run) -> None:
