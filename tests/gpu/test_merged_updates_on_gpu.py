@@ -3,7 +3,7 @@ one GPU, server and trainer co-resident (no handoff, so rollouts run while train
 long whole and a long streamed rollout started before a step come back each as one complete choice whose
 runs of tokens name the weights that sampled them, and train() takes them (max_steps_off_policy=1).
 
-    pytest -m gpu tests/gpu/test_merged_in_flight.py      (~4 min)
+    pytest -m gpu tests/gpu/test_merged_updates_on_gpu.py      (~4 min)
 """
 
 from __future__ import annotations
