@@ -23,6 +23,7 @@ from .cluster import ray_cluster
 from .config import ClusterConfig, CudaMpsMode, DeviceConfig, SGLangConfig, SharedStrategy, TrainerConfig
 from .cuda_mps import CudaMps, control_program, start_daemon
 from .errors import ConfigError, ModelNotRegisteredError
+from .orchestration.off_policy import check_off_policy
 from .orchestration.pipelining import pin_step, pinned_step
 from .orchestration.progress import StepProgress, record_step, reports_while, warn_about
 from .orchestration.registered_model import RegisteredModel, checkpoint_of
@@ -308,6 +309,7 @@ class SGLangBackend:
         # Converted and checked once, here, before the GPU handoff: bad input never takes the server away.
         groups = check_groups(coerce_groups(trajectory_groups), **train_options.input_rules())
         entry = self._entry(model)
+        check_off_policy(groups, model.name, entry.step, self.sglang_config.max_steps_off_policy)
         check_row_length(train_options, entry.trainer.config)
         if entry.pipelined and (problem := self._pipelining_problem()) is not None:
             raise ConfigError(

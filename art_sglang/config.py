@@ -105,18 +105,18 @@ class SGLangConfig(BaseModel):
     )
     weight_sync_method: WeightSyncMethod = Field(
         "lora",
-        description="How a new step reaches the server: 'lora' hot-loads the adapter, 'disk' merges it and "
-        "calls update_weights_from_disk, 'restart' restarts the server with the adapter preloaded, 'merged' "
-        "(opt-in, docs/merged-rollouts.md; one-GPU shared mode only, ran on SGLang 0.5.17) starts the server without LoRA "
-        "and pushes the trainer's merged weights from memory after each step (update_weights_from_tensor).",
+        description="How a new step reaches the server: 'lora' loads the adapter, 'disk' merges it and calls "
+        "update_weights_from_disk, 'restart' restarts the server with it, 'merged' (opt-in, one GPU shared, "
+        "ran on SGLang 0.5.17, docs/merged-rollouts.md) serves without LoRA the trainer's merged weights.",
     )
     merged_bucket_bytes: int = Field(
         512 << 20,
         ge=1,
-        description="weight_sync_method='merged': the most bytes of merged weights pushed in one request (the "
-        "server holds one such bucket beside its weights while it loads).",
+        description="weight_sync_method='merged': the most bytes of merged weights pushed in one request.",
     )
-    flush_cache_on_sync: bool = Field(False, description="Flush the prefix cache after each weight sync.")
+    flush_cache_on_sync: bool | None = Field(
+        None, description="Flush the prefix cache after each sync; None: 'merged' only."
+    )
     server_timeout: float = Field(
         default_factory=_default_server_timeout,
         gt=0,
@@ -243,9 +243,9 @@ class SGLangConfig(BaseModel):
     max_steps_off_policy: int | None = Field(
         None,
         ge=0,
-        description="For pipelined training (ART's PipelineTrainer with this max_steps_off_policy): rollouts "
-        "use adapters of up to max_steps_off_policy + 1 steps of a model at once, so max_loras_per_batch "
-        "is raised to that unless set. None = not pipelined.",
+        description="ART's PipelineTrainer max_steps_off_policy (None: not pipelined): rollouts use adapters"
+        " of up to that + 1 steps at once (max_loras_per_batch is raised to that unless set); with 'merged', "
+        "train() refuses a rollout sampled by weights more steps behind the trained one (None: 0).",
     )
 
     @model_validator(mode="before")

@@ -193,6 +193,13 @@ class ReferenceEngine:
         with self._tokenizer_lock:
             return list(self.tokenizer(text).input_ids)
 
+    def encode_continuation(self, text: str) -> list[int]:
+        """Ids of an assistant turn's text that the model goes on from (`continue_final_message`), as SGLang
+        encodes it: the tokenizer's encoding less a leading BOS."""
+        with self._tokenizer_lock:
+            ids = list(self.tokenizer.encode(text))
+        return ids[1:] if ids and ids[0] == self.tokenizer.bos_token_id else ids
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:
             return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -144,7 +144,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         return error_response(str(exc))
 
     def prepare() -> list[GenerationRequest]:
-        prompt_ids = engine.encode_chat(body.messages, tools.template_tools, body.chat_template_kwargs)
+        messages, prefix = body.messages, None
+        last = messages[-1] if messages else {}
+        if (
+            body.continue_final_message
+            and last.get("role") == "assistant"
+            and isinstance(last.get("content"), str)
+        ):
+            messages, prefix = messages[:-1], last["content"]  # SGLang: the turn goes on from its text
+        prompt_ids = engine.encode_chat(messages, tools.template_tools, body.chat_template_kwargs)
+        if prefix:
+            prompt_ids += engine.encode_continuation(prefix)
         sampling = _sampling(engine, body, body.max_new_tokens)
         if tools.template_tools is not None:
             sampling.skip_special_tokens = False  # as SGLang: tool-call markup may be special tokens

@@ -63,6 +63,7 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
 
     @property
     def max_new_tokens(self) -> int | None:

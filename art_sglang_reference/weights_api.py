@@ -5,7 +5,10 @@ answers are SGLang's (http_server.py, io_struct.py); /update_weights_from_disk i
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
@@ -25,6 +28,17 @@ from .update_groups import GroupTransfer
 from .weights import WeightsLoadError
 
 router = APIRouter()
+T = TypeVar("T")
+# These routes run on threads of their own: requests a pause holds each wait in a thread of the default
+# pool, and with as many held as it has threads a pool-run update or continue would never start (SGLang's
+# tokenizer manager holds them without a thread each, so it answers these routes however many wait).
+_CONTROL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weights-control")
+
+
+async def _off_loop(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(
+        _CONTROL, functools.partial(call, *args, **kwargs)
+    )
 
 
 def _engine(request: Request) -> ReferenceEngine:
@@ -42,7 +56,7 @@ async def update_weights_from_tensor(
     if body.abort_all_requests:
         engine.gate.abort_all()
     try:
-        await asyncio.to_thread(
+        await _off_loop(
             engine.updates.from_tensor,
             body.serialized_named_tensors[0],  # this server's only tensor-parallel rank
             body.load_format,
@@ -60,7 +74,7 @@ async def init_weights_update_group(
 ) -> JSONResponse:
     note(request, group=body.group_name, rank=body.rank_offset, world=body.world_size)
     try:
-        await asyncio.to_thread(
+        await _off_loop(
             engine.updates.groups.join,
             body.master_address,
             body.master_port,
@@ -78,7 +92,7 @@ async def init_weights_update_group(
 async def destroy_weights_update_group(
     body: DestroyWeightsUpdateGroupRequest, engine: Engine
 ) -> JSONResponse:
-    if not await asyncio.to_thread(engine.updates.groups.leave, body.group_name):
+    if not await _off_loop(engine.updates.groups.leave, body.group_name):
         return _result(False, "The group to be destroyed does not exist.")
     return _result(True, "Succeeded to destroy custom process group.")
 
@@ -92,7 +106,7 @@ async def update_weights_from_distributed(
         engine.gate.abort_all()
     transfer = GroupTransfer(body.group_name, body.names, body.dtypes, body.shapes, body.load_format)
     try:
-        await asyncio.to_thread(
+        await _off_loop(
             engine.updates.from_group, transfer, body.weight_version, flush_cache=body.flush_cache
         )
     except WeightsLoadError as exc:
@@ -103,13 +117,13 @@ async def update_weights_from_distributed(
 @router.post("/pause_generation")
 async def pause_generation(body: PauseGenerationRequest, request: Request, engine: Engine) -> JSONResponse:
     note(request, mode=body.mode)
-    await asyncio.to_thread(engine.gate.pause, body.mode)
+    await _off_loop(engine.gate.pause, body.mode)
     return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
 
 @router.post("/continue_generation")
 async def continue_generation(body: ContinueGenerationRequest, engine: Engine) -> JSONResponse:
-    await asyncio.to_thread(engine.gate.resume)
+    await _off_loop(engine.gate.resume)
     return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
 

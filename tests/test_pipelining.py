@@ -8,8 +8,9 @@ from art_sglang.orchestration.pipelining import pin_step, pinned_step
 from art_sglang.planning.config_checks import pipelining_problem
 
 
-def test_only_a_backend_without_handoff_with_gateway_and_lora_sync_pipelines() -> None:
+def test_only_a_backend_without_handoff_with_gateway_and_lora_or_merged_sync_pipelines() -> None:
     assert pipelining_problem("none", gateway=True, weight_sync="lora") is None
+    assert pipelining_problem("none", gateway=True, weight_sync="merged") is None  # rollouts continued
     for handoff in ("sleep", "restart"):
         problem = pipelining_problem(handoff, gateway=True, weight_sync="lora")
         assert problem is not None and f"shared_strategy={handoff!r}" in problem

@@ -240,9 +240,11 @@ def pipelining_problem(
             "with gateway=False nothing checks that a rollout's adapter is still loaded (SGLang answers an "
             "unloaded name from the base model): use gateway=True (the default)"
         )
-    if not SYNC_TRAITS[weight_sync].keeps_older_steps:
+    traits = SYNC_TRAITS[weight_sync]
+    if not (traits.keeps_older_steps or traits.updates_in_flight):
         return (
             f"weight_sync_method={weight_sync!r} serves only the newest step (older steps' rollouts would "
-            "change policy or be cut off mid-request): use weight_sync_method='lora' (the default)"
+            "change policy or be cut off mid-request): use weight_sync_method='lora' (the default) or "
+            "'merged'"
         )
     return None

@@ -27,6 +27,9 @@ class SyncTraits:
     keeps_older_steps: bool = False
     # Several models can share the servers.
     several_models: bool = True
+    # Rollouts in flight go on across a publish (continued on the new weights), so they can pipeline with
+    # training though older steps are not kept.
+    updates_in_flight: bool = False
 
 
 SYNC_TRAITS: dict[WeightSyncMethod, SyncTraits] = {
@@ -34,8 +37,9 @@ SYNC_TRAITS: dict[WeightSyncMethod, SyncTraits] = {
     "restart": SyncTraits(),
     # Merged weights hold one step of one model: an older adapter on top would be wrong.
     "disk": SyncTraits(serves_older_steps=False, several_models=False),
-    # The trainer's merged weights pushed from memory: the same one step of one model (docs/merged-rollouts.md).
-    "merged": SyncTraits(serves_older_steps=False, several_models=False),
+    # The trainer's merged weights pushed from memory: the same one step of one model, rollouts in flight
+    # continued on the new weights by the gateway (docs/merged-rollouts.md).
+    "merged": SyncTraits(serves_older_steps=False, several_models=False, updates_in_flight=True),
 }
 
 

@@ -16,30 +16,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
-import httpx
-
 from ..config import ClusterConfig
 from ..errors import AdapterLoadError, AdapterOperationTimeoutError, ServerCrashedError, ServerRequestError
-from ..planning.serving_plan import ServingPlan
+from ..planning.serving_plan import SYNC_TRAITS, ServingPlan
 from ..process_tree import gather_all
 from ..storage.model_store import check_adapter
 from .gateway.app import ANY, AdapterGateway
-from .served_names import step_of
+from .gateway.resend import DRAINED
+from .served_names import parse_served_name, served_name, step_of
 from .servers.group import ServerGroup
+from .servers.probe import ProbeTarget, probe_chat
 from .servers.replica import RemotePlacement, Server, ServerHandle
 from .servers.replica_health import ReplicaRouter
 from .servers.weight_push import WeightsSource, push_or_none, push_weights
 
 logger = logging.getLogger(__name__)
-
-PROBE_TIMEOUT_S = 120.0
-PROBE_TOKENS = 4  # a few: an adapter that cannot serve may answer its first token and fail at the next
 
 
 class InferenceService:
@@ -200,7 +196,8 @@ class InferenceService:
             # A fresh process holds the original base weights; the merged ones are applied again.
             await server.client.update_weights_from_disk(str(self._base_weights))
         if self._pushed is not None:  # likewise the pushed ones, served under the name they report
-            self.serve_alias(await push_weights([server], self._pushed[0]), self._pushed[1])
+            version = await push_weights([server], self._pushed[0], flush_cache=self._flushes_pushes)
+            self.serve_alias(version, self._pushed[1], older=self._config.max_steps_off_policy or 0)
         if len(self._servers.processes) == 1:  # a fresh process: what was stranded went with the old one
             self._stranded.clear()
             if self._gateway is not None:
@@ -307,7 +304,8 @@ class InferenceService:
         rollout finishes on the step it started with. Leases nest and may overlap."""
         self._leases[name] += 1
         try:
-            await self.add_adapter(name, path)
+            if SYNC_TRAITS[self._config.weight_sync_method].serves_older_steps:  # else by alias (serve_alias)
+                await self.add_adapter(name, path)
             yield
         finally:
             self._leases[name] -= 1
@@ -381,19 +379,31 @@ class InferenceService:
 
     async def push_weights(self, source: WeightsSource, prefix: str) -> None:
         """Serve `source`'s pushed weights by the base slot under the name they report, on every server and
-        each that starts later (requests held); a failed push is retried whole, then the servers restart."""
-        async with self._servers.command(), self.holding():
+        each that starts later; a failed push is retried whole, then the servers restart. New requests wait;
+        those in flight are cut by the push and continued on the new weights by the gateway (resend.py),
+        except the ones it cannot continue, which finish first."""
+        async with self._servers.command(), self.holding(drain=False):
+            if self._gateway is not None and not await self._gateway.wait_idle(DRAINED, self._drain_timeout):
+                logger.warning("requests still in flight after %.0f s; going on", self._drain_timeout)
             self._pushed = (source, prefix)
             self._aliases = {k: v for k, v in self._aliases.items() if not k.startswith(prefix)}
-            version = await push_or_none(self._servers.up(), source)
+            version = await push_or_none(self._servers.up(), source, flush_cache=self._flushes_pushes)
             if version is None:
                 await self._servers.restart_all()  # `server_started` pushes and serves them
             else:
-                self.serve_alias(version, prefix)
+                self.serve_alias(version, prefix, older=self._config.max_steps_off_policy or 0)
 
-    def serve_alias(self, name: str, prefix: str) -> None:
-        """Serve `name` with the base slot, replacing earlier aliases that start with `prefix`."""
+    @property
+    def _flushes_pushes(self) -> bool:
+        return self._config.flush_cache_on_sync is not False  # None (the default) flushes pushed weights
+
+    def serve_alias(self, name: str, prefix: str, older: int = 0) -> None:
+        """Serve `name` with the base slot, replacing earlier aliases that start with `prefix`; and the
+        names of the `older` steps before it (their rollouts get `name`'s weights; their choices say so)."""
         self._aliases = {k: v for k, v in self._aliases.items() if not k.startswith(prefix)}
+        model, step = parse_served_name(name) or (name, 0)
+        for older_step in range(max(step - older, 0), step):
+            self._aliases[served_name(model, older_step)] = self._base_id()
         self._aliases[name] = self._base_id()
         self._publish()
 
@@ -413,7 +423,7 @@ class InferenceService:
                 f"no server replica is up to serve {name!r}: every one died, and the restarts have not "
                 "brought one back (on a Ray cluster: no node with room for a replica; the log says why)"
             )
-        targets = [(self.openai_base_url, self.client_name(name), {}, self.api_key, "")]
+        targets: list[ProbeTarget] = [(self.openai_base_url, self.client_name(name), {}, self.api_key, "")]
         if self._servers.router is not None:
             model = self._aliases.get(name, self._base_id())
             adapter = {} if name in self._aliases else {"lora_path": name}
@@ -421,26 +431,7 @@ class InferenceService:
                 (f"{r.routed_url}/v1", model, adapter, r.api_key, f" on the {r.label}")
                 for r in self._servers.routed()
             ]
-        async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False) as http:
-            for url, model, adapter, key, where in targets:
-                body = {"model": model, "messages": [{"role": "user", "content": "ping"}],
-                        "max_tokens": PROBE_TOKENS, "temperature": 0.0, "logprobs": True, **adapter}  # fmt: skip
-                headers = {"Authorization": f"Bearer {key}"} if key else {}
-                response = await http.post(f"{url}/chat/completions", json=body, headers=headers)
-                if response.status_code != 200:
-                    raise ServerRequestError(
-                        f"probe request on {name!r}{where} failed with HTTP {response.status_code}: "
-                        f"{response.text[:500]}",
-                        status=response.status_code,
-                        server_message=response.text,
-                    )
-                if not _finite_logprobs(response.json()):
-                    raise ServerRequestError(
-                        f"probe request on {name!r}{where} answered logprobs that are not finite numbers: "
-                        f"{response.text[:500]}",
-                        status=response.status_code,
-                        server_message=response.text,
-                    )
+        await probe_chat(name, targets)
 
     async def close(self) -> None:
         """Stop the servers, the router, the gateway and the clients. Idempotent."""
@@ -449,12 +440,3 @@ class InferenceService:
         await self._servers.close()
         if self._gateway is not None:
             self._gateway.close()
-
-
-def _finite_logprobs(completion: dict) -> bool:
-    """Whether every token of a chat completion has a finite logprob (JSON has no NaN or infinity; a
-    server writes them as literals, which Python reads, or as null)."""
-    content = [
-        t for choice in completion["choices"] for t in (choice.get("logprobs") or {}).get("content") or []
-    ]
-    return all(isinstance(t.get("logprob"), (int, float)) and math.isfinite(t["logprob"]) for t in content)

@@ -91,6 +91,8 @@
 # shared-prefill (~2 min): the contract test of prefill sharing alone (the contract suite includes it)
 # contract-weights (~4 min, 1 GPU): issue 40's contract tests alone (weight pushes, update groups, pause)
 # sync-merged (~3 min, 1 GPU): weight_sync_method='merged' on SGLang, one step in shared mode (the sync suite includes it)
+# merged-in-flight (~4 min, 1 GPU): merged weights co-resident; a long whole and a long streamed rollout
+#   across a step are continued on the new weights, one choice each with two version spans, trained on
 # bench-weight-push (~3 min, 1 GPU): merged-weight sync by CUDA IPC (shared mode), buckets of 128/512/2048
 #   MiB, merge and whole sync (pause to first token) per step; bench-weight-push-nccl (~3 min, 2 GPUs): the
 #   same by NCCL broadcast from GPU 1 (split mode). BENCH_MODEL=... for the 7B shape
@@ -152,6 +154,7 @@ for name in "$@"; do
     shared-restart) cmd=("${pytest[@]}" -m gpu tests/gpu/test_shared_mode.py -k restart) ;;
     sync) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py) ;;
     sync-merged) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py -k merged) ;;
+    merged-in-flight) cmd=("${pytest[@]}" -m gpu tests/gpu/test_merged_updates_on_gpu.py) ;;
     split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_split_mode.py) ;;
     art-program) cmd=("${pytest[@]}" -m gpu tests/gpu/test_art_program.py) ;;
     faults-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k split) ;;

@@ -163,3 +163,42 @@ async def test_pipeline_trainer_overlaps_rollouts_with_training_and_resumes(
     assert [step for _, _, step in second.trains] == [4]
     # Scenarios taken by the first run (trained on or cut off at its stop) are not taken again.
     assert max(first.taken) < offset == min(second.taken)
+
+
+async def test_pipeline_trainer_runs_on_merged_weights(ART, tmp_path: Path, tiny_model_path: Path) -> None:
+    """weight_sync_method="merged" serves one step's weights: rollouts on the older steps a lease pins (up
+    to max_steps_off_policy) are answered by the newest weights, and each choice says which weights sampled
+    its tokens; a rollout cut by a step's push is continued on the new weights."""
+    config = SGLangConfig(weight_sync_method="merged", max_steps_off_policy=2)
+    recorder = Recorder()
+    spans: list[tuple[int | None, list[dict[str, Any]], int]] = []  # (leased step, spans, sampled ids)
+    shared = DeviceLayout("shared", "reference", (), (), "forced on CPU for the test")
+    async with SGLangBackend(
+        path=str(tmp_path / ".art"), sglang_config=config, layout=shared, shared_strategy="co_resident"
+    ) as backend:
+        model = ART.TrainableModel(name="pipe", project="pipeline", base_model=str(tiny_model_path))
+        await model.register(backend)
+        recorder.wrap_train(backend)
+        train = backend.train
+
+        async def noting_train(model: Any, groups: Any, **options: Any) -> Any:
+            groups = list(groups)
+            for trajectory in (t for g in groups for t in g.trajectories):
+                choice = trajectory.messages_and_choices[-1]
+                versions = choice.model_extra["art_weight_versions"]
+                spans.append((trajectory.initial_policy_version, versions, len(choice.token_ids)))
+            return await train(model, groups, **options)
+
+        backend.train = noting_train  # type: ignore[method-assign]
+        await pipeline(ART, model, backend, recorder, max_steps=3).train(handle_signals=False)
+        assert await model.get_step() == 3
+
+    assert recorder.errors == []
+    assert [step for _, _, step in recorder.trains] == [1, 2, 3]
+    during = [r for r in recorder.rollouts for s, e, _ in recorder.trains if s < r["start"] < e]
+    assert during  # rollouts went on while train() ran
+    assert spans
+    for leased, versions, sampled in spans:
+        steps = [int(span["version"].removeprefix("pipe@")) for span in versions]
+        assert leased is not None and all(leased <= step <= 3 for step in steps), (leased, versions)
+        assert sum(span["tokens"] for span in versions) == sampled

@@ -299,3 +299,21 @@ def _kill_server_as_it_loads(monkeypatch: Any, service: Any, adapter: str) -> li
 
     monkeypatch.setattr(ServerClient, "load_lora_adapter", load_as_the_server_dies)
     return killed
+
+
+async def choice_of_stream(stream: Any, extra_field: str) -> Any:
+    """A streamed chat completion's chunks put together as one Choice (content, logprob entries, finish
+    reason), with `extra_field` of its last chunk's choice."""
+    from openai.types.chat.chat_completion import Choice
+
+    content, entries, last = "", [], None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            entries += [e.model_dump() for e in (choice.logprobs.content or [])] if choice.logprobs else []
+            last = choice if choice.finish_reason is not None else last
+    assert last is not None, "the stream ended without a finish reason"
+    return Choice.model_validate(
+        {"index": 0, "finish_reason": last.finish_reason, "logprobs": {"content": entries},
+         "message": {"role": "assistant", "content": content}, extra_field: (last.model_extra or {})[extra_field]}
+    )  # fmt: skip

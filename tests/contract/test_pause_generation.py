@@ -15,12 +15,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from contract_helpers import contract_config, running_server, wait_until_dead
+from contract_helpers import MESSAGES, chat, contract_config, running_server, wait_until_dead
 from weight_push import PROMPT_IDS, Asked, Pusher, Streamed, assert_same, from_disk, greedy, paused
 
 from art_sglang.serving.servers.process import ServerProcess
 
 LONG = 1500  # tokens: a generation still running when the test pauses it
+HELD = 12  # requests held at once: more than a thread pool of the reference engine has threads
 
 
 @pytest.fixture
@@ -41,6 +42,20 @@ def test_a_paused_engine_holds_new_requests_and_continues_them(
         time.sleep(1.0)
         assert not asked.answers  # held while paused
     assert_same(asked.answer(), expected)
+
+
+def test_an_update_and_the_continue_come_through_however_many_requests_a_pause_holds(
+    client: httpx.Client, server: ServerProcess, pusher: Pusher, base_weights: None, perturbed: str
+) -> None:
+    """A merged push meets the requests that arrived since its pause (a pipelined trainer's rollouts): more
+    than the reference engine's worker threads (6 on 2 cores) must not keep the update or the continue
+    from running."""
+    with paused(client, "abort"):
+        held = [Asked(server.base_url) for _ in range(HELD)]
+        time.sleep(1.0)
+        assert not any(asked.answers for asked in held)
+        pusher.push_ok(model=perturbed, version="v1")
+    assert {asked.answer().weight_version for asked in held} == {"v1"}
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
@@ -136,3 +151,46 @@ def test_a_cache_flush_while_a_pause_holds_requests_ends_the_server(
         assert answer["status"] is None  # the connection dropped
         wait_until_dead(proc)
         assert "Cache flush failed after updating weights" in proc.log_tail(400)
+
+
+def test_an_aborted_chat_answer_carries_what_its_continuation_needs(
+    client: httpx.Client, server: ServerProcess, base_weights: None
+) -> None:
+    """What the gateway continues a non-streamed rollout from (serving/gateway/resend.py): the prompt's and
+    the sampled ids, a logprob per sampled token, the version that sampled them."""
+    answers: list[httpx.Response] = []
+    body = {"max_tokens": LONG, "ignore_eos": True, "return_token_ids": True, "logprobs": True}
+
+    def ask() -> None:
+        with httpx.Client(base_url=server.base_url, timeout=120.0, trust_env=False) as own:
+            answers.append(chat(own, **body))
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    time.sleep(1.0)  # generating
+    with paused(client, "abort"):
+        asking.join(60)
+    [answer] = answers
+    assert answer.status_code == 200, answer.text
+    [choice] = answer.json()["choices"]
+    assert choice["finish_reason"] == "abort"
+    assert 0 < len(choice["token_ids"]) < LONG and choice["prompt_token_ids"]
+    assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])
+    assert answer.json()["metadata"]["weight_version"] == "v0"
+
+
+def test_continue_final_message_goes_on_from_the_assistant_text(
+    client: httpx.Client, model_path: str
+) -> None:
+    """What the gateway continues a streamed chat from (serving/gateway/stream_resend.py): the prompt's ids,
+    then the assistant text's encoding (no BOS), and the answer goes on from there."""
+    from transformers import AutoTokenizer
+
+    text = "The alphabet starts with"
+    plain = chat(client, max_tokens=1, return_token_ids=True)
+    turn = [*MESSAGES, {"role": "assistant", "content": text}]
+    going_on = chat(client, max_tokens=1, return_token_ids=True, messages=turn, continue_final_message=True)
+    assert going_on.status_code == 200, going_on.text
+    encoded = AutoTokenizer.from_pretrained(model_path).encode(text, add_special_tokens=False)
+    prompt = plain.json()["choices"][0]["prompt_token_ids"]
+    assert going_on.json()["choices"][0]["prompt_token_ids"] == prompt + encoded

@@ -11,7 +11,9 @@ for the clients (aiohttp) plus what the backend needs to take a server away safe
 - `loader`: a name that is not served is offered to it first (the backend loads an older step whose
   checkpoint is on disk); the request goes on if it returns True, else it is answered 404.
 - Bodies over `max_body_bytes` are refused with 413 before they are read; malformed JSON is a 400.
-- A request with a sampling constraint is answered whole, each choice carrying it (`with_constraint`).
+- A request with a sampling constraint is answered whole, each choice carrying it (`with_constraint`); so
+  is one on an alias (merged weights), each choice with its weight versions, continued on the new weights
+  when an update aborted it (`resend`).
 - With `share_lead` set, requests of one prompt that arrive together wait until one prefill-only request
   computed it (`prefill_sharing`), so the server does not compute it once per request.
 - Every response closes its connection: ART's client (httpx) looks at each idle connection it keeps
@@ -31,16 +33,22 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import replace
+from functools import partial
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from ...tool_choice import DEFAULT_PARSER
+from ..choice_count import GENERATE_PATH
 from .prefill_sharing import Answer, PrefillSharing, bad_gateway, prompt_key
-from .rules import NOT_FORWARDED, Forward, Refuse, Served, error, route, with_constraint
+from .relay import CLOSED, relay, relay_events, whole
+from .resend import DRAINED, Post, with_versions
+from .rules import NOT_FORWARDED, Forward, Refuse, Served, error, route, serving_version, with_constraint
 from .stranded_adapters import StrandedAdapters
+from .stream_resend import StreamPost, continued, sse_events, with_usage
 from .upstream import Upstream
 
 logger = logging.getLogger(__name__)
@@ -329,19 +337,76 @@ class AdapterGateway:
             # Read whole, so each choice can carry its constraint (and the tools it was prompted with).
             answer = await self._exchange(decision, self._upstream_headers(request))
             if answer.status == 200 and self._closing.is_set():
-                return _json(503, _CLOSED)
+                return _json(503, CLOSED)
             if answer.status == 200:
                 body = with_constraint(answer.body, decision.constraint, decision.template_tools)
+                if decision.versioned:
+                    resend = self._continuation_sender(decision, request) if decision.resend else None
+                    body = await with_versions(decision.path, decision.payload or {}, body, resend)
                 answer = Answer(answer.status, body)
-            return _answer(answer)
+            return whole(answer)
+        if decision.resend:  # a stream on merged weights, continued across updates
+            decision = replace(decision, body=json.dumps(with_usage(decision.payload or {})).encode())
         sent = await self._send(request.method, decision, self._upstream_headers(request))
         if isinstance(sent, Answer):
-            return _answer(sent)
+            return whole(sent)
         upstream, replica = sent
         try:
-            return await self._relay(request, upstream, decision.names)
+            if decision.resend and upstream.status == 200:
+                async with upstream:
+                    chunks = sse_events(upstream.content.iter_any())
+                    serving = partial(self._serving, decision.names)  # the weights serving it, when asked
+                    events = continued(
+                        decision.payload or {}, chunks, serving, self._stream_sender(decision, request)
+                    )
+                    return await relay_events(request, events, self._closing)
+            return await relay(request, upstream, self._closing, partial(self._note_refusal, decision.names))
         finally:
             self._finished(decision, replica)
+
+    def _serving(self, names: tuple[str, ...]) -> str | None:
+        return serving_version(names, self._served)
+
+    def _note_refusal(self, names: tuple[str, ...], answer: Answer) -> None:
+        self.stranded.note(names, answer.status, answer.body)
+
+    def _stream_sender(self, decision: Forward, request: web.Request) -> StreamPost:
+        """Sends the continuation of a stream an update aborted (stream_resend.py), once requests flow."""
+
+        async def post(body: dict) -> AsyncIterator[Any]:
+            assert self._open is not None
+            await self._open.wait()
+            continued = Forward(decision.path, json.dumps(body).encode(), decision.names, payload=body)
+            return self._events(continued, request)
+
+        return post
+
+    async def _events(self, decision: Forward, request: web.Request) -> AsyncIterator[Any]:
+        """The events of one streamed request (nothing if it failed), counted in flight while they come."""
+        sent = await self._send("POST", decision, self._upstream_headers(request))
+        if isinstance(sent, Answer):
+            return
+        upstream, replica = sent
+        try:
+            async with upstream:
+                if upstream.status == 200:
+                    async for event in sse_events(upstream.content.iter_any()):
+                        yield event
+        finally:
+            self._finished(decision, replica)
+
+    def _continuation_sender(self, decision: Forward, request: web.Request) -> Post:
+        """Posts the continuation of a request an update aborted (resend.py), once the gateway lets requests
+        through again (the push holds them until the servers serve the new weights)."""
+
+        async def post(body: dict) -> tuple[int, bytes]:
+            assert self._open is not None
+            await self._open.wait()
+            continued = Forward(GENERATE_PATH, json.dumps(body).encode(), decision.names, payload=body)
+            answer = await self._exchange(continued, self._upstream_headers(request))
+            return answer.status, answer.body
+
+        return post
 
     async def _exchange(self, decision: Forward, headers: dict[str, str]) -> Answer:
         """POST `decision` and read the whole answer (for prefill sharing)."""
@@ -376,51 +441,11 @@ class AdapterGateway:
         for key in keys:
             self._in_flight[key] += delta
 
-    async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, names: tuple[str, ...]
-    ) -> web.StreamResponse:
-        """Stream the server's response to the client (a refusal, small, is read whole and looked at)."""
-        async with upstream:
-            if upstream.status == 400:
-                answer = Answer(upstream.status, await upstream.read())
-                self.stranded.note(names, answer.status, answer.body)
-                return _answer(answer)
-            if upstream.status == 200 and self._closing.is_set():
-                return _json(503, _CLOSED)
-            response = web.StreamResponse(status=upstream.status)
-            response.force_close()  # see the module's text
-            for key, value in upstream.headers.items():
-                if key.lower() not in NOT_FORWARDED:
-                    response.headers.add(key, value)
-            if upstream.content_length is not None:
-                response.content_length = upstream.content_length
-            await response.prepare(request)
-            try:
-                async for chunk in upstream.content.iter_any():
-                    if self._closing.is_set():
-                        raise aiohttp.ClientPayloadError("the backend was closed while the response streamed")
-                    await response.write(chunk)
-            except aiohttp.ClientError:
-                # The server died (or is being stopped) mid-response: the client sees a truncated response
-                # and an error.
-                if request.transport is not None:
-                    request.transport.close()
-                return response
-            # A client that closed once it had every event (ART's does after `[DONE]`) lost nothing.
-            with contextlib.suppress(ConnectionResetError):
-                await response.write_eof()
-            return response
-
-
-_CLOSED = error(
-    "the backend was closed while this request ran: the server was stopped before it finished",
-    "backend_closed",
-)
-
 
 def _keys(decision: Forward) -> tuple[str, ...]:
     """The in-flight counters a request counts in: each name it asks for, and every request's."""
-    return (*(decision.names or ("",)), ANY)
+    drained = (DRAINED,) if decision.aliased and not decision.resend else ()
+    return (*(decision.names or ("",)), *drained, ANY)
 
 
 def _bearer(request: web.Request) -> str | None:
@@ -429,10 +454,4 @@ def _bearer(request: web.Request) -> str | None:
 
 
 def _json(status: int, payload: dict) -> web.Response:
-    return _answer(Answer(status, json.dumps(payload).encode()))
-
-
-def _answer(answer: Answer) -> web.Response:
-    response = web.Response(status=answer.status, body=answer.body, content_type="application/json")
-    response.force_close()  # see the module's text
-    return response
+    return whole(Answer(status, json.dumps(payload).encode()))

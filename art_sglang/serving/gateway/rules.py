@@ -33,6 +33,8 @@ success. So:
   unless the client set the field itself, so each Choice carries the ids the server sampled and the
   trainer trains on exactly those instead of re-tokenizing the text. (SGLang 0.5.17's stream chunks are
   not recorded carrying the ids, so a rollout that needs exact ids should not stream.)
+- A request on an alias is marked for the merged-weight update in flight (`Forward.versioned`, `resend`:
+  resend.py, stream_resend.py).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from urllib.parse import unquote
 from ...constraints import ALLOWED_FIELD, CONSTRAINT_FIELD, ConstraintError, SamplingConstraint, constraint_of
 from ...tool_choice import DEFAULT_PARSER, TEMPLATE_TOOLS_FIELD, ToolUse, UnknownParser, tool_use
 from ..choice_count import GENERATE_PATH, ChoiceCountError, choices_per_prompt
-from ..served_names import parse_served_name, served_prefix
+from ..served_names import parse_served_name, served_prefix, step_of
 
 # Paths whose body names a model; the first two can carry the sampled ids (`return_token_ids`).
 CHAT_PATH = "/v1/chat/completions"
@@ -96,7 +98,10 @@ class Forward:
     steps need not parse it again; `constraint`: the sampling constraint to attach to each choice;
     `template_tools`: the tools the chat template rendered, to attach where they are not the request's;
     `prompt`: which requests share its prompt (`prefill_sharing.prompt_key`), set once by the gateway
-    where prefill sharing or the choice among replicas groups requests by it."""
+    where prefill sharing or the choice among replicas groups requests by it. `aliased`: it names an alias
+    (merged weights); `versioned`: such a request answered whole, whose choices get their weight versions;
+    `resend`: an aliased request continued when an update aborts it (resend.py, or stream_resend.py for a
+    stream). A push waits for the other aliased ones to finish."""
 
     path: str
     body: bytes
@@ -106,11 +111,14 @@ class Forward:
     constraint: SamplingConstraint | None = None
     template_tools: list[Any] | None = None
     prompt: str | None = field(default=None, compare=False)
+    aliased: bool = False
+    versioned: bool = False
+    resend: bool = False
 
     @property
     def annotated(self) -> bool:
         """Whether each returned choice gets a field for training (the answer is then read whole)."""
-        return self.constraint is not None or self.template_tools is not None
+        return self.constraint is not None or self.template_tools is not None or self.versioned
 
 
 @dataclass(frozen=True)
@@ -178,9 +186,23 @@ def route(
         body = json.dumps(payload).encode()
     if payload.get("stream"):  # allowed on untrained models only: relayed as it comes, nothing to annotate
         constraint = shown = None
+    aliased = any(name in served.aliases for name in names)
+    versioned = aliased and path in TOKEN_ID_PATHS and not payload.get("stream")
+    plain = constraint is None and shown is None and not payload.get("tools")  # as its continuation samples
+    streamed = aliased and path == CHAT_PATH and bool(payload.get("stream")) and n == 1
+    resend = plain and (payload.get("return_token_ids") is True if versioned else streamed)
     return Forward(
-        canonical, body, tuple(names), payload=payload, constraint=constraint, template_tools=shown
-    )
+        canonical, body, tuple(names), payload=payload, constraint=constraint, template_tools=shown,
+        aliased=aliased, versioned=versioned, resend=resend,
+    )  # fmt: skip
+
+
+def serving_version(names: tuple[str, ...], served: Served) -> str | None:
+    """The weights a request on an alias is served by now: its model's newest step the merged weights hold
+    (older aliases are served by them too)."""
+    models = {parsed[0] for name in names if name in served.aliases and (parsed := parse_served_name(name))}
+    held = [alias for alias in served.aliases if (parsed := parse_served_name(alias)) and parsed[0] in models]
+    return max(held, key=step_of, default=None)
 
 
 def not_served(name: str, served: Served) -> str:
@@ -190,8 +212,9 @@ def not_served(name: str, served: Served) -> str:
     holding = [a for a in served.aliases if parsed is not None and a.startswith(served_prefix(parsed[0]))]
     if holding:
         return (
-            f"The model `{name}` is not served: the merged weights hold `{holding[0]}`, and only the step "
-            "they hold is (an older step's weights are replaced when a newer one is published). Use "
+            f"The model `{name}` is not served: the merged weights hold `{max(holding, key=step_of)}`, and "
+            "only the step they hold is (and the steps up to SGLangConfig.max_steps_off_policy before it; "
+            "an older step's weights are replaced when a newer one is published). Use "
             "model.get_inference_name() for the current step."
         )
     loaded = sorted(served.adapters) or ["(no adapter loaded)"]

@@ -36,9 +36,11 @@ class WeightsSource(Protocol):
         ...
 
 
-async def push_weights(servers: Sequence[Server], source: WeightsSource) -> str:
+async def push_weights(servers: Sequence[Server], source: WeightsSource, *, flush_cache: bool = True) -> str:
     """Push `source`'s weights into `servers` at once; returns the version every one of them now reports.
-    `ServerRequestError` (or the source's `TrainerError`) if any failed: those servers stay paused."""
+    `flush_cache`: empty the prefix cache with the last bucket, so no request reuses keys and values the
+    previous weights computed. `ServerRequestError` (or the source's `TrainerError`) if any failed: those
+    servers stay paused."""
     version = await source.version()
     clients = [server.client for server in servers]
     await gather_all(*(client.pause_generation("abort") for client in clients))
@@ -49,7 +51,7 @@ async def push_weights(servers: Sequence[Server], source: WeightsSource) -> str:
                 client.update_weights_from_tensor(
                     payload,
                     load_format=source.load_format,
-                    flush_cache=last,
+                    flush_cache=last and flush_cache,
                     weight_version=version if last else None,
                 )
                 for client in clients
@@ -68,12 +70,12 @@ async def push_weights(servers: Sequence[Server], source: WeightsSource) -> str:
     return version
 
 
-async def push_or_none(servers: Sequence[Server], source: WeightsSource) -> str | None:
+async def push_or_none(servers: Sequence[Server], source: WeightsSource, *, flush_cache: bool) -> str | None:
     """`push_weights`, pushed whole again after a failure (`PUSH_ATTEMPTS` in all); None if every attempt
     failed (the servers then hold a mix and must restart)."""
     for attempt in range(1, PUSH_ATTEMPTS + 1):
         try:
-            return await push_weights(servers, source)
+            return await push_weights(servers, source, flush_cache=flush_cache)
         except (ServerRequestError, TrainerError) as exc:
             logger.warning("weight push %d of %d failed: %s", attempt, PUSH_ATTEMPTS, exc)
     return None
