@@ -220,7 +220,8 @@ def check_cluster_sync(config: SGLangConfig) -> None:
 def check_merged_push(config: SGLangConfig, layout: DeviceLayout) -> None:
     """Merged weights reach SGLang servers as CUDA IPC handles where one server shares the trainer's one
     GPU, else over a weight-update group (NCCL: split mode, replicas, several training GPUs; rank 0 sends).
-    Shared mode on several GPUs or with replicas has neither: the servers' ranks sit on the trainer's GPUs."""
+    Shared mode on several GPUs or with replicas has neither (the servers' ranks sit on the trainer's GPUs),
+    nor do replicas that share a GPU."""
     if config.weight_sync_method != "merged" or layout.engine != "sglang":
         return
     if layout.mode == "shared" and (len(layout.training_gpus) > 1 or len(layout.replicas) > 1):
@@ -229,6 +230,13 @@ def check_merged_push(config: SGLangConfig, layout: DeviceLayout) -> None:
             "servers' ranks share the trainer's GPUs, where NCCL cannot join a second rank and the CUDA IPC "
             "push is built for one server on one GPU; use split mode (training_devices apart from the "
             "inference GPUs), one GPU, or weight_sync_method='lora'"
+        )
+    gpus = [gpu for replica in layout.replicas for gpu in replica]
+    if len(gpus) != len(set(gpus)):
+        raise ConfigError(
+            "weight_sync_method='merged' with server replicas sharing a GPU: merged weights reach replicas "
+            "over one NCCL group, which cannot hold two ranks on one GPU; give each replica GPUs of its own "
+            "(inference_devices), or use weight_sync_method='lora'"
         )
 
 

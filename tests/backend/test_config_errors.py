@@ -267,6 +267,9 @@ def test_merged_weights_refuse_a_4bit_base_and_a_second_model():
     ):
         with pytest.raises(ConfigError, match=r"shared mode on several GPUs.*use split mode"):
             make_plan(BackendRequest(merged, TrainerConfig(), layout=layout), None, detect_gpus())
+    two_on_one = DeviceLayout("split", "sglang", (0,), (1,), "test", replica_gpus=((0,), (0,)))
+    with pytest.raises(ConfigError, match=r"replicas sharing a GPU.*NCCL group"):
+        make_plan(BackendRequest(merged, TrainerConfig(), layout=two_on_one), None, detect_gpus())
     with pytest.raises(ConfigError, match=r"'merged' with cluster=.*not for Ray-cluster nodes"):
         check_cluster_sync(merged)
 
