@@ -34,7 +34,7 @@ from .served_names import step_of
 from .servers.group import ServerGroup
 from .servers.replica import RemotePlacement, Server, ServerHandle
 from .servers.replica_health import ReplicaRouter
-from .servers.weight_push import UpdateGroup, WeightsSource, push_or_none, push_weights
+from .servers.weight_push import WeightPusher, WeightsSource
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class InferenceService:
         self._base_ids: list[str] = []
         self._base_weights: Path | None = None  # merged weights the base slot holds; None = the original
         self._pushed: tuple[WeightsSource, str] | None = None  # weights pushed into the base slot, prefix
-        self._update_group = UpdateGroup(plan.weight_update_group) if plan.weight_update_group else None
+        self._pusher = WeightPusher(plan.weight_update_group)
         self._holds = 0  # nested holds of the gateway; requests wait while > 0
 
     # --- what others may read ----------------------------------------------------------------------------
@@ -201,9 +201,7 @@ class InferenceService:
             # A fresh process holds the original base weights; the merged ones are applied again.
             await server.client.update_weights_from_disk(str(self._base_weights))
         if self._pushed is not None:  # likewise the pushed ones, served under the name they report
-            self.serve_alias(
-                await push_weights([server], self._pushed[0], self._update_group), self._pushed[1]
-            )
+            self.serve_alias(await self._pusher.push([server], self._pushed[0]), self._pushed[1])
         if len(self._servers.processes) == 1:  # a fresh process: what was stranded went with the old one
             self._stranded.clear()
             if self._gateway is not None:
@@ -388,7 +386,7 @@ class InferenceService:
         async with self._servers.command(), self.holding():
             self._pushed = (source, prefix)
             self._aliases = {k: v for k, v in self._aliases.items() if not k.startswith(prefix)}
-            if (version := await push_or_none(self._servers.up(), source, self._update_group)) is not None:
+            if (version := await self._pusher.push_or_none(self._servers.up(), source)) is not None:
                 self.serve_alias(version, prefix)
             else:
                 await self._servers.restart_all()  # `server_started` pushes and serves them

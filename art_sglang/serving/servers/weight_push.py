@@ -124,63 +124,66 @@ class UpdateGroup:
         return [server.client for server in self._members]
 
 
-async def push_weights(
-    servers: Sequence[Server], source: WeightsSource, group: UpdateGroup | None = None
-) -> str:
-    """Push `source`'s weights into `servers` at once (over `group` when given, else as tensors); returns
-    the version every one of them now reports. `ServerRequestError` (or the source's `TrainerError`) if any
-    failed: those servers stay paused, and `group` is dissolved."""
-    version = await source.version()
-    clients = [server.client for server in servers]
-    group_name = await group.ready(servers, source) if group is not None else None
-    await gather_all(*(client.pause_generation("abort") for client in clients))
+class WeightPusher:
+    """Pushes into a backend's servers: as tensors, or over an `UpdateGroup` of `group_backend` when given
+    ("nccl", "gloo"; `ServingPlan.weight_update_group`)."""
 
-    async def sink(bucket: dict[str, Any], last: bool) -> bool:
-        announced = version if last else None
-        if group_name is not None:
-            posts = [
-                client.update_weights_from_distributed(
-                    bucket, group_name=group_name, flush_cache=last, weight_version=announced
-                )
-                for client in clients
-            ]
-        else:
-            posts = [
-                client.update_weights_from_tensor(
-                    bucket["payload"],
-                    load_format="flattened_bucket",
-                    flush_cache=last,
-                    weight_version=announced,
-                )
-                for client in clients
-            ]
-        await gather_all(*posts)
-        return True
+    def __init__(self, group_backend: str | None) -> None:
+        self._group = UpdateGroup(group_backend) if group_backend is not None else None
 
-    try:
-        await source.push(sink, group_name)
-    except BaseException:
-        if group is not None:
-            await group.dissolve()
-        raise
-    for server in servers:
-        reported = await server.client.weight_version()
-        if reported != version:
-            raise ServerRequestError(
-                f"the {server.label} reports weights {reported!r} after a push of {version!r}"
-            )
-    await gather_all(*(client.continue_generation() for client in clients))
-    return version
+    async def push(self, servers: Sequence[Server], source: WeightsSource) -> str:
+        """Push `source`'s weights into `servers` at once; returns the version every one of them now
+        reports. `ServerRequestError` (or the source's `TrainerError`) if any failed: those servers stay
+        paused, and the group is dissolved."""
+        version = await source.version()
+        clients = [server.client for server in servers]
+        group = self._group
+        group_name = await group.ready(servers, source) if group is not None else None
+        await gather_all(*(client.pause_generation("abort") for client in clients))
 
+        async def sink(bucket: dict[str, Any], last: bool) -> bool:
+            announced = version if last else None
+            if group_name is not None:
+                posts = [
+                    client.update_weights_from_distributed(
+                        bucket, group_name=group_name, flush_cache=last, weight_version=announced
+                    )
+                    for client in clients
+                ]
+            else:
+                posts = [
+                    client.update_weights_from_tensor(
+                        bucket["payload"],
+                        load_format="flattened_bucket",
+                        flush_cache=last,
+                        weight_version=announced,
+                    )
+                    for client in clients
+                ]
+            await gather_all(*posts)
+            return True
 
-async def push_or_none(
-    servers: Sequence[Server], source: WeightsSource, group: UpdateGroup | None = None
-) -> str | None:
-    """`push_weights`, pushed whole again after a failure (`PUSH_ATTEMPTS` in all); None if every attempt
-    failed (the servers then hold a mix and must restart)."""
-    for attempt in range(1, PUSH_ATTEMPTS + 1):
         try:
-            return await push_weights(servers, source, group)
-        except (ServerRequestError, TrainerError) as exc:
-            logger.warning("weight push %d of %d failed: %s", attempt, PUSH_ATTEMPTS, exc)
-    return None
+            await source.push(sink, group_name)
+        except BaseException:
+            if group is not None:
+                await group.dissolve()
+            raise
+        for server in servers:
+            reported = await server.client.weight_version()
+            if reported != version:
+                raise ServerRequestError(
+                    f"the {server.label} reports weights {reported!r} after a push of {version!r}"
+                )
+        await gather_all(*(client.continue_generation() for client in clients))
+        return version
+
+    async def push_or_none(self, servers: Sequence[Server], source: WeightsSource) -> str | None:
+        """`push`, pushed whole again after a failure (`PUSH_ATTEMPTS` in all); None if every attempt
+        failed (the servers then hold a mix and must restart)."""
+        for attempt in range(1, PUSH_ATTEMPTS + 1):
+            try:
+                return await self.push(servers, source)
+            except (ServerRequestError, TrainerError) as exc:
+                logger.warning("weight push %d of %d failed: %s", attempt, PUSH_ATTEMPTS, exc)
+        return None
