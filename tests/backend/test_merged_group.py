@@ -7,13 +7,15 @@ peft's merged checkpoint of that step serves, on every server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from backend_helpers import chat, kill_tree
+from backend_helpers import chat, kill_tree, start_when_let, wait_dead
 from test_merged_sync import BUCKET_BYTES, _assert_as_peft_merges, _forced_logprobs, _train_step
 
 import art_sglang as art
@@ -29,9 +31,18 @@ SPLIT_ON_CPU = DeviceLayout("split", "reference", (), (), "split mode forced on 
 TWO_REPLICAS = DeviceLayout("cpu", "reference", (), (), "two CPU replicas for tests", replica_gpus=((), ()))
 
 
-def _backend(path: Path, layout: DeviceLayout) -> SGLangBackend:
+@contextlib.asynccontextmanager
+async def _registered(path: Path, model_path: Path, layout: DeviceLayout) -> AsyncIterator[tuple[Any, ...]]:
+    """A merged-mode backend of `layout` with model `fused` registered: (backend, model, its service)."""
     config = SGLangConfig(weight_sync_method="merged", merged_bucket_bytes=BUCKET_BYTES)
-    return SGLangBackend(path=str(path), layout=layout, sglang_config=config)
+    backend = SGLangBackend(path=str(path), layout=layout, sglang_config=config)
+    model = art.TrainableModel(name="fused", project="merged", base_model=str(model_path))
+    try:
+        await model.register(backend)
+        assert backend.inference is not None
+        yield backend, model, backend.inference
+    finally:
+        await backend.close()
 
 
 def _count_calls(monkeypatch: pytest.MonkeyPatch, calls: Counter[str], *names: str) -> None:
@@ -55,12 +66,7 @@ async def test_split_mode_pushes_over_one_group_and_a_restarted_server_rejoins(
     _count_calls(monkeypatch, calls, "init_weights_update_group", "update_weights_from_distributed",
                  "update_weights_from_tensor")  # fmt: skip
     path = tmp_path / ".art"
-    backend = _backend(path, SPLIT_ON_CPU)
-    model = art.TrainableModel(name="fused", project="merged", base_model=str(tiny_model_path))
-    try:
-        await model.register(backend)
-        service = backend.inference
-        assert service is not None
+    async with _registered(path, tiny_model_path, SPLIT_ON_CPU) as (backend, model, service):
         gateway = model.inference_base_url.removesuffix("/v1")
         served: dict[int, list[float]] = {}
         for seed in (1, 2):
@@ -75,7 +81,7 @@ async def test_split_mode_pushes_over_one_group_and_a_restarted_server_rejoins(
         # The server dies between steps: the restarted one joins a new group and gets the step before it
         # is routed; the next step goes over that group.
         pid = kill_tree(service.process.pid)
-        await _dead(service.process)
+        await wait_dead(service.process)
         assert await service.servers.recover(probe=False)
         assert service.process.pid != pid and calls["init_weights_update_group"] == 2
         assert (await _forced_logprobs(gateway, "fused@2"))[1] == "fused@2"
@@ -87,8 +93,6 @@ async def test_split_mode_pushes_over_one_group_and_a_restarted_server_rejoins(
         await _assert_as_peft_merges(
             service, model.base_model, ModelStore(path, "merged", "fused"), served, tmp_path
         )
-    finally:
-        await backend.close()
 
 
 async def test_a_failed_broadcast_is_pushed_again_over_a_new_group_then_restarts_the_server(
@@ -112,12 +116,7 @@ async def test_a_failed_broadcast_is_pushed_again_over_a_new_group_then_restarts
 
     monkeypatch.setattr(ServerClient, "update_weights_from_distributed", flaky)
     path = tmp_path / ".art"
-    backend = _backend(path, SPLIT_ON_CPU)
-    model = art.TrainableModel(name="fused", project="merged", base_model=str(tiny_model_path))
-    try:
-        await model.register(backend)
-        service = backend.inference
-        assert service is not None
+    async with _registered(path, tiny_model_path, SPLIT_ON_CPU) as (backend, model, service):
         gateway = model.inference_base_url.removesuffix("/v1")
         whole = len(buckets)
         assert whole >= 2 and calls["init_weights_update_group"] == 1
@@ -141,15 +140,6 @@ async def test_a_failed_broadcast_is_pushed_again_over_a_new_group_then_restarts
         await _assert_as_peft_merges(
             service, model.base_model, ModelStore(path, "merged", "fused"), served, tmp_path
         )
-    finally:
-        await backend.close()
-
-
-async def _dead(process: Any) -> None:
-    deadline = time.monotonic() + 10
-    while process.is_alive():
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
 
 
 async def _replica_logprobs(service: Any) -> list[tuple[list[float], str]]:
@@ -164,12 +154,7 @@ async def test_two_replicas_in_one_group_serve_each_step_and_a_restarted_one_rej
     calls: Counter[str] = Counter()
     _count_calls(monkeypatch, calls, "init_weights_update_group")
     path = tmp_path / ".art"
-    backend = _backend(path, TWO_REPLICAS)
-    model = art.TrainableModel(name="fused", project="merged", base_model=str(tiny_model_path))
-    try:
-        await model.register(backend)
-        service = backend.inference
-        assert service is not None
+    async with _registered(path, tiny_model_path, TWO_REPLICAS) as (backend, model, service):
         assert calls["init_weights_update_group"] == 2  # one group: both replicas joined it
         assert await _train_step(backend, model, 1) == 1
         first, second = await _replica_logprobs(service)
@@ -179,16 +164,9 @@ async def test_two_replicas_in_one_group_serve_each_step_and_a_restarted_one_rej
         # Replica 1 dies; step 2 reaches replica 0 alone (a group of its own); replica 1 comes back with
         # step 2 (a group of its own), and step 3 goes to both over one group again.
         victim = service.processes[1]
-        started = asyncio.Event()  # its restart waits for step 2 (ordering the groups made)
-        real_start = victim.start
-
-        async def start_when_let() -> None:
-            await started.wait()
-            await real_start()
-
-        monkeypatch.setattr(victim, "start", start_when_let)
+        started = start_when_let(monkeypatch, victim)  # after step 2: the groups are made in a known order
         killed = kill_tree(victim.pid)
-        await _dead(victim)
+        await wait_dead(victim)
         assert await _train_step(backend, model, 2) == 2
         started.set()
         deadline = time.monotonic() + 120
@@ -212,5 +190,3 @@ async def test_two_replicas_in_one_group_serve_each_step_and_a_restarted_one_rej
             service.processes[0].base_url, None, service.processes[0].config.api_key
         )
         assert first[0] == pytest.approx(expected, abs=1e-5)
-    finally:
-        await backend.close()
