@@ -1,8 +1,8 @@
 """The process group that carries weights from the trainer to inference servers (SGLang 0.5.17's
 `/init_weights_update_group` + `/update_weights_from_distributed`): rank 0 is the sender, the servers'
-ranks follow from their `rank_offset`. Joined exactly as SGLang's `init_custom_process_group` does (a
-TCP rendezvous at the sender's address, a store prefixed with the group's name, torch's own group
-helper), so a group made here meets SGLang's ranks; no default process group is needed.
+ranks follow from their `rank_offset`. Joined as SGLang's `init_custom_process_group` does (the TCP store
+torch's rendezvous makes, hosted by the sender, prefixed with the group's name; torch's own group helper),
+so a group made here meets SGLang's ranks; no default process group is needed.
 """
 
 from __future__ import annotations
