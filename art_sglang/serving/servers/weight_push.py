@@ -30,7 +30,7 @@ BucketSink = Callable[[dict[str, Any], bool], Awaitable[bool]]
 PUSH_ATTEMPTS = 2
 # How long a group's members wait for each other (joining, each broadcast): a member that never comes (its
 # request was lost) fails the push after this long instead of hanging it.
-GROUP_TIMEOUT_S = 120.0
+GROUP_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
