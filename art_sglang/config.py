@@ -107,8 +107,8 @@ class SGLangConfig(BaseModel):
         "lora",
         description="How a new step reaches the server: 'lora' hot-loads the adapter, 'disk' merges it and "
         "calls update_weights_from_disk, 'restart' restarts the server with the adapter preloaded, 'merged' "
-        "(opt-in, docs/merged-rollouts.md; one-GPU shared mode only, ran on SGLang 0.5.17) starts the server without LoRA "
-        "and pushes the trainer's merged weights from memory after each step (update_weights_from_tensor).",
+        "(opt-in, docs/merged-rollouts.md) starts the server without LoRA and pushes the trainer's merged weights "
+        "from memory after each step (CUDA IPC in one-GPU shared mode; NCCL in split mode and to replicas).",
     )
     merged_bucket_bytes: int = Field(
         512 << 20,
