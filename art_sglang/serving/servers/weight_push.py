@@ -87,6 +87,7 @@ class UpdateGroup:
             return self._name
         await self.dissolve()
         name = f"art_weights_{next(self._numbers)}"
+        # Each server's first rank (the source is rank 0), and last the group's size.
         offsets = list(itertools.accumulate((server.ranks for server in servers), initial=1))
         port = claim_port(self._address, None)
         self._name, self._members = name, list(servers)
@@ -98,7 +99,7 @@ class UpdateGroup:
                     client.init_weights_update_group(
                         self._address, port, offset, address.world_size, name, self._backend
                     )
-                    for client, offset in zip(clients, offsets, strict=False)
+                    for client, offset in zip(clients, offsets[:-1], strict=True)
                 ),
             )
         except BaseException:
@@ -106,7 +107,7 @@ class UpdateGroup:
             raise
         finally:
             release_port(port)
-        logger.info("weight-update group %s: the trainer and %s", name, ", ".join(s.label for s in servers))
+        logger.info("weight-update group %s: the source and %s", name, ", ".join(s.label for s in servers))
         return name
 
     async def dissolve(self) -> None:
