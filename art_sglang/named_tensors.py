@@ -104,6 +104,16 @@ def flatten(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     return {"flattened_tensor": torch.cat(parts), "metadata": metadata}
 
 
+def describe(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, list[Any]]:
+    """What `/update_weights_from_distributed` announces of a broadcast's tensors: `names`, `dtypes` (torch's
+    names: "bfloat16") and `shapes`."""
+    return {
+        "names": [name for name, _ in named],
+        "dtypes": [str(tensor.dtype).removeprefix("torch.") for _, tensor in named],
+        "shapes": [list(tensor.shape) for _, tensor in named],
+    }
+
+
 def unflatten(bucket: Any) -> NamedTensors:
     """The named tensors of a flattened bucket (views into its one tensor)."""
     try:

@@ -1,8 +1,8 @@
 """The process group that carries weights from the trainer to inference servers (SGLang 0.5.17's
 `/init_weights_update_group` + `/update_weights_from_distributed`): rank 0 is the sender, the servers'
-ranks follow from their `rank_offset`. Joined exactly as SGLang's `init_custom_process_group` does (a
-TCP rendezvous at the sender's address, a store prefixed with the group's name, torch's own group
-helper), so a group made here meets SGLang's ranks; no default process group is needed.
+ranks follow from their `rank_offset`. Joined as SGLang's `init_custom_process_group` does (the TCP store
+torch's rendezvous makes, hosted by the sender, prefixed with the group's name; torch's own group helper),
+so a group made here meets SGLang's ranks; no default process group is needed.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ def join(
     """This process's member of the group; returns once every rank has joined (rank 0 hosts the
     rendezvous). Raises what torch raises when the others do not come within `timeout_s`."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    rendezvous = c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    store, rank, world_size = next(rendezvous)
-    store.set_timeout(timeout)
+    # The store torch's TCP rendezvous makes, made here: under torch's launcher (a trainer of several ranks)
+    # the rendezvous would connect to the launcher's store as a client instead of hosting this one.
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True
+    )
     group, _ = c10d._new_process_group_helper(
         world_size,
         rank,

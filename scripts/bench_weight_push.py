@@ -173,9 +173,7 @@ def broadcast(
     client: httpx.Client, group: Any, bucket: named_tensors.NamedTensors, last: bool, version: str
 ) -> None:
     body: dict[str, Any] = {
-        "names": [name for name, _ in bucket],
-        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-        "shapes": [list(t.shape) for _, t in bucket],
+        **named_tensors.describe(bucket),
         "group_name": GROUP,
         "load_format": "flattened_bucket",
         "flush_cache": last,

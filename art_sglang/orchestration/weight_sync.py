@@ -27,12 +27,13 @@ import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..config import WeightSyncMethod
 from ..errors import ServerRequestError, TrainerError
 from ..serving.adapters import InferenceService
 from ..serving.served_names import served_name, served_prefix
-from ..serving.servers.weight_push import BucketSink
+from ..serving.servers.weight_push import BucketSink, GroupAddress
 from ..storage.model_store import ModelStore
 from ..training.process import TrainerProcess
 from .merge import merge_in_subprocess
@@ -134,14 +135,25 @@ class TrainerWeights:
         self.step = self._trainer.step
         return served_name(self._name, self.step)
 
-    async def push(self, sink: BucketSink) -> None:
-        async def checked(payload: str, last: bool, step: int) -> bool:
+    async def push(self, sink: BucketSink, group_name: str | None) -> None:
+        async def checked(bucket: dict[str, Any], last: bool, step: int) -> bool:
             # Before the first bucket is loaded: the trainer may have trained on since `version` was read.
             if step != self.step:
                 raise TrainerError(f"the trainer holds step {step}'s weights, not step {self.step}'s")
-            return await sink(payload, last)
+            return await sink(bucket, last)
 
-        await self._trainer.push_merged(checked, max_bytes=self._bucket_bytes, load_format=self.load_format)
+        await self._trainer.push_merged(
+            checked, max_bytes=self._bucket_bytes, load_format=self.load_format, group_name=group_name
+        )
+
+    async def join_group(self, address: GroupAddress) -> None:
+        await self._trainer.join_update_group(
+            address.master_address, address.master_port, address.world_size, address.group_name,
+            address.backend, address.timeout_s,
+        )  # fmt: skip
+
+    def in_group(self, group_name: str) -> bool:
+        return self._trainer.is_alive() and self._trainer.update_group == group_name
 
 
 class MergedSync(WeightSync):

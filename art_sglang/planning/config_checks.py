@@ -204,6 +204,12 @@ def check_cuda_mps(mode: str, *, co_resident_sglang: bool, found: bool) -> None:
 
 def check_cluster_sync(config: SGLangConfig) -> None:
     """Replicas on a cluster's nodes get each step as a shipped LoRA adapter."""
+    if config.weight_sync_method == "merged":
+        raise ConfigError(
+            "weight_sync_method='merged' with cluster=: merged weights are pushed over a weight-update group "
+            "that the servers join at this machine's address, which is built for replicas on this machine "
+            "only (not for Ray-cluster nodes); use weight_sync_method='lora', or replicas on this machine"
+        )
     if config.weight_sync_method != "lora":
         raise ConfigError(
             f"weight_sync_method={config.weight_sync_method!r} with cluster=: replicas on other nodes "
@@ -212,15 +218,25 @@ def check_cluster_sync(config: SGLangConfig) -> None:
 
 
 def check_merged_push(config: SGLangConfig, layout: DeviceLayout) -> None:
-    """Merged weights reach an SGLang server as CUDA IPC handles of the trainer's GPU: built for one server
-    of one GPU that the trainer shares (docs/merged-rollouts.md; the NCCL push is not built yet)."""
+    """Merged weights reach SGLang servers as CUDA IPC handles where one server shares the trainer's one
+    GPU, else over a weight-update group (NCCL: split mode, replicas, several training GPUs; rank 0 sends).
+    Shared mode on several GPUs or with replicas has neither (the servers' ranks sit on the trainer's GPUs),
+    nor do replicas that share a GPU."""
     if config.weight_sync_method != "merged" or layout.engine != "sglang":
         return
-    if layout.mode != "shared" or len(layout.replicas) > 1 or len(layout.training_gpus) > 1:
+    if layout.mode == "shared" and (len(layout.training_gpus) > 1 or len(layout.replicas) > 1):
         raise ConfigError(
-            "weight_sync_method='merged' pushes the trainer's weights by CUDA IPC, built for one server that "
-            "shares the trainer's one GPU; split mode, replicas and several training GPUs need the NCCL push, "
-            "not built yet: use weight_sync_method='lora' or 'disk'"
+            "weight_sync_method='merged' in shared mode on several GPUs or with several server replicas: the "
+            "servers' ranks share the trainer's GPUs, where NCCL cannot join a second rank and the CUDA IPC "
+            "push is built for one server on one GPU; use split mode (training_devices apart from the "
+            "inference GPUs), one GPU, or weight_sync_method='lora'"
+        )
+    gpus = [gpu for replica in layout.replicas for gpu in replica]
+    if len(gpus) != len(set(gpus)):
+        raise ConfigError(
+            "weight_sync_method='merged' with server replicas sharing a GPU: merged weights reach replicas "
+            "over one NCCL group, which cannot hold two ranks on one GPU; give each replica GPUs of its own "
+            "(inference_devices), or use weight_sync_method='lora'"
         )
 
 

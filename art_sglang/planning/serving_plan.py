@@ -85,6 +85,15 @@ class ServingPlan(BaseModel):
         cluster (a node that dies leaves the router, whatever the number)."""
         return len(self.replicas) > 1 or self.cluster is not None
 
+    @property
+    def weight_update_group(self) -> Literal["nccl", "gloo"] | None:
+        """How merged weights reach the servers (weight_sync="merged"): over a weight-update group of this
+        backend ("gloo" where the trainer has no GPU), or None: as tensors (CUDA IPC handles; shared memory
+        on CPU) to the one server that shares the trainer's device."""
+        if self.layout.mode != "split" and len(self.replicas) == 1:
+            return None
+        return "nccl" if self.layout.training_gpus else "gloo"
+
 
 def frozen_config(config: SGLangConfig) -> FrozenSGLangConfig:
     """A frozen copy of `config` that knows which settings were set."""

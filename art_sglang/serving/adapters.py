@@ -33,7 +33,7 @@ from .servers.group import ServerGroup
 from .servers.probe import ProbeTarget, probe_chat
 from .servers.replica import RemotePlacement, Server, ServerHandle
 from .servers.replica_health import ReplicaRouter
-from .servers.weight_push import WeightsSource, push_or_none, push_weights
+from .servers.weight_push import WeightPusher, WeightsSource
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class InferenceService:
         self._base_ids: list[str] = []
         self._base_weights: Path | None = None  # merged weights the base slot holds; None = the original
         self._pushed: tuple[WeightsSource, str] | None = None  # weights pushed into the base slot, prefix
+        self._pusher = WeightPusher(plan.weight_update_group)
         self._holds = 0  # nested holds of the gateway; requests wait while > 0
 
     # --- what others may read ----------------------------------------------------------------------------
@@ -196,7 +197,7 @@ class InferenceService:
             # A fresh process holds the original base weights; the merged ones are applied again.
             await server.client.update_weights_from_disk(str(self._base_weights))
         if self._pushed is not None:  # likewise the pushed ones, served under the name they report
-            version = await push_weights([server], self._pushed[0], flush_cache=self._flushes_pushes)
+            version = await self._pusher.push([server], self._pushed[0], flush_cache=self._flushes_pushes)
             self.serve_alias(version, self._pushed[1], older=self._config.max_steps_off_policy or 0)
         if len(self._servers.processes) == 1:  # a fresh process: what was stranded went with the old one
             self._stranded.clear()
@@ -387,7 +388,9 @@ class InferenceService:
                 logger.warning("requests still in flight after %.0f s; going on", self._drain_timeout)
             self._pushed = (source, prefix)
             self._aliases = {k: v for k, v in self._aliases.items() if not k.startswith(prefix)}
-            version = await push_or_none(self._servers.up(), source, flush_cache=self._flushes_pushes)
+            version = await self._pusher.push_or_none(
+                self._servers.up(), source, flush_cache=self._flushes_pushes
+            )
             if version is None:
                 await self._servers.restart_all()  # `server_started` pushes and serves them
             else:

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from .. import weight_group
 from ..errors import TrainerError
-from ..named_tensors import LoadFormat, buckets, serialize
+from ..named_tensors import FLATTENED_BUCKET, LoadFormat, buckets, describe, flatten, serialize
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -51,19 +52,33 @@ def merged_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def push_merged(
-    model: Any, max_bytes: int, load_format: LoadFormat, send: Callable[[str, bool], bool]
+    model: Any,
+    max_bytes: int,
+    send: Callable[[dict[str, Any], bool, Callable[[], None] | None], bool],
+    *,
+    load_format: LoadFormat = FLATTENED_BUCKET,
+    group: Any = None,
 ) -> int:
-    """Hand the merged weights of `model` over bucket by bucket: `send(payload, last)` gets each bucket's
-    `serialized_named_tensors` entry and returns once the server has answered it (True: go on). The bucket
-    being sent and the next one (to know which is last) are the only ones alive. Returns the buckets sent;
-    fewer than all when `send` said stop."""
+    """Hand the merged weights of `model` over bucket by bucket: `send(bucket, last, transfer)` announces
+    each bucket, runs `transfer` (if not None) and returns once the servers answered (True: go on). The
+    bucket is `{"payload": ...}`, the serialized tensors (CUDA IPC handles, or shared memory on CPU), or,
+    with `group` (a weight-update group of which this process is rank 0, weight_group.py), what the
+    broadcast carries (`named_tensors.describe`), and `transfer` broadcasts it. The bucket being sent and
+    the next one (to know which is last) are the only ones alive. Returns the buckets sent; fewer than all
+    when `send` said stop."""
     parts = buckets(merged_weights(model), max_bytes)
     current = next(parts, None)
     sent = 0
     while current is not None:
         following = next(parts, None)
+        last = following is None
         # The payload names shared memory (or a CUDA IPC handle): `current` stays alive until `send` returns.
-        if not send(serialize(current, load_format), following is None):
+        if group is None:
+            go_on = send({"payload": serialize(current, load_format)}, last, None)
+        else:
+            flat = flatten(current)["flattened_tensor"]
+            go_on = send(describe(current), last, lambda flat=flat: weight_group.broadcast(group, flat))
+        if not go_on:
             return sent
         sent += 1
         current = following

@@ -28,7 +28,7 @@ from ..errors import TrainerError, TrainingError, TrainingInputError
 from ..process_tree import EXIT_GRACE_SECONDS, ManagedProcess
 from ..trajectories import TrajectoryGroup
 from .options import StepOutcome, TrainOptions
-from .protocol import ERROR, INPUT_ERROR, PROGRESS, RESULT, STEP_ERROR
+from .protocol import ERROR, INPUT_ERROR, MAIN_RANK_COMMANDS, PROGRESS, RESULT, STEP_ERROR
 from .sft import SFTBatch
 from .validation import CheckedGroups, WireGroup, check_groups, for_trainer
 
@@ -46,7 +46,7 @@ _LAUNCHER_VARIABLES = {
 _STEP_COMMANDS = ("train", "sft")
 
 ProgressCallback = Callable[[dict[str, Any]], None]
-BucketCallback = Callable[[str, bool, int], Awaitable[bool]]  # (payload, last, step) -> go on
+BucketCallback = Callable[[dict[str, Any], bool, int], Awaitable[bool]]  # (bucket, last, step) -> go on
 _ERRORS: dict[Any, type[TrainerError] | type[TrainingInputError]] = {
     INPUT_ERROR: TrainingInputError,
     STEP_ERROR: TrainingError,
@@ -88,6 +88,7 @@ class TrainerProcess(ManagedProcess):
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
         self._stopped = False  # stop() was called since the worker started
+        self.update_group: str | None = None  # the weight-update group this worker is rank 0 of
 
     def command(self) -> list[str]:
         python = self.config.trainer_python or sys.executable
@@ -117,6 +118,7 @@ class TrainerProcess(ManagedProcess):
             return self.step
         await self.stop()  # the remains of a worker that died
         self._stopped = False
+        self.update_group = None
         # Popen on the event loop's thread on purpose: the parent-death signal follows the forking thread.
         popen = self._launch(self.command(), self.environment(), pipes=True, note=f" gpus={self.gpu_ids}")
         assert popen.stdout is not None
@@ -196,17 +198,38 @@ class TrainerProcess(ManagedProcess):
         """Take the GPU for a step once `min_free_bytes` are free on it (see `Trainer.reload`)."""
         return await self._request("reload", min_free_bytes=min_free_bytes, timeout_s=timeout_s)
 
+    async def join_update_group(
+        self, master_address: str, master_port: int, world_size: int, group_name: str, backend: str,
+        timeout_s: float,
+    ) -> None:  # fmt: skip
+        """Make rank 0 the sender of the servers' weight-update group `group_name` (weight_group.py), leaving
+        any earlier one; returns once every member joined. TrainerError if it failed."""
+        self.update_group = None
+        await self._request(
+            "join_update_group", master_address=master_address, master_port=master_port,
+            world_size=world_size, group_name=group_name, backend=backend, timeout_s=timeout_s,
+        )  # fmt: skip
+        self.update_group = group_name
+
     async def push_merged(
-        self, on_bucket: BucketCallback, *, max_bytes: int, load_format: str | None
+        self, on_bucket: BucketCallback, *, max_bytes: int, load_format: str | None, group_name: str | None
     ) -> tuple[int, int]:
         """Hand the servers the trainer's merged weights (merged_weights.py), bucket by bucket:
-        `on_bucket(payload, last, step)` loads one of `step`'s weights on the servers and returns True to go
-        on; the worker keeps the bucket alive until it returns. Returns (the step those weights are, buckets
-        sent): fewer than all when `on_bucket` returned False. An exception in `on_bucket` stops the push and
-        is raised."""
-        data = await self._request(
-            "push_merged", on_bucket=on_bucket, max_bytes=max_bytes, load_format=load_format
-        )
+        `on_bucket(bucket, last, step)` loads one of `step`'s weights on the servers and returns True to go
+        on; the worker keeps the bucket alive until it returns. The bucket is `{"payload"}` (serialized
+        tensors) or, with `group_name` (joined by `join_update_group`), `{"names", "dtypes", "shapes"}`
+        while the worker broadcasts it over the group. Returns (the step those weights are, buckets sent):
+        fewer than all when `on_bucket` returned False. An exception in `on_bucket` stops the push and is
+        raised; after a failed push over a group the worker has left it."""
+        try:
+            data = await self._request(
+                "push_merged", on_bucket=on_bucket, max_bytes=max_bytes, load_format=load_format,
+                group_name=group_name,
+            )  # fmt: skip
+        except BaseException:
+            if group_name is not None:
+                self.update_group = None
+            raise
         return int(data["step"]), int(data["buckets"])
 
     async def stop(self) -> None:
@@ -288,7 +311,7 @@ class TrainerProcess(ManagedProcess):
                 elif event == ERROR:
                     error = _ERRORS.get(message.get("error_type"), TrainerError)
                     text = message.get("message", "unknown trainer error")
-                    if error is TrainerError and self.ranks > 1:
+                    if error is TrainerError and self.ranks > 1 and cmd not in MAIN_RANK_COMMANDS:
                         # Such an error ends a worker of several ranks (worker.py), often because another
                         # rank died: say how it ended, with the launcher's summary from the log.
                         await asyncio.to_thread(_wait_quietly, popen)
@@ -302,7 +325,8 @@ class TrainerProcess(ManagedProcess):
         finishes the command (its result is then skipped as a cancelled request's)."""
         ok = False
         try:
-            ok = bool(await on_bucket(str(data["payload"]), bool(data["last"]), int(data["step"])))
+            bucket = {key: value for key, value in data.items() if key not in ("last", "step")}
+            ok = bool(await on_bucket(bucket, bool(data["last"]), int(data["step"])))
         finally:
             with contextlib.suppress(OSError, ValueError):
                 await asyncio.to_thread(_write, popen.stdin, {"id": rid, "cmd": "ack", "ok": ok})

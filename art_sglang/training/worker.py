@@ -5,9 +5,12 @@ JSON lines over stdin/stdout. Each request `{"id": n, "cmd": ...}` is answered b
 "result", "data": {...}}` or `{"id": n, "event": "error", "error_type": ..., "message": ...}`.
 Commands: `init` (base_model, checkpoint_dir, config → step, resume notes), `train` (groups, options →
 outcome), `sft` (batches of trajectories with learning rates → one progress event per batch, outcome),
-`offload`, `reload`, `push_merged` (max_bytes, load_format → one progress event per bucket of merged
-weights, `{"payload", "last", "step"}`, each answered by the parent's `{"id": n, "cmd": "ack", "ok": bool}`
-once the servers loaded it; then `{"step", "buckets"}`), `shutdown`. stdout carries protocol lines only:
+`offload`, `reload`, `join_update_group` (master_address, master_port, world_size, group_name, backend,
+timeout_s: rank 0 joins the servers' weight-update group as its rank 0, leaving any earlier one),
+`push_merged` (max_bytes, load_format, group_name → one progress event per bucket of merged weights,
+`{"payload", "last", "step"}`, or with group_name `{"names", "dtypes", "shapes", "last", "step"}` followed
+by the bucket's broadcast over that group; each answered by the parent's `{"id": n, "cmd": "ack", "ok":
+bool}` once the servers loaded it; then `{"step", "buckets"}`), `shutdown`. stdout carries protocol lines only:
 everything else (library prints, warnings, C-level output) is redirected to stderr, which the parent
 writes to logs/trainer.log.
 Heavy imports happen inside `main` so that the parent can import the protocol names cheaply.
@@ -23,7 +26,7 @@ import sys
 import traceback
 from typing import IO, Any
 
-from .protocol import ERROR, INPUT_ERROR, PROGRESS, RESULT, STEP_ERROR, TRAINER_ERROR
+from .protocol import ERROR, INPUT_ERROR, MAIN_RANK_COMMANDS, PROGRESS, RESULT, STEP_ERROR, TRAINER_ERROR
 
 
 class _Channel:
@@ -83,6 +86,7 @@ def _serve(channel: _Channel | None, ranks: Any) -> None:
 
     trainer: Trainer | None = None
     profiler = StepProfiler(ranks.rank, ranks.world)
+    update_group = _UpdateGroup()
     try:
         while True:
             # The line as it came, parsed by every rank at once: a step's request (its rollouts with a logprob
@@ -96,6 +100,8 @@ def _serve(channel: _Channel | None, ranks: Any) -> None:
                 send(None, ERROR, error_type=TRAINER_ERROR, message=f"{type(exc).__name__}: {exc}")
                 continue
             rid, cmd = request.get("id"), request.get("cmd")
+            if cmd == "ack":
+                continue  # for a bucket of a push that failed here before it read the ack
             try:
                 if cmd == "shutdown":
                     send(rid, RESULT, data={})
@@ -132,8 +138,12 @@ def _serve(channel: _Channel | None, ranks: Any) -> None:
                     send(rid, RESULT, data=outcome.__dict__)
                 elif cmd == "offload":
                     send(rid, RESULT, data=trainer.offload(bool(request.get("keep_weights"))))
+                elif cmd == "join_update_group":
+                    send(rid, RESULT, data=update_group.join(request) if ranks.is_main else {})
                 elif cmd == "push_merged":
-                    send(rid, RESULT, data=_push_merged(trainer, request, channel, ranks.is_main))
+                    send(
+                        rid, RESULT, data=_push_merged(trainer, request, channel, update_group, ranks.is_main)
+                    )
                 elif cmd == "reload":
                     free = float(request.get("min_free_bytes") or 0.0)
                     send(rid, RESULT, data=trainer.reload(free, float(request.get("timeout_s", 10.0))))
@@ -151,40 +161,91 @@ def _serve(channel: _Channel | None, ranks: Any) -> None:
             except Exception as exc:
                 traceback.print_exc()
                 message = f"{type(exc).__name__}: {exc}"
-                if ranks.world > 1:
+                if ranks.world > 1 and cmd not in MAIN_RANK_COMMANDS:
                     message += (
                         f" (on rank 0 of {ranks.world}; the trainer stops and the next step restarts it; its log "
                         "names the rank that failed first)"
                     )
                 send(rid, ERROR, error_type=TRAINER_ERROR, message=message)
-                if ranks.world > 1:
+                if ranks.world > 1 and cmd not in MAIN_RANK_COMMANDS:
                     raise  # the other ranks may wait in a collective this rank will never join
     finally:
+        update_group.leave()
         if trainer is not None:
             trainer.close()  # the last checkpoint's optimizer state on disk before the exit
 
 
-def _push_merged(trainer: Any, request: dict[str, Any], channel: _Channel | None, main: bool) -> dict:
+class _UpdateGroup:
+    """The weight-update group rank 0 is the sender of (weight_group.py): one at a time."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self._group: Any = None
+
+    def join(self, request: dict[str, Any]) -> dict[str, Any]:
+        from .. import weight_group
+
+        self.leave()
+        self._group = weight_group.join(
+            str(request["master_address"]), int(request["master_port"]), 0, int(request["world_size"]),
+            str(request["group_name"]), backend=str(request["backend"]), timeout_s=float(request["timeout_s"]),
+        )  # fmt: skip
+        self.name = str(request["group_name"])
+        return {"group_name": self.name}
+
+    def group(self, name: str) -> Any:
+        if name != self.name:
+            raise RuntimeError(
+                f"push_merged over weight-update group {name!r}, but this trainer is in {self.name!r}"
+            )
+        return self._group
+
+    def leave(self) -> None:
+        """Leave the group, if any (the servers may have left it first, or died)."""
+        from .. import weight_group
+
+        group, self._group, self.name = self._group, None, None
+        if group is not None:
+            try:
+                weight_group.leave(group)
+            except Exception:  # torch raises what its backend raises; the group is gone anyway
+                traceback.print_exc()
+
+
+def _push_merged(
+    trainer: Any, request: dict[str, Any], channel: _Channel | None, update_group: _UpdateGroup, main: bool
+) -> dict:
     """The `push_merged` command. Every rank holds the same weights, so rank 0 alone pushes; it reads the
-    parent's acks itself (they are not passed on: the other ranks wait for the next command meanwhile)."""
+    parent's acks itself (they are not passed on: the other ranks wait for the next command meanwhile). A
+    push over a group that fails leaves the group (it is in no known state; the parent makes a new one)."""
     from .merged_weights import push_merged
 
     rid = request.get("id")
 
-    def send_bucket(payload: str, last: bool) -> bool:
+    def send_bucket(bucket: dict[str, Any], last: bool, transfer: Any) -> bool:
         assert channel is not None
-        channel.send(rid, PROGRESS, data={"payload": payload, "last": last, "step": trainer.step})
+        channel.send(rid, PROGRESS, data={**bucket, "last": last, "step": trainer.step})
+        if transfer is not None:
+            transfer()
         line = _read_line()
         ack = _parse(line) if line is not None else {}
         if ack.get("id") != rid or ack.get("cmd") != "ack":
             raise RuntimeError(f"push_merged: expected the parent's ack of a bucket, got {line!r}")
         return bool(ack.get("ok"))
 
-    sent = (
-        push_merged(trainer.model, int(request["max_bytes"]), request.get("load_format"), send_bucket)
-        if main
-        else 0
-    )
+    if not main:
+        return {"step": trainer.step, "buckets": 0}
+    name = request.get("group_name")
+    group = update_group.group(name) if name is not None else None
+    try:
+        sent = push_merged(
+            trainer.model, int(request["max_bytes"]), send_bucket,
+            load_format=request.get("load_format"), group=group,
+        )  # fmt: skip
+    except Exception:
+        if group is not None:
+            update_group.leave()
+        raise
     return {"step": trainer.step, "buckets": sent}
 
 

@@ -90,7 +90,10 @@
 # burst (~3 min, 1 GPU): waves of rollouts with hot-loads and idle gaps past SGLang's keep-alive, none lost
 # shared-prefill (~2 min): the contract test of prefill sharing alone (the contract suite includes it)
 # contract-weights (~4 min, 1 GPU): issue 40's contract tests alone (weight pushes, update groups, pause)
-# sync-merged (~3 min, 1 GPU): weight_sync_method='merged' on SGLang, one step in shared mode (the sync suite includes it)
+# sync-merged (~3 min, 1 GPU): weight_sync_method='merged' on SGLang, one step in shared mode (the sync suite includes it;
+#   on more GPUs it also runs the NCCL layouts below). sync-merged-split (~3 min, 2 GPUs): the push by NCCL
+#   broadcast, server on GPU 0, trainer on GPU 1. sync-merged-nccl (~8 min, 3 GPUs): split, two replicas
+#   (GPUs 0 and 1) in one group from GPU 2, and a trainer of 2 ranks (GPUs 1, 2) whose rank 0 sends
 # merged-in-flight (~4 min, 1 GPU): merged weights co-resident; a long whole and a long streamed rollout
 #   across a step are continued on the new weights, one choice each with two version spans, trained on
 # bench-weight-push (~3 min, 1 GPU): merged-weight sync by CUDA IPC (shared mode), buckets of 128/512/2048
@@ -155,6 +158,9 @@ for name in "$@"; do
     sync) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py) ;;
     sync-merged) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py -k merged) ;;
     merged-in-flight) cmd=("${pytest[@]}" -m gpu tests/gpu/test_merged_updates_on_gpu.py) ;;
+    sync-merged-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py -k merged-split) ;;
+    sync-merged-nccl) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py
+                           -k "merged-split or merged-replicas or merged-ranks") ;;
     split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_split_mode.py) ;;
     art-program) cmd=("${pytest[@]}" -m gpu tests/gpu/test_art_program.py) ;;
     faults-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k split) ;;

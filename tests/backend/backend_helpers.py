@@ -109,6 +109,28 @@ async def served_by_each(service: Any, name: str, processes: Any = None) -> list
     return answers
 
 
+def start_when_let(monkeypatch: Any, process: Any) -> asyncio.Event:
+    """Make the next starts of a server `process` wait until the returned event is set (an SGLang start
+    takes minutes: what a test does meanwhile must not wait for it)."""
+    let = asyncio.Event()
+    real_start = process.start
+
+    async def start() -> None:
+        await let.wait()
+        await real_start()
+
+    monkeypatch.setattr(process, "start", start)
+    return let
+
+
+async def wait_dead(process: Any, timeout_s: float = 10.0) -> None:
+    """Wait until a killed server process is gone."""
+    deadline = time.monotonic() + timeout_s
+    while process.is_alive():
+        assert time.monotonic() < deadline, f"{process.label} still runs"
+        await asyncio.sleep(0.05)
+
+
 def kill_tree(pid: int | None, sig: signal.Signals = signal.SIGKILL) -> int:
     """Send `sig` to a process and every process under it (SIGKILL: a crash, not a stop; SIGSTOP: a hang);
     returns its pid."""

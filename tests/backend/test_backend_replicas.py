@@ -15,7 +15,15 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from backend_helpers import chat_lines, check_requests_follow_loads, kill_tree, sample_groups, served_by_each
+from backend_helpers import (
+    chat_lines,
+    check_requests_follow_loads,
+    kill_tree,
+    sample_groups,
+    served_by_each,
+    start_when_let,
+    wait_dead,
+)
 
 import art_sglang as art
 from art_sglang import SGLangBackend, SGLangConfig
@@ -132,19 +140,9 @@ async def test_each_step_is_served_by_both_replicas_across_a_replica_crash(
 
     victim = service.processes[1]
     # The replica's new start waits for `started` (an SGLang start takes minutes): the step below must not.
-    started = asyncio.Event()
-    real_start = victim.start
-
-    async def start_when_let() -> None:
-        await started.wait()
-        await real_start()
-
-    monkeypatch.setattr(victim, "start", start_when_let)
+    started = start_when_let(monkeypatch, victim)
     killed = kill_tree(victim.pid)
-    deadline = time.monotonic() + 10
-    while victim.is_alive():
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
+    await wait_dead(victim)
     # While it is down, rollouts go on through the other replica, and the next step trains and is served
     # there; the dead one is out of the router.
     assert await train_step(replicated, seed=2) == 2

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 import art_sglang as art
 from art_sglang import ConfigError, DeviceConfig, SGLangBackend, SGLangConfig, TrainerConfig
 from art_sglang.config import DEFAULT_LORA_TARGETS
-from art_sglang.planning.config_checks import check_compatible, check_same_server
+from art_sglang.planning.config_checks import check_cluster_sync, check_compatible, check_same_server
 from art_sglang.planning.devices import DeviceLayout, detect_gpus
 from art_sglang.planning.internal_config import model_settings
 from art_sglang.planning.make_plan import make_plan
@@ -249,16 +249,29 @@ def test_merged_weights_refuse_a_4bit_base_and_a_second_model():
     later = SimpleNamespace(name="later", project="p", base_model="m")
     with pytest.raises(ConfigError, match=r"weight_sync_method='merged'.*only one model"):
         check_same_server(later, model_settings(None, request.trainer), plan, "m")
-    # On SGLang the push is CUDA IPC from the trainer's GPU: one server sharing it, until the NCCL push.
-    shared = DeviceLayout("shared", "sglang", (0,), (0,), "test")
-    plan = make_plan(BackendRequest(merged, TrainerConfig(), layout=shared), None, detect_gpus())
-    assert plan.weight_sync == "merged"
+    # On SGLang the push is CUDA IPC to one server sharing the trainer's one GPU, else NCCL.
+    pushes = {
+        DeviceLayout("shared", "sglang", (0,), (0,), "test"): None,
+        DeviceLayout("split", "sglang", (0,), (1,), "test"): "nccl",
+        DeviceLayout("split", "sglang", (0, 1), (2, 3), "test", replica_gpus=((0,), (1,))): "nccl",
+        DeviceLayout("split", "sglang", (0,), (), "test: trainer on CPU"): "gloo",
+        DeviceLayout("cpu", "reference", (), (), "test", replica_gpus=((), ())): "gloo",
+        CPU_SHARED: None,
+    }
+    for layout, group in pushes.items():
+        plan = make_plan(BackendRequest(merged, TrainerConfig(), layout=layout), None, detect_gpus())
+        assert (plan.weight_sync, plan.weight_update_group) == ("merged", group), layout
     for layout in (
-        DeviceLayout("split", "sglang", (0,), (1,), "test"),
+        DeviceLayout("shared", "sglang", (0, 1), (0, 1), "test"),
         DeviceLayout("shared", "sglang", (0, 1), (0, 1), "test", replica_gpus=((0,), (1,))),
     ):
-        with pytest.raises(ConfigError, match=r"CUDA IPC.*NCCL push, not built yet"):
+        with pytest.raises(ConfigError, match=r"shared mode on several GPUs.*use split mode"):
             make_plan(BackendRequest(merged, TrainerConfig(), layout=layout), None, detect_gpus())
+    two_on_one = DeviceLayout("split", "sglang", (0,), (1,), "test", replica_gpus=((0,), (0,)))
+    with pytest.raises(ConfigError, match=r"replicas sharing a GPU.*NCCL group"):
+        make_plan(BackendRequest(merged, TrainerConfig(), layout=two_on_one), None, detect_gpus())
+    with pytest.raises(ConfigError, match=r"'merged' with cluster=.*not for Ray-cluster nodes"):
+        check_cluster_sync(merged)
 
 
 def test_replicas_sharing_a_gpu_split_its_memory_and_each_gets_its_gpus(tmp_path):

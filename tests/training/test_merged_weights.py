@@ -93,11 +93,12 @@ def test_push_hands_over_bounded_buckets_in_order_and_stops_when_told(
     bound = sum(t.numel() * t.element_size() for _, t in merged) // 5
     received: list[tuple[str, bool]] = []
 
-    def take(payload: str, last: bool) -> bool:
-        received.append((payload, last))
+    def take(bucket: dict, last: bool, transfer: object) -> bool:
+        assert transfer is None  # no group: the payload is all there is
+        received.append((bucket["payload"], last))
         return True
 
-    assert push_merged(peft_model, bound, "flattened_bucket", take) == len(received) >= 5
+    assert push_merged(peft_model, bound, take) == len(received) >= 5
     assert formats == {"flattened_bucket"}
     assert [payload for payload, _ in received] == [str(i) for i in range(len(received))]
     assert [last for _, last in received] == [False] * (len(received) - 1) + [True]
@@ -105,4 +106,4 @@ def test_push_hands_over_bounded_buckets_in_order_and_stops_when_told(
     pushed = [item for bucket in serialized for item in bucket]
     assert [name for name, _ in pushed] == [name for name, _ in merged]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(pushed, merged, strict=True))
-    assert push_merged(peft_model, bound, None, lambda payload, last: False) == 0
+    assert push_merged(peft_model, bound, lambda bucket, last, transfer: False, load_format=None) == 0

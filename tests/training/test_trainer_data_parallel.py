@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,59 @@ async def test_three_ranks_follow_the_one_rank_loss_curve(
     assert_same_adapter(adapter(three.checkpoint_dir / "0004"), adapter(one.checkpoint_dir / "0004"))
     # A curve that moved: later steps train on weights the earlier ones changed.
     assert max(m["kl"] for m in expected) > 1e-4
+
+
+async def test_rank_zero_alone_broadcasts_the_merged_weights_and_its_errors_end_no_rank(
+    two_ranks: TrainerProcess, tiny_model_path: Path
+) -> None:
+    """Merged weights over a weight-update group from a 2-rank trainer (split mode with several training
+    GPUs): rank 0 broadcasts each bucket to this process (the group's rank 1, as a server is); a push over a
+    group it is not in fails alone, and the ranks go on."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from art_sglang import named_tensors, weight_group
+    from art_sglang.training.merged_weights import merged_weights
+
+    async def never(bucket: dict[str, Any], last: bool, step: int) -> bool:
+        raise AssertionError("no bucket is sent over a group the trainer is not in")
+
+    with pytest.raises(TrainerError, match="weight-update group 'nowhere'"):
+        await two_ranks.push_merged(never, max_bytes=1 << 16, load_format=None, group_name="nowhere")
+    assert two_ranks.is_alive()
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    _, group = await asyncio.gather(
+        two_ranks.join_update_group("127.0.0.1", port, 2, "merged", "gloo", 60.0),
+        asyncio.to_thread(weight_group.join, "127.0.0.1", port, 1, 2, "merged", backend="gloo"),
+    )
+    received: list[tuple[str, torch.Tensor]] = []
+
+    async def receive(bucket: dict[str, Any], last: bool, step: int) -> bool:
+        empty = [
+            (name, torch.empty(shape, dtype=getattr(torch, dtype)))
+            for name, dtype, shape in zip(bucket["names"], bucket["dtypes"], bucket["shapes"], strict=True)
+        ]
+        flat = named_tensors.flatten(empty)
+        await asyncio.to_thread(weight_group.broadcast, group, flat["flattened_tensor"])
+        received.extend(named_tensors.unflatten(flat))
+        return True
+
+    try:
+        step, sent = await two_ranks.push_merged(
+            receive, max_bytes=1 << 16, load_format=None, group_name="merged"
+        )
+    finally:
+        weight_group.leave(group)
+    assert sent >= 2 and step == two_ranks.step
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, str(two_ranks.checkpoint_dir / f"{step:04d}"))
+    expected = list(merged_weights(peft_model))
+    assert [name for name, _ in received] == [name for name, _ in expected]
+    for (name, got), (_, want) in zip(received, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
 
 
 async def test_a_dead_rank_ends_the_trainer_and_leaves_no_process(

@@ -74,6 +74,11 @@ class ServerClient:
             base_url=self.base_url, headers=headers, timeout=timeout, trust_env=False
         )
 
+    @property
+    def closed(self) -> bool:
+        """Whether `aclose` was called (the group closes a server's client when the process is replaced)."""
+        return self._http.is_closed
+
     async def __aenter__(self) -> ServerClient:
         return self
 
@@ -217,6 +222,35 @@ class ServerClient:
             "weight_version": weight_version,
         }
         await self._post_checked("/update_weights_from_tensor", body)
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        backend: str,
+    ) -> None:  # fmt: skip
+        """Join the weight-update group whose rank 0 listens at `master_address:master_port` (this server's
+        tensor-parallel ranks from `rank_offset`); returns once every rank joined."""
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend}  # fmt: skip
+        await self._post_checked("/init_weights_update_group", body)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        """Leave the weight-update group `group_name`; `ServerRequestError` if the server has no such group."""
+        await self._post_checked("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_distributed(
+        self, bucket: dict[str, Any], *, group_name: str, flush_cache: bool, weight_version: str | None
+    ) -> None:
+        """Receive one flattened bucket broadcast by rank 0 of `group_name` (`bucket`: its tensors' `names`,
+        `dtypes`, `shapes`) and load it; returns once loaded. `ServerRequestError` if it failed (the
+        weights may be partly updated)."""
+        body = {
+            **{key: bucket[key] for key in ("names", "dtypes", "shapes")},
+            "group_name": group_name,
+            "load_format": "flattened_bucket",
+            "flush_cache": flush_cache,
+            "weight_version": weight_version,
+        }
+        await self._post_checked("/update_weights_from_distributed", body)
 
     async def pause_generation(self, mode: str = "abort") -> None:
         """Hold new requests in the server (`abort`: and end those in flight); see docs/merged-rollouts.md."""

@@ -104,6 +104,7 @@ class Server:
     api_key: str | None  # the key of its ordinary routes
     routed_url: str | None  # where requests reach it; None while it is not routed to
     files: AdapterFiles = SAME_DISK
+    ranks: int = 1  # its tensor-parallel ranks: its members of a weight-update group
 
 
 @dataclass(eq=False)
@@ -127,9 +128,11 @@ class Replica:
 
     def view(self) -> Server:
         assert self.client is not None
+        config = self.process.config
         return Server(
-            self.client, self.process.label, self.process.config.api_key, self.routed_url, self.files
-        )
+            self.client, self.process.label, config.api_key, self.routed_url, self.files,
+            config.tensor_parallel_size,
+        )  # fmt: skip
 
     async def problem(self, *, probe: bool, timeout: float) -> str | None:
         """What is wrong: the process died, an adapter operation on it did not finish in time (SGLang
