@@ -70,7 +70,10 @@ def test_keys_with_an_equivalent_are_mapped(tmp_path: Path) -> None:
         ({"trainer_args": {"learning_rate": 1e-4}}, r"learning_rate.*pass learning_rate to train\(\)"),
         ({"trainer_args": {"num_train_epochs": 3}}, r"trainer_args\.num_train_epochs has no equivalent"),
         ({"engine_args": {"swap_space": 4}}, r"engine_args\.swap_space.*SGLangConfig \(extra_args"),
-        ({"rollout_weights_mode": "merged"}, r"weight_sync_method='disk'"),
+        (
+            {"rollout_weights_mode": "vllm"},
+            r"rollout_weights_mode='vllm': ART's modes are 'lora' and 'merged'",
+        ),
         ({"trainer_gpu_ids": [1]}, r"must both be set or both unset"),
         ({"chat_template": "x", "chat_template_path": "y"}, r"only one of chat_template"),
         ({"chat_template_path": "/no/such/file"}, r"cannot be read"),
@@ -104,3 +107,9 @@ async def test_register_refuses_before_starting_anything(tmp_path: Path, tiny_mo
         ):
             await gpus.register(backend)
         assert backend.inference is None and not (tmp_path / ".art" / "p").exists()
+
+
+def test_arts_merged_rollouts_are_the_merged_weight_sync() -> None:
+    merged = model_settings({"rollout_weights_mode": "merged"}, TrainerConfig())
+    assert merged.server_updates == {"weight_sync_method": "merged"}
+    assert model_settings({"rollout_weights_mode": "lora"}, TrainerConfig()).server_updates == {}

@@ -170,7 +170,6 @@ def model_settings(internal: Mapping[str, Any] | None, trainer: TrainerConfig) -
     if kwargs is not None:
         trainer_updates["chat_template_kwargs"] = dict(kwargs)
     for key, accepted, advice in (
-        ("rollout_weights_mode", ("lora",), "for merged weights use SGLangConfig(weight_sync_method='disk')"),
         ("chat_template_content_format", ("auto", "string"), "the server renders message content as given"),
         ("chat_template_tool_schema_format", ("default",), "tools are rendered as the request sends them"),
         ("tinker_args", (None,), "this backend trains locally"),
@@ -179,6 +178,14 @@ def model_settings(internal: Mapping[str, Any] | None, trainer: TrainerConfig) -
     ):
         if key in internal:
             _only(accepted, advice)(key, internal.pop(key))
+    # ART's merged rollouts (vLLM serving the trainer's merged weights) are this backend's merged mode.
+    mode = internal.pop("rollout_weights_mode", "lora")
+    if mode == "merged":
+        server_updates["weight_sync_method"] = "merged"
+    elif mode != "lora":
+        raise ConfigError(
+            f"_internal_config rollout_weights_mode={mode!r}: ART's modes are 'lora' and 'merged'"
+        )
     inference_ids = internal.pop("inference_gpu_ids", None)
     trainer_ids = internal.pop("trainer_gpu_ids", None)
     if (inference_ids is None) != (trainer_ids is None):
