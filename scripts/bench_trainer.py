@@ -147,6 +147,19 @@ def phases(steps: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
     return out
 
 
+def parse_run_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The arguments, with `--work` and `--out` added, the out folder made, and `gpu` (torch sees one)."""
+    parser.add_argument("--work", type=Path, default=None, help="models and checkpoints (default: OUT/work)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for <name>.json/.md")
+    args = parser.parse_args()
+    import torch
+
+    args.gpu = torch.cuda.is_available()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work = args.work or args.out / "work"
+    return args
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -173,14 +186,7 @@ async def main() -> None:
         help="packed_sequence_length values to time, comma-separated; 'default' = ART's (the longest "
         "sequence rounded up to 2048): with more ranks a step gains only where a row holds several sequences",
     )
-    parser.add_argument("--work", type=Path, default=None, help="models and checkpoints (default: OUT/work)")
-    parser.add_argument("--out", type=Path, required=True, help="folder for <name>.json/.md")
-    args = parser.parse_args()
-    import torch
-
-    args.gpu = torch.cuda.is_available()
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.work = args.work or args.out / "work"
+    args = parse_run_arguments(parser)
     args.packings = [None if p == "default" else int(p) for p in args.packings.split(",")]
     model = args.model or str(build_tiny_model(args.work / "tiny-model"))
     backends = (

@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import environment, markdown_table
-from bench_trainer import synthetic_groups
+from bench_trainer import parse_run_arguments, synthetic_groups
 
 from art_sglang.config import TrainerConfig
 from art_sglang.tiny_model import build_tiny_model
@@ -94,14 +94,7 @@ async def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0, help="the trainer's seed (LoRA initialisation)")
     parser.add_argument("--name", default="loss_curves", help="file name of the JSON and markdown")
-    parser.add_argument("--work", type=Path, default=None, help="models and checkpoints (default: OUT/work)")
-    parser.add_argument("--out", type=Path, required=True, help="folder for <name>.json/.md")
-    args = parser.parse_args()
-    import torch
-
-    args.gpu = torch.cuda.is_available()
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.work = args.work or args.out / "work"
+    args = parse_run_arguments(parser)
     model = args.model or str(build_tiny_model(args.work / "tiny-model"))
     groups = synthetic_groups(model, args.batch, args.seq)
     runs = [await curve(args, model, groups, int(r), n) for n, r in enumerate(args.runs.split(","))]
