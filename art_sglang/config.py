@@ -106,9 +106,8 @@ class SGLangConfig(BaseModel):
     weight_sync_method: WeightSyncMethod = Field(
         "lora",
         description="How a new step reaches the server: 'lora' loads the adapter, 'disk' merges it and calls "
-        "update_weights_from_disk, 'restart' restarts the server with it, 'merged' (opt-in, docs/merged-rollouts.md) "
-        "serves without LoRA the trainer's merged weights, pushed from memory (CUDA IPC on one shared GPU, ran on "
-        "SGLang 0.5.17; NCCL in split mode and to replicas, CPU-tested).",
+        "update_weights_from_disk, 'restart' restarts the server with it, 'merged' (opt-in, docs/guide.md) "
+        "serves the trainer's merged weights without LoRA, pushed from memory (CUDA IPC or NCCL).",
     )
     merged_bucket_bytes: int = Field(
         512 << 20,
