@@ -99,7 +99,9 @@
 # bench-weight-push (~3 min, 1 GPU): merged-weight sync by CUDA IPC (shared mode), buckets of 128/512/2048
 #   MiB, merge and whole sync (pause to first token) per step; bench-weight-push-nccl (~3 min, 2 GPUs): the
 #   same by NCCL broadcast from GPU 1 (split mode). BENCH_MODEL=... for the 7B shape
-# art-program (~4 min, after stage.sh art): an ART program with tools and _internal_config, 2 RL steps
+# art-program (~4 min, after stage.sh art): an ART program with tools and _internal_config, 2 RL steps;
+#   art-program-merged (~6 min, 2 GPUs; split skipped on 1): an ART program with rollout_weights_mode="merged",
+#   3 RL steps in shared and in split mode
 # constrained (~5 min, 1 GPU): tic-tac-toe with an action mask trains 3 steps on the 1.5B shape; where SGLang
 #   takes a constrained token's logprob; the trainer against it for an action mask and a regex
 # Several 1-GPU suites at once, one list per GPU: scripts/device/per_gpu.sh.
@@ -163,6 +165,7 @@ for name in "$@"; do
                            -k "merged-split or merged-replicas or merged-ranks") ;;
     split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_split_mode.py) ;;
     art-program) cmd=("${pytest[@]}" -m gpu tests/gpu/test_art_program.py) ;;
+    art-program-merged) cmd=("${pytest[@]}" -m gpu tests/gpu/test_art_program_merged.py) ;;
     faults-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k split) ;;
     faults-shared) cmd=("${pytest[@]}" -m gpu tests/gpu/test_parent_kill.py tests/gpu/test_faults.py -k shared) ;;
     adapter-faults) cmd=("${pytest[@]}" -m gpu tests/gpu/test_adapter_faults_on_gpu.py) ;;
