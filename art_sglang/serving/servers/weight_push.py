@@ -48,6 +48,8 @@ class GroupAddress:
 class WeightsSource(Protocol):
     """Where pushed weights come from (the trainer): the name they are served under, and the push."""
 
+    load_format: str | None  # how a tensor bucket's payload is serialized (a broadcast's is always flattened)
+
     async def version(self) -> str:
         """The served name of the weights the next `push` hands over."""
         ...
@@ -161,7 +163,7 @@ class WeightPusher:
                 posts = [
                     client.update_weights_from_tensor(
                         bucket["payload"],
-                        load_format="flattened_bucket",
+                        load_format=source.load_format,
                         flush_cache=last and flush_cache,
                         weight_version=announced,
                     )
