@@ -43,12 +43,10 @@ def continuation(path: str, payload: Mapping[str, Any], choice: Mapping[str, Any
     if not isinstance(prompt, list) or not isinstance(sampled, list):
         return None
     if path == CHAT_PATH:
-        limit = payload.get("max_completion_tokens") or payload.get("max_tokens")
         logprobs, top = bool(payload.get("logprobs")), int(payload.get("top_logprobs") or 0)
     else:
-        limit = payload.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
         logprobs, top = payload.get("logprobs") is not None, int(payload.get("logprobs") or 0)
-    remaining = None if limit is None else int(limit) - len(sampled)  # None: up to the context length
+    remaining = budget_left(path, payload, len(sampled))
     if remaining is not None and remaining <= 0:
         return None
     params = {key: payload[key] for key in SAMPLING_FIELDS if payload.get(key) is not None}
@@ -60,6 +58,16 @@ def continuation(path: str, payload: Mapping[str, Any], choice: Mapping[str, Any
         "top_logprobs_num": top,
         "return_text_in_logprobs": True,
     }
+
+
+def budget_left(path: str, payload: Mapping[str, Any], sampled: int) -> int | None:
+    """What is left of the request's token budget after `sampled` tokens (0 or less: spent; None: no budget,
+    up to the context length)."""
+    if path == CHAT_PATH:
+        limit = payload.get("max_completion_tokens") or payload.get("max_tokens")
+    else:
+        limit = payload.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    return None if limit is None else int(limit) - sampled
 
 
 def stitch(path: str, choice: dict[str, Any], part: Mapping[str, Any], usage: dict[str, Any] | None) -> None:

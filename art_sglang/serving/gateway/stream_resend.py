@@ -16,7 +16,8 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
-from .resend import MAX_RESENDS, VERSIONS_FIELD, add_span
+from .resend import MAX_RESENDS, VERSIONS_FIELD, add_span, budget_left
+from .rules import CHAT_PATH
 
 # One continuation: the chat body -> its events, once it may be sent.
 StreamPost = Callable[[dict[str, Any]], Awaitable[AsyncIterator[Any]]]
@@ -30,8 +31,7 @@ def with_usage(payload: Mapping[str, Any]) -> dict[str, Any]:
 
 def chat_continuation(payload: Mapping[str, Any], text: str, sampled: int) -> dict[str, Any] | None:
     """The chat request that goes on from `text` (`sampled` tokens so far); None when the budget is spent."""
-    limit = payload.get("max_completion_tokens") or payload.get("max_tokens")
-    remaining = None if limit is None else int(limit) - sampled
+    remaining = budget_left(CHAT_PATH, payload, sampled)
     if remaining is not None and remaining <= 0:
         return None
     body = with_usage(payload)
