@@ -1,7 +1,8 @@
 """A timeline of one trainer step, for benchmarks (as SGLang's `SGLANG_TORCH_PROFILER_DIR` is for its
 server): with `ART_SGLANG_TRAINER_PROFILE=DIR` (or `DIR:N`) each rank records its N-th `train` (default
 the 3rd: after a warm-up step) with torch.profiler, CPU and CUDA, and writes into DIR
-`train<N>-rank<r>-of-<ranks>.json` (a Chrome trace), `.txt` (the costliest operators) and `-busy.json`:
+`train<N>-rank<r>-of-<ranks>.json.gz` (a Chrome trace), `.txt` (the costliest operators on the GPU, then on
+the CPU: launches and host waits) and `-busy.json`:
 the step's wall time against the time the GPU spent in kernels, which tells a step the GPU paces from one
 its launches pace."""
 
@@ -45,10 +46,11 @@ class StepProfiler:
         wall = time.perf_counter() - started
         self._folder.mkdir(parents=True, exist_ok=True)
         stem = self._folder / f"train{self._nth}-{self._name}"
-        recorded.export_chrome_trace(f"{stem}.json")
+        recorded.export_chrome_trace(f"{stem}.json.gz")
         averages = recorded.key_averages()
-        sort = "self_device_time_total" if cuda else "self_cpu_time_total"
-        Path(f"{stem}.txt").write_text(averages.table(sort_by=sort, row_limit=40))
+        sorts = ["self_device_time_total"] if cuda else []
+        tables = [averages.table(sort_by=sort, row_limit=40) for sort in [*sorts, "self_cpu_time_total"]]
+        Path(f"{stem}.txt").write_text("\n\n".join(tables))
         kernels_us = sum(event.self_device_time_total for event in averages) if cuda else 0.0
         busy = {
             "wall_s": wall,

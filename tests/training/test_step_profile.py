@@ -21,7 +21,7 @@ def test_the_named_train_call_is_profiled_and_no_other(
             torch.randn(64, 64) @ torch.randn(64, 64)
     assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == [
         "train2-rank1-of-2-busy.json",
-        "train2-rank1-of-2.json",
+        "train2-rank1-of-2.json.gz",
         "train2-rank1-of-2.txt",
     ]
     assert "aten::mm" in (tmp_path / "profile/train2-rank1-of-2.txt").read_text()
