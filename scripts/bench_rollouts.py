@@ -25,7 +25,9 @@ the time to first token (streamed) and the latency of a one-token request.
 
 Sides, one per call (a GPU call of `run` is 10 minutes), each its own server start: `--side backend`
 (`--engine sglang` or `reference`; `--routes gateway server`: through the gateway and straight to the
-backend's own server); `--side direct --engine vllm|sglang|reference` (`--no-lora`: base weights;
+backend's own server; `--weights merged`: `weight_sync_method="merged"`, no LoRA kernels, measured after
+`--train-steps` trained and pushed steps, default 1, where LoRA serves the random adapter as step 0
+unless given); `--side direct --engine vllm|sglang|reference` (`--no-lora`: base weights;
 `--flags backend [--drop ...]`: SGLang with the backend's launch, suspects removed). `--label` names a pass
 (A/B/A: `--label A1`, then vLLM, then `--label A2`). `--compare A.json B.json ...` pools results into one
 document with the ratios (`rollout_tables.py`). `--deadline-s` stops starting runs (the JSON is written
@@ -52,6 +54,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # environments/ (the trained steps)
 from bench_common import (
     add_server_args,
     device_name,
@@ -142,7 +145,7 @@ def spread(runs: list[dict[str, Any]]) -> dict[str, float]:
 def variant(args: argparse.Namespace) -> str:
     """The server and request form of this side, in words."""
     if args.side == "backend":
-        return "lora"
+        return args.weights
     words = ["lora" if args.lora else "base"]
     if args.flags == "backend":
         words.append("backend flags" + "".join(f" -{name}" for name in args.drop))
@@ -264,6 +267,7 @@ def new_document(args: argparse.Namespace) -> dict[str, Any]:
         "engine": args.engine,
         "variant": variant(args),
         "label": args.label,
+        "weights": args.weights if args.side == "backend" else ("lora" if args.lora else "base"),
         "device": device_name(env),
         "date": env["date"],
         "machine": {
@@ -382,6 +386,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="backend side: the workloads that also run with prefill sharing off",
     )  # fmt: skip
     parser.add_argument(
+        "--weights", choices=("lora", "merged"), default="lora",
+        help="backend side: the adapter served by LoRA kernels, or merged into the weights the trainer pushes "
+        "(weight_sync_method='merged', the server without LoRA)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--train-steps", type=int, default=None,
+        help="backend side: steps trained (and served) before measuring; default 1 merged, 0 lora",
+    )  # fmt: skip
+    parser.add_argument(
         "--lora", action=argparse.BooleanOptionalAction, default=True,
         help="direct side: --no-lora serves the base weights (vLLM without --enable-lora) and names the base model",
     )  # fmt: skip
@@ -428,6 +441,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if args.side == "backend" and args.engine == "vllm":
             parser.error("--side backend runs SGLangBackend: --engine sglang or reference")
+        if args.side != "backend" and (args.weights != "lora" or args.train_steps):
+            parser.error("--weights and --train-steps are for --side backend (direct: --no-lora)")
+        if args.train_steps is None:
+            args.train_steps = 1 if args.weights == "merged" else 0
+        if args.weights == "merged" and args.train_steps < 1:
+            parser.error("--weights merged measures weights the trainer pushed: --train-steps 1 or more")
         if (args.flags == "backend" or args.drop) and (args.side != "direct" or args.engine == "vllm"):
             parser.error("--flags backend and --drop are for --side direct --engine sglang (or reference)")
         if args.drop and args.flags != "backend":

@@ -15,9 +15,11 @@ from typing import Any
 
 from bench_common import markdown_table
 
+CLIENT_NAMES = {"bare": "bare", "art": "ART's client"}
 # What a compared document keeps of each side's: the server, the machine, its launch and memory.
-SOURCE_KEYS = ("side", "engine", "variant", "label", "device", "date", "machine", "start_s", "wall_s",
-               "layout", "sglang_config", "launch", "server_info", "gpu_processes")  # fmt: skip
+SOURCE_KEYS = ("side", "engine", "variant", "weights", "label", "device", "date", "machine", "start_s", "wall_s",
+               "layout", "sglang_config", "launch", "server_info", "gpu_processes", "served_step",
+               "trained_steps")  # fmt: skip
 
 
 def entry_key(entry: dict[str, Any]) -> tuple[Any, ...]:
@@ -33,6 +35,8 @@ def source_name(entry: dict[str, Any]) -> str:
     label = f" {entry['label']}" if entry.get("label") else ""
     if entry["side"] == "backend":
         name = "backend" if entry.get("route", "gateway") == "gateway" else "backend's server, no gateway"
+        if entry.get("variant") == "merged":  # weight_sync_method="merged": no LoRA kernels
+            name += ", merged"
         if entry.get("merging") == "off":
             name += ", sharing off"
         return name + label
@@ -109,7 +113,8 @@ def _cell(entries: list[dict[str, Any]]) -> str:
 def headline(document: dict[str, Any]) -> str:
     """Docs' table: a row per workload, output tokens/s per server and client (median of the repeats,
     slowest–fastest), the engine ratio (bare clients: backend / vLLM+LoRA), ART's client's ratio, and the
-    backend against SGLang served directly with its flags. The backend's passes (A1, A2) are pooled."""
+    backend against SGLang served directly with its flags; the backend in merged mode, where measured,
+    against vLLM+LoRA and vLLM's base weights (issue 40). The backend's passes (A1, A2) are pooled."""
     columns: dict[str, list[dict[str, Any]]] = {}
     for entry in document["results"]:
         name = source_name({**entry, "label": ""})
@@ -122,8 +127,8 @@ def headline(document: dict[str, Any]) -> str:
         key=lambda r: (r.split("-")[0], int(r.split("-")[1].split(":")[0]), r),
     )
 
-    def ratio(run: str, client: str, to: str) -> str:
-        mine = [r for e in columns.get(f"backend · {client}", []) if e["run"] == run for r in _rates(e)]
+    def ratio(run: str, client: str, to: str, backend: str = "backend") -> str:
+        mine = [r for e in columns.get(f"{backend} · {client}", []) if e["run"] == run for r in _rates(e)]
         theirs = [r for e in columns.get(f"{to} · {client}", []) if e["run"] == run for r in _rates(e)]
         if not mine or not theirs:
             return "—"
@@ -135,12 +140,18 @@ def headline(document: dict[str, Any]) -> str:
     headers = ["workload", *order, "backend / vLLM+LoRA, bare", "backend / vLLM+LoRA, ART's client"]
     if direct:
         headers.append(f"backend / {direct}, bare")
+    merged = "backend, merged"
+    # (client, server): the merged backend's ratios to the vLLM servers measured with that client
+    against = [(c, to) for c in CLIENT_NAMES for to in ("vLLM+LoRA", "vLLM base")
+               if f"{merged} · {c}" in columns and f"{to} · {c}" in columns]  # fmt: skip
+    headers += [f"{merged} / {to}, {CLIENT_NAMES[c]}" for c, to in against]
     rows = []
     for run in runs:
         row = [run, *(_cell([e for e in columns[c] if e["run"] == run]) for c in order)]
         row += [ratio(run, "bare", "vLLM+LoRA"), ratio(run, "art", "vLLM+LoRA")]
         if direct:
             row.append(ratio(run, "bare", direct))
+        row += [ratio(run, c, to, merged) for c, to in against]
         rows.append(row)
     return markdown_table(headers, rows)
 

@@ -9,10 +9,14 @@ Clients (`CLIENTS`), both on every side:
   closing. The engines' ratio is this client's.
 
 Targets:
-- the backend (`SGLangBackend`, LoRA mode: step 0 is the random adapter), by route: `gateway` (the model's own
-  client URL: the gateway, prefill sharing switchable) or `server` (the backend's own SGLang server with the
-  key the gateway holds, the body as the gateway forwards it: `lora_path` and `return_token_ids`), so one
-  live backend splits the gateway's cost from the server's;
+- the backend (`SGLangBackend`: step 0 is the random adapter), by route: `gateway` (the model's own client
+  URL: the gateway, prefill sharing switchable) or `server` (the backend's own SGLang server with the key
+  the gateway holds, the body as the gateway forwards it: `lora_path` or, merged, the base id, and
+  `return_token_ids`), so one live backend splits the gateway's cost from the server's. `--weights lora`
+  serves the adapter with LoRA kernels; `--weights merged` (`weight_sync_method="merged"`) starts the server
+  without them and the trainer pushes the adapter merged into the base weights. `--train-steps` steps
+  (char_share rollouts through ART's client, `backend.train`) run first: merged, at least one, so what is
+  measured is weights a trained step pushed;
 - an engine served directly (`scripts/inference_engines.py`): vLLM with LoRA as ART serves it, or without
   LoRA (`--no-lora`: base weights, the stand-in for ART's `rollout_weights_mode="merged"`), or SGLang, with
   the bench's flags or (`--flags backend`) with exactly the flags, keys and request form the backend
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -238,9 +243,10 @@ def backend_arguments(args: argparse.Namespace) -> dict[str, Any]:
     from art_sglang.config import SGLangConfig, TrainerConfig
 
     share = {"share_prefill": True} if "share_prefill" in SGLangConfig.model_fields else {}
+    sync = {"weight_sync_method": "merged"} if args.weights == "merged" else {}
     return {
         "engine": args.engine,
-        "sglang_config": server_config(args, enable_metrics=True, **share),
+        "sglang_config": server_config(args, enable_metrics=True, **share, **sync),
         "trainer_config": TrainerConfig(lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank),
     }
 
@@ -268,7 +274,8 @@ async def backend_targets(
     args: argparse.Namespace, adapter: Path, document: dict[str, Any]
 ) -> AsyncIterator[dict[str, Target]]:
     """`SGLangBackend` serving a model whose step 0 is the random adapter (a checkpoint of adapter files
-    only, as ART's LocalBackend writes, is resumed as it is): a target per `--routes`."""
+    only, as ART's LocalBackend writes, is resumed as it is), trained `--train-steps` steps: a target per
+    `--routes`."""
     import art_sglang as art
     from art_sglang.storage.model_store import ModelStore
 
@@ -290,28 +297,55 @@ async def backend_targets(
         assert backend.inference is not None
         process = backend.inference.process
         document["launch"] = launch_record(process)
+        document["trained_steps"] = await train_steps(backend, model, args.train_steps)
+        document["served_step"] = await model.get_step()
         server_key = process.config.api_key
         document["server_info"] = await server_info(http, process.base_url, server_key)
         metrics = f"{process.base_url}/metrics"
         assert model.inference_base_url is not None and model.inference_api_key is not None
+        name = model.get_inference_name()
         targets = {}
         for route in args.routes:
             if route == "gateway":
                 made = senders(model.inference_base_url, model.inference_api_key, args.clients)
                 gateway = backend.inference.gateway
-                targets[route] = Target(
-                    model.get_inference_name(), made, gateway=gateway, metrics_url=metrics
-                )
-            else:  # the backend's own server, as the gateway forwards a rollout on an adapter
-                name = model.get_inference_name()
+                targets[route] = Target(name, made, gateway=gateway, metrics_url=metrics)
+            else:  # the backend's own server, as the gateway forwards a rollout on an adapter (or an alias)
                 made = senders(f"{process.base_url}/v1", server_key, args.clients)
-                extra = {"lora_path": name, "return_token_ids": True}
-                targets[route] = Target(name, made, extra=extra, metrics_url=metrics)
+                if args.weights == "merged":
+                    served = await base_model_id(http, process.base_url, server_key)
+                    extra: dict[str, Any] = {"return_token_ids": True}
+                else:
+                    served, extra = name, {"lora_path": name, "return_token_ids": True}
+                targets[route] = Target(served, made, extra=extra, metrics_url=metrics)
         try:
             yield targets
         finally:
             for target in targets.values():
                 await target.close()
+
+
+async def train_steps(backend: Any, model: Any, steps: int) -> list[dict[str, Any]]:
+    """`steps` training steps as an ART program takes them (char_share rollouts through ART's client, a
+    learning rate for real models): each step's metrics (its sync time among them)."""
+    from environments.char_share import CharShareTask
+    from environments.common import REAL_LEARNING_RATE, train_loop
+
+    done = []
+    for seed in range(steps):
+        [report] = await train_loop(backend, model, CharShareTask(max_tokens=16), steps=1, groups_per_step=2,
+                                    group_size=4, learning_rate=REAL_LEARNING_RATE, seed=seed)  # fmt: skip
+        done.append({"step": await model.get_step(), "metrics": dict(report.train_metrics)})
+        print(f"trained step {done[-1]['step']}: {json.dumps(done[-1]['metrics'])}", flush=True)
+    return done
+
+
+async def base_model_id(http: httpx.AsyncClient, base_url: str, api_key: str | None) -> str:
+    """The id the server serves its own weights by (what the gateway rewrites a merged step's name to)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    response = await http.get(f"{base_url}/v1/models", headers=headers)
+    response.raise_for_status()
+    return next(card["id"] for card in response.json()["data"] if card.get("parent") is None)
 
 
 @contextlib.asynccontextmanager

@@ -241,6 +241,23 @@ def bench(*args: str, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def as_vllm(
+    document: dict[str, Any], variant: str, path: Path, speed: float = 2.0, route: str = "server"
+) -> dict[str, Any]:
+    """A vLLM result (`variant` "lora" or "base") of the work `document` measured on `route`, `speed` times
+    as fast, written to `path`."""
+    vllm = copy.deepcopy(document)
+    vllm.update(side="direct", engine="vllm", variant=variant)
+    vllm["results"] = [e for e in vllm["results"] if e["route"] == route]
+    for entry in vllm["results"]:
+        entry.update(side="direct", engine="vllm", variant=variant, route="server", merging=None)
+        for r in entry["runs"]:
+            r["output_tokens_per_s"] *= speed
+        entry["median"]["output_tokens_per_s"] *= speed
+    path.write_text(json.dumps(vllm))
+    return vllm
+
+
 def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: Path) -> None:
     common = ["--engine", "reference", "--model", str(tiny_model_path), "--group-size", "2", "--turns", "2",
               "--prompt-tokens", "32", "--min-seconds", "0", "--repeats", "1"]  # fmt: skip
@@ -290,14 +307,7 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
     assert [e["runs"][0]["requests"] for e in exact["results"]] == [4]
 
     # A vLLM result of the same work (made from the direct one), compared: the ratios are backend / vLLM.
-    vllm = copy.deepcopy(exact)
-    vllm.update(engine="vllm", variant="lora")
-    for entry in vllm["results"]:
-        entry.update(engine="vllm", variant="lora")
-        for r in entry["runs"]:
-            r["output_tokens_per_s"] *= 2
-        entry["median"]["output_tokens_per_s"] *= 2
-    (tmp_path / "vllm.json").write_text(json.dumps(vllm))
+    vllm = as_vllm(exact, "lora", tmp_path / "vllm.json")
     compared = tmp_path / "both.json"
     bench_rollouts.main(["--compare", str(out), str(direct), str(tmp_path / "vllm.json"), "--json", str(compared),
                          "--markdown", str(tmp_path / "both.md")])  # fmt: skip
@@ -326,3 +336,52 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
         "| grpo-2:2",
         "| multiturn-2:1",
     ]
+
+
+def test_the_backend_in_merged_mode_on_cpu(tmp_path: Path, tiny_model_path: Path) -> None:
+    """`--weights merged`: the server starts without LoRA, a step is trained and its merged weights pushed
+    before anything is measured, through the gateway and straight to the server (by the base id); compared,
+    the merged backend is its own column with its ratios to vLLM+LoRA and vLLM's base weights."""
+    out = tmp_path / "merged.json"
+    bench("--side", "backend", "--weights", "merged", "--engine", "reference", "--model", str(tiny_model_path),
+          "--group-size", "2", "--prompt-tokens", "32", "--min-seconds", "0", "--repeats", "1", "--runs",
+          "grpo-2:2", "--routes", "gateway", "server", "--ttft-requests", "0", "--json", str(out),
+          tmp_path=tmp_path)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["variant"] == result["weights"] == "merged"
+    assert result["sglang_config"]["weight_sync_method"] == "merged"
+    assert not [arg for arg in result["launch"]["command"] if "lora" in arg]  # no LoRA kernels
+    assert result["served_step"] == 1 and [s["step"] for s in result["trained_steps"]] == [1]
+    assert "time/sync_s" in result["trained_steps"][0]["metrics"]
+    rates = {(e["route"], e["client"]): e["median"]["output_tokens_per_s"] for e in result["results"]}
+    assert set(rates) == {(route, c) for route in ("gateway", "server") for c in ("art", "bare")}
+    assert all(rate > 0 for rate in rates.values()) and all(
+        e["variant"] == "merged" for e in result["results"]
+    )
+    assert all(e["runs"][0]["requests"] == 4 for e in result["results"])
+
+    # A LoRA backend's result needs a different --json: --resume refuses to pool the two.
+    with pytest.raises(SystemExit, match="another side, variant"):
+        bench_rollouts.main(["--side", "backend", "--engine", "reference", "--model", str(tiny_model_path),
+                             "--resume", "--json", str(out), "--workdir", str(tmp_path / "work")])  # fmt: skip
+
+    lora, base = tmp_path / "vllm-lora.json", tmp_path / "vllm-base.json"
+    as_vllm(result, "lora", lora, speed=2.0, route="gateway")
+    as_vllm(result, "base", base, speed=4.0, route="gateway")
+    compared = tmp_path / "both.json"
+    bench_rollouts.main(["--compare", str(out), str(lora), str(base), "--json", str(compared),
+                         "--markdown", str(tmp_path / "both.md")])  # fmt: skip
+    ratios = {
+        (r["backend"], r["to"], r["client"]): r["output_tokens_per_s"]
+        for r in json.loads(compared.read_text())["ratios"]
+    }
+    assert ratios["backend, merged", "vLLM+LoRA", "bare"] == pytest.approx(0.5)
+    assert ratios["backend, merged", "vLLM base", "art"] == pytest.approx(0.25)
+    lines = (tmp_path / "both.md").read_text().splitlines()
+    start = next(n for n, line in enumerate(lines) if line.startswith("| workload |"))
+    headers = [cell.strip() for cell in lines[start].strip("|").split("|")]
+    row = dict(zip(headers, (cell.strip() for cell in lines[start + 2].strip("|").split("|")), strict=True))
+    assert row["workload"] == "grpo-2:2" and row["backend, merged · bare"] != "—"
+    assert row["backend, merged / vLLM+LoRA, bare"].startswith("**0.50**")
+    assert row["backend, merged / vLLM base, bare"].startswith("**0.25**")
+    assert row["backend, merged / vLLM+LoRA, ART's client"].startswith("**0.50**")
