@@ -51,6 +51,9 @@
 #       changed: triton (--lora-backend triton), rank-64 (--max-lora-rank 64, SGLangConfig's default, against
 #       the bench's 16), no-prefill-graph (--disable-prefill-cuda-graph), loras-2 (--max-loras-per-batch 2)
 #     r39-vllm-base (~4.5): vLLM serving the base weights, no LoRA (ART's merged mode's stand-in), bare
+#     r39-backend-merged (~6.5): issue 40's merged mode (weight_sync_method='merged': the server without LoRA,
+#       measured after one trained step whose merged weights the trainer pushed), bare client on grpo-128:32
+#       grpo-128:16 grpo-1024:16, ART's client too on the 128-token ones; "backend, merged" in r39-compare
 #     r39-compare (seconds): every r39-*-<model>.json into bench_rollouts39-<model>.json/.md (docs' table)
 #     RUNS='KIND-TOKENS:GROUPS[@CLIENT] ...' replaces a suite's runs; ART_SGLANG_COMMIT=<sha> records the commit
 #   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
@@ -255,6 +258,8 @@ for name in "$@"; do
       case ${name#r39-} in
         backend-a1) cmd=("${r39[@]}" --side backend --label A1 "${kernels[@]}" --runs $r39_main) ;;
         vllm) cmd=("${r39[@]}" --side direct --engine vllm "${vllm_kernels[@]}" --runs $r39_main) ;;
+        backend-merged) cmd=("${r39[@]}" --side backend --weights merged "${kernels[@]}"
+                             --runs grpo-128:32 grpo-128:16 grpo-1024:16@bare) ;;
         backend-a2) cmd=("${r39[@]}" --side backend --label A2 "${kernels[@]}" --routes gateway server
                          --clients bare --runs $r39_split) ;;
         vllm-base) cmd=("${r39[@]}" --side direct --engine vllm --no-lora "${vllm_kernels[@]}" --clients bare
