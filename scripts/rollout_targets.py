@@ -294,11 +294,11 @@ async def backend_targets(
             document["versions"]["sglang"] = version_in(
                 backend.sglang_config.resolved_server_python(), "sglang"
             )
-        assert backend.inference is not None
-        process = backend.inference.process
-        document["launch"] = launch_record(process)
         document["trained_steps"] = await train_steps(backend, model, args.train_steps)
         document["served_step"] = await model.get_step()
+        assert backend.inference is not None
+        process = backend.inference.process  # read after the steps: a handoff may restart the server
+        document["launch"] = launch_record(process)
         server_key = process.config.api_key
         document["server_info"] = await server_info(http, process.base_url, server_key)
         metrics = f"{process.base_url}/metrics"
