@@ -8,7 +8,8 @@ routes is loaded on every server a request can reach.** A name is routed only af
 up loaded it (`add_adapter`), and stops being routed before it is unloaded (`remove_adapter`). A server
 that (re)starts is given every wanted adapter and the base weights before the group routes to it
 (`server_started`): with one server the gateway holds new requests meanwhile; with replicas the gateway
-(and SGLang's router) leave the restarting one out while the others serve.
+(and SGLang's router) leave the restarting one out while the others serve, and with pushed weights until
+it holds the version they serve (`ready_to_route`).
 """
 
 from __future__ import annotations
@@ -196,9 +197,8 @@ class InferenceService:
         if self._base_weights is not None:
             # A fresh process holds the original base weights; the merged ones are applied again.
             await server.client.update_weights_from_disk(str(self._base_weights))
-        if self._pushed is not None:  # likewise the pushed ones, served under the name they report
-            version = await self._pusher.push([server], self._pushed[0], flush_cache=self._flushes_pushes)
-            self.serve_alias(version, self._pushed[1], older=self._config.max_steps_off_policy or 0)
+        if self._pushed is not None:  # likewise the pushed ones: the trainer's newest (`ready_to_route`)
+            await self._pusher.push([server], self._pushed[0], flush_cache=self._flushes_pushes)
         if len(self._servers.processes) == 1:  # a fresh process: what was stranded went with the old one
             self._stranded.clear()
             if self._gateway is not None:
@@ -226,6 +226,20 @@ class InferenceService:
             except ServerRequestError:
                 pass  # already gone with the release
             await self._load_on_server(server, name, path)
+        return True
+
+    def ready_to_route(self, server: Server) -> bool:
+        """Pushed weights: routed only holding the version the alias names, so no name is answered by another
+        step's (one restarted before a step's push waits for it); if no other server holds it, it moves."""
+        if self._pushed is None:
+            return True
+        prefix = self._pushed[1]
+        served = max((name for name in self._aliases if name.startswith(prefix)), key=step_of, default=None)
+        held = self._pusher.version_of(server)
+        if held != served:
+            if held is None or served in {self._pusher.version_of(s) for s in self._servers.up()}:
+                return False
+            self.serve_alias(held, prefix, older=self._config.max_steps_off_policy or 0)
         return True
 
     def routing_changed(self) -> None:
@@ -395,6 +409,7 @@ class InferenceService:
                 await self._servers.restart_all()  # `server_started` pushes and serves them
             else:
                 self.serve_alias(version, prefix, older=self._config.max_steps_off_policy or 0)
+                await self._servers.route_waiting()  # a server restarted before this push
 
     @property
     def _flushes_pushes(self) -> bool:

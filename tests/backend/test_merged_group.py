@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from backend_helpers import chat, kill_tree, start_when_let, wait_dead
 from test_merged_sync import BUCKET_BYTES, _assert_as_peft_merges, _forced_logprobs, _train_step
@@ -23,6 +24,8 @@ from art_sglang import SGLangBackend, SGLangConfig
 from art_sglang.errors import ServerRequestError
 from art_sglang.orchestration.merge import merge
 from art_sglang.planning.devices import DeviceLayout
+from art_sglang.serving.adapters import InferenceService
+from art_sglang.serving.gateway.resend import VERSIONS_FIELD
 from art_sglang.serving.servers.client import ServerClient
 from art_sglang.storage.model_store import ModelStore
 
@@ -190,3 +193,66 @@ async def test_two_replicas_in_one_group_serve_each_step_and_a_restarted_one_rej
             service.processes[0].base_url, None, service.processes[0].config.api_key
         )
         assert first[0] == pytest.approx(expected, abs=1e-5)
+
+
+async def _versions_answering(base_url: str, name: str, asks: int = 6) -> list[Any]:
+    """The status, or the weight versions of the answer, of `asks` chat completions on `name` through the
+    gateway, each on another conversation (so they spread over the routed replicas)."""
+    answers: list[Any] = []
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
+        for n in range(asks):
+            messages = [{"role": "user", "content": f"question {n}"}]
+            response = await http.post(
+                f"{base_url}/chat/completions", json={"model": name, "messages": messages, "max_tokens": 2}
+            )
+            ok = response.status_code == 200
+            answers.append({v["version"] for v in response.json()["choices"][0][VERSIONS_FIELD]} if ok else
+                           response.status_code)  # fmt: skip
+    return answers
+
+
+async def test_a_replica_restarted_before_a_steps_push_waits_unrouted_until_the_push(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replica 1 dies while the trainer holds step 2, not pushed yet: it comes back with the trainer's
+    newest weights (step 2) but is not routed, so `fused@1` is answered by step 1's weights alone (replica
+    0) and `fused@2` not at all; step 2's push reaches both, and both are routed."""
+    pytest.importorskip("sglang_router", reason="sglang-router is in the dev extra (pip install -e '.[dev]')")
+    trained, let_push = asyncio.Event(), asyncio.Event()
+    real_push = InferenceService.push_weights
+
+    async def push_when_let(self: InferenceService, *args: Any) -> None:
+        trained.set()
+        await let_push.wait()
+        await real_push(self, *args)
+
+    path = tmp_path / ".art"
+    async with _registered(path, tiny_model_path, TWO_REPLICAS) as (backend, model, service):
+        assert await _train_step(backend, model, 1) == 1
+        monkeypatch.setattr(InferenceService, "push_weights", push_when_let)
+        training = asyncio.create_task(_train_step(backend, model, 2))
+        await asyncio.wait_for(trained.wait(), 120)  # step 2 trained; its push waits
+
+        survivor, victim = service.processes
+        killed = kill_tree(victim.pid)
+        await wait_dead(victim)
+        await service.servers.recover(probe=False)  # (or the watchdog did)
+        deadline = time.monotonic() + 120
+        while not (victim.is_alive() and victim.pid != killed and len(service.servers.up()) == 2):
+            assert time.monotonic() < deadline, "the replica did not come back"
+            await asyncio.sleep(0.2)
+        async with service.servers.command():  # its restart brought it up and decided its routing
+            pass
+        assert await _versions_answering(model.inference_base_url, "fused@2") == [404] * 6
+        assert await _versions_answering(model.inference_base_url, "fused@1") == [{"fused@1"}] * 6
+        assert [version for _, version in await _replica_logprobs(service)] == ["fused@1", "fused@2"]
+        assert service.servers.routed_urls() == [survivor.base_url]
+        assert service.router is not None and list(await service.router.workers()) == [survivor.base_url]
+
+        let_push.set()
+        assert await asyncio.wait_for(training, 120) == 2
+        first, second = await _replica_logprobs(service)
+        assert first == second and first[1] == "fused@2"
+        assert sorted(service.servers.routed_urls()) == sorted(p.base_url for p in service.processes)
+        assert sorted(await service.router.workers()) == sorted(p.base_url for p in service.processes)
+        assert await _versions_answering(model.inference_base_url, "fused@2") == [{"fused@2"}] * 6

@@ -6,7 +6,7 @@ It owns the keys, the processes, their admin clients, the router, starting, stop
 (replicas restarted in the background with a growing pause while the others serve), GPU memory release
 and resume, and the settings each replica starts with. It does not decide what a server holds: it tells
 its `GroupHooks` (the adapter table) when a server came up, when routing changed and when requests must
-wait, and routes to a server only after `server_started` returned.
+wait, and routes to a server only after `server_started` returned and `ready_to_route` allows it.
 """
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ class GroupHooks(Protocol):
     async def weights_resumed(self, server: Server) -> bool:
         """A server took back its released weights: load its adapters again; False if it must be
         restarted instead (it holds an adapter SGLang cannot unload)."""
+        ...
+
+    def ready_to_route(self, server: Server) -> bool:
+        """Whether a brought-up server may be routed now; False: it waits, up and unrouted, until a later
+        `route_waiting` (or a restart of the others) finds it ready."""
         ...
 
     def routing_changed(self) -> None:
@@ -279,7 +284,7 @@ class ServerGroup:
                 if not self._serving or not replica.process.is_alive():
                     return
                 await self._load_everything(replica)
-                await self._put_in(replica)
+                await self._put_in(replica)  # unless it waits: `ready_to_route`
                 self._hooks.routing_changed()
             replica.failed_restarts = 0
             logger.info(
@@ -355,10 +360,7 @@ class ServerGroup:
                     replica.routed_url = None  # a new router routes to nothing yet
             for replica in down:
                 await self._load_everything(replica)
-            for replica in self._replicas:
-                if replica.routed_url is None:
-                    await self._put_in(replica)
-            self._hooks.routing_changed()
+            await self.route_waiting()
             self._serving = True
             logger.info(
                 "%s ready at %s (%.1f s)",
@@ -398,9 +400,16 @@ class ServerGroup:
         )
         await self._hooks.server_started(replica.view())
 
+    async def route_waiting(self) -> None:
+        """Route the brought-up servers not routed yet that `ready_to_route` allows (in `command()`)."""
+        for replica in self._replicas:
+            if replica.routed_url is None:
+                await self._put_in(replica)
+        self._hooks.routing_changed()
+
     async def _put_in(self, replica: Replica) -> None:
-        """Route requests to a brought-up server."""
-        if not replica.up:
+        """Route requests to a brought-up server, if the hooks let it."""
+        if not replica.up or not self._hooks.ready_to_route(replica.view()):
             return
         url = replica.process.base_url
         if self._router is not None:

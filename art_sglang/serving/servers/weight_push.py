@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from ...errors import ServerRequestError, TrainerError
 from ...process_tree import gather_all
+from .client import ServerClient
 from .process import claim_port, release_port
 from .replica import Server
 
@@ -133,6 +134,11 @@ class WeightPusher:
 
     def __init__(self, group_backend: str | None) -> None:
         self._group = UpdateGroup(group_backend) if group_backend is not None else None
+        self._versions: dict[ServerClient, str] = {}  # the version each reported after its last push
+
+    def version_of(self, server: Server) -> str | None:
+        """The version `server` reported after its last push; None if none reached it whole."""
+        return self._versions.get(server.client)
 
     async def push(
         self, servers: Sequence[Server], source: WeightsSource, *, flush_cache: bool = True
@@ -143,6 +149,8 @@ class WeightPusher:
         failed: those servers stay paused, and the group is dissolved."""
         version = await source.version()
         clients = [server.client for server in servers]
+        # Whatever they held is being overwritten; a restarted server's old client is closed.
+        self._versions = {c: v for c, v in self._versions.items() if c not in clients and not c.closed}
         group = self._group
         group_name = await group.ready(servers, source) if group is not None else None
         await gather_all(*(client.pause_generation("abort") for client in clients))
@@ -185,6 +193,7 @@ class WeightPusher:
                     f"the {server.label} reports weights {reported!r} after a push of {version!r}"
                 )
         await gather_all(*(client.continue_generation() for client in clients))
+        self._versions.update(dict.fromkeys(clients, version))
         return version
 
     async def push_or_none(
