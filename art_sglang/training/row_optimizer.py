@@ -26,7 +26,7 @@ from .options import TrainOptions
 from .packing import plan_micro_batches
 from .phase_times import PhaseTimes
 from .tokenize import TokenizedSequence, sampled_constraints
-from .train_state import TrainState
+from .train_state import TrainState, all_finite
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -165,9 +165,7 @@ class RowOptimizer:
             group.update(self._state.hyperparameters(learning_rate))
         self._state.optimizer.step()
         self._state.optimizer.zero_grad(set_to_none=True)
-        # One device synchronisation for all parameters (a check per tensor waited once per tensor).
-        finite = torch.stack([torch.isfinite(p).all() for p in self._state.params]).all()
-        if not bool(finite):
+        if not all_finite(self._state.params):
             raise TrainingError(
                 f"the updated weights are not finite after {where} ({rate}); the step was not applied"
             )

@@ -60,3 +60,34 @@ def copy_optimizer_state(
         },
         "param_groups": copy.deepcopy(state["param_groups"]),
     }
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of `tensors` is finite: one concatenation, one check and one wait per device
+    and dtype (a check per tensor launched ~800 kernels a row at 1.5B, ~50 ms of the host's time)."""
+    import torch
+
+    return all(
+        bool(torch.isfinite(torch.cat([t.reshape(-1) for t in group])).all()) for group in _by_kind(tensors)
+    )
+
+
+def clones(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` (detached), made by one batched copy per device and dtype (a clone per tensor
+    launched ~1,600 copies a step at 1.5B, ~30 ms of the host's time)."""
+    import torch
+
+    copies = [torch.empty_like(t) for t in tensors]
+    with torch.no_grad():
+        for group in _by_kind(list(range(len(tensors))), key=lambda i: tensors[i]):
+            torch._foreach_copy_([copies[i] for i in group], [tensors[i].detach() for i in group])
+    return copies
+
+
+def _by_kind(items: list[Any], key: Callable[[Any], torch.Tensor] = lambda t: t) -> list[list[Any]]:
+    """`items` grouped by their tensor's device and dtype (what one batched kernel can take), in order."""
+    groups: dict[tuple[Any, Any], list[Any]] = {}
+    for item in items:
+        tensor = key(item)
+        groups.setdefault((tensor.device, tensor.dtype), []).append(item)
+    return list(groups.values())

@@ -44,7 +44,7 @@ from .ranks import Ranks
 from .row_optimizer import Progress, RowOptimizer
 from .sft import SFTBatch, run_sft
 from .tokenize import ChatTokenizer, TokenizedSequence, tokenize_groups
-from .train_state import TrainState, adamw_settings, copy_optimizer_state
+from .train_state import TrainState, adamw_settings, clones, copy_optimizer_state
 from .validation import WireGroup
 
 logger = logging.getLogger(__name__)
@@ -77,8 +77,12 @@ class Trainer:
         )
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # The learning rate is set per row; AdamW's moments persist across calls and checkpoints.
-        self.optimizer = torch.optim.AdamW(self.params, **adamw_settings(config, 5e-6))
+        # The learning rate is set per row; AdamW's moments persist across calls and checkpoints. Fused on a
+        # GPU: one kernel per step where the default launches one per parameter group chunk and operation
+        # (~14 ms of the host's time a row at 1.5B, while the GPU waits).
+        self.optimizer = torch.optim.AdamW(
+            self.params, **adamw_settings(config, 5e-6), fused=self.device.type == "cuda"
+        )
         self.step = 0
         self.resumed = False
         pad = self.loaded.tokenizer.pad_token_id
@@ -380,11 +384,11 @@ class Trainer:
     # --- the optimizer steps -------------------------------------------------------------------------
     # --- all or nothing ------------------------------------------------------------------------------
     def _snapshot(self) -> _Snapshot:
-        # Clones, not a deepcopy: its Python per tensor (~800 at 1.5B) was most of this phase's ~0.1 s.
+        # Batched copies, not a deepcopy: its Python per tensor (~800 at 1.5B) was most of this phase's ~0.1 s.
         return _Snapshot(
             step=self.step,
-            params=[p.detach().clone() for p in self.params],
-            optimizer=copy_optimizer_state(self.optimizer.state_dict(), lambda ts: [t.clone() for t in ts]),
+            params=clones(self.params),
+            optimizer=copy_optimizer_state(self.optimizer.state_dict(), clones),
             rng=torch.get_rng_state(),
         )
 
