@@ -15,6 +15,7 @@ import asyncio
 import json
 import math
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -73,6 +74,8 @@ async def bench_backend(
     """One trainer (one load) timed on the batch with each packing of `--packings`."""
     backend = "unsloth" if unsloth else "peft"
     folder = args.work / f"{backend}-{ranks}-ranks"
+    # A fresh trainer: one left by an earlier run (another model) would be resumed, or refused.
+    shutil.rmtree(folder, ignore_errors=True)
     config = TrainerConfig(
         use_unsloth=unsloth,
         lora_rank=args.lora_rank,
@@ -98,6 +101,7 @@ async def bench_backend(
             await proc.train(groups, options)  # warm-up: kernels, allocator, compilation
             steps = []
             for _ in range(args.steps):
+                await asyncio.sleep(args.gap_s)  # a synchronous loop's rollouts: the background writes end
                 begin = time.perf_counter()
                 outcome = await proc.train(groups, options)
                 steps.append((time.perf_counter() - begin, outcome.metrics))
@@ -168,6 +172,13 @@ async def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="trajectories per step")
     parser.add_argument("--seq", type=int, default=512, help="tokens per trajectory (about)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    parser.add_argument(
+        "--gap-s",
+        type=float,
+        default=0.0,
+        help="idle seconds before each timed step, as a synchronous RL loop's rollouts take (the previous "
+        "step's optimizer state, written in the background on rank 0, is then on disk before the step starts)",
+    )
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument(
@@ -219,6 +230,7 @@ async def main() -> None:
         "lora_rank": args.lora_rank,
         "micro_batch_tokens": args.micro_batch_tokens,
         "gradient_checkpointing": args.gradient_checkpointing,
+        "gap_s": args.gap_s,
         "results": results,
         "environment": environment(),
     }

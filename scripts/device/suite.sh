@@ -76,7 +76,8 @@
 #   (does a row's second micro-batch cost more than its first?); bench-trainer-ddp3-b192 (~4 min): the same
 #   with 192 trajectories a step (24 GRPO groups of 8); loss-curves-3 (~3.5 min): scripts/loss_curves.py,
 #   8 steps of one model and seed on 1 rank twice and on 3 ranks; bench-trainer-ddp3-nockpt(-mb24k) (~3.5 min
-#   each): bench-trainer-ddp3(-mb24k) without gradient checkpointing; bench-trainer-ddp3-profile (~2.5 min): a
+#   each): bench-trainer-ddp3(-mb24k) without gradient checkpointing; bench-trainer-ddp3-gap (~4.5 min): 5 s
+#   idle before each timed step (rank 0's background write of the step before then done); bench-trainer-ddp3-profile (~2.5 min): a
 #   torch.profiler timeline of a step on 1 and on 3 ranks into $OUT/trainer-profile-*; bench-pipeline-four-gpu (~5 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop
 #   on the example's layout; bench-pipeline-replicas (~4 min, after stage.sh art and router): the same with 2
 #   replicas (GPUs 0-1) and 2 ranks (GPUs 2-3)
@@ -320,6 +321,11 @@ for name in "$@"; do
     bench-trainer-ddp3-mb24k) cmd=(env TORCH_LOGS=recompiles python3 scripts/bench_trainer.py --model "$big" --backends unsloth
                              --ranks 1,2,3 --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 24576 --steps 3
                              --name bench_trainer_ddp3_mb24k --work "/tmp/work-$name" --out "$results") ;;
+    # 5 s idle before each timed step, as a synchronous loop's rollouts: rank 0's background optimizer-state
+    # write of the step before is then done (is it what makes rank 0 the slowest rank?).
+    bench-trainer-ddp3-gap) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2,3
+                             --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 8192 --steps 3 --gap-s 5
+                             --name bench_trainer_ddp3_gap --work "/tmp/work-$name" --out "$results") ;;
     bench-trainer-ddp3-b192) cmd=(env TORCH_LOGS=recompiles python3 scripts/bench_trainer.py --model "$big" --backends unsloth
                              --ranks 1,2,3 --batch 192 --seq 1024 --packings 24576 --micro-batch-tokens 8192 --steps 2
                              --name bench_trainer_ddp3_b192 --work "/tmp/work-$name" --out "$results") ;;
