@@ -178,6 +178,15 @@ class ChatTokenizer:
         self.end_of_turn = {tokenizer.convert_ids_to_tokens(i): i for i in ids if i is not None}
         # The chat_template_kwargs rollouts send with every request, so training renders what sampling saw.
         self.template_kwargs = dict(template_kwargs or {})
+        self._longest_token: int | None = None
+
+    @property
+    def longest_token_bytes(self) -> int:
+        """The vocabulary's longest entry in UTF-8 bytes (token_bounds.py), read once: walking a
+        152k-entry vocabulary took ~0.15 s of every `train` call on every rank."""
+        if self._longest_token is None:
+            self._longest_token = longest_token_bytes(self.tokenizer)
+        return self._longest_token
 
     @classmethod
     def for_model(
@@ -386,7 +395,7 @@ def tokenize_groups(
     (it would be dropped as too long after seconds of tokenizing); it has no sequences and is counted in
     `tokenize/too_long_skipped`."""
     stats = TokenizeStats()
-    longest = longest_token_bytes(chat.tokenizer)
+    longest = chat.longest_token_bytes
     out: list[list[list[TokenizedSequence]]] = []
     for gi, group in enumerate(groups):
         per_trajectory = []
