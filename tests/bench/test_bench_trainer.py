@@ -1,6 +1,6 @@
-"""scripts/bench_trainer.py on CPU (the peft path, one rank): a second run in the same work folder with
-another model starts a fresh trainer instead of resuming (or refusing) the first model's checkpoints, and
-the idle gap before each timed step is recorded."""
+"""scripts/bench_trainer.py on CPU (the peft path, one rank): a run starts a fresh trainer in its work
+folder instead of resuming (or refusing) what an earlier run, of another model, left there, and the idle
+gap before each timed step is recorded."""
 
 from __future__ import annotations
 
@@ -21,12 +21,17 @@ def _bench(model: Path, work: Path, out: Path) -> dict:
     return json.loads((out / "bench_trainer.json").read_text())
 
 
-def test_a_second_model_in_the_same_work_folder_gets_a_fresh_trainer(tmp_path: Path) -> None:
-    first = build_tiny_model(tmp_path / "first", hidden=64)
-    second = build_tiny_model(tmp_path / "second", hidden=32)
+def test_a_run_clears_what_an_earlier_run_left_in_its_work_folder(tmp_path: Path) -> None:
+    model = build_tiny_model(tmp_path / "model")
     work = tmp_path / "work"
-    _bench(first, work, tmp_path / "out1")
-    report = _bench(second, work, tmp_path / "out2")
+    # An earlier run's trainer folder: a checkpoint of another model would be resumed, or refused.
+    left = work / "peft-1-ranks" / "checkpoints" / "0001"
+    left.mkdir(parents=True)
+    (left / "adapter_config.json").write_text("{}")
+    marker = left / "left-by-an-earlier-run"
+    marker.write_text("")
+    report = _bench(model, work, tmp_path / "out")
     (result,) = report["results"]
     assert "error" not in result, result.get("error")
+    assert not list(work.rglob(marker.name))  # gone, not set aside beside the new run's checkpoints
     assert result["step_s"] > 0 and report["gap_s"] == 0.2
