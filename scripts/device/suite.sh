@@ -54,6 +54,9 @@
 #     r39-backend-merged (~6.5): issue 40's merged mode (weight_sync_method='merged': the server without LoRA,
 #       measured after one trained step whose merged weights the trainer pushed), bare client on grpo-128:32
 #       grpo-128:16 grpo-1024:16, ART's client too on the 128-token ones; "backend, merged" in r39-compare
+#     r39-http-workers, r39-mixed-chunk (~4 each, 4 at once with r39-drop-keys and r39-drop-token-ids on
+#       4 GPUs: per_gpu.sh): where a wave's time goes outside decode, SGLang's one HTTP process (4 workers,
+#       no keys, against r39-drop-keys) and admission prefills (--enable-mixed-chunk)
 #     r39-compare (seconds): every r39-*-<model>.json into bench_rollouts39-<model>.json/.md (docs' table)
 #     RUNS='KIND-TOKENS:GROUPS[@CLIENT] ...' replaces a suite's runs; ART_SGLANG_COMMIT=<sha> records the commit
 #   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
@@ -269,6 +272,14 @@ for name in "$@"; do
                            --clients bare --runs $r39_split) ;;
         drop-*) cmd=("${r39[@]}" --side direct --flags backend --drop "${name#r39-drop-}" --request-form gateway
                      "${kernels[@]}" --clients bare --runs $r39_split) ;;
+        # Where a wave's time goes outside decode (/work/notes/39c.md: SGLang 0.5.17's one HTTP process encodes
+        # each non-streamed chat response with FastAPI's jsonable_encoder, ~47 ms per 1,024-token answer): the
+        # same launch with 4 tokenizer/HTTP workers (0.5.17 refuses them beside an API key, hence no keys;
+        # compare with r39-drop-keys), and with mixed chunks (admission prefills beside decode).
+        http-workers) cmd=("${r39[@]}" --deadline-s 330 --side direct --flags backend --drop keys --request-form gateway
+                           "${kernels[@]}" --sglang-args="--tokenizer-worker-num 4" --clients bare --runs $r39_split) ;;
+        mixed-chunk) cmd=("${r39[@]}" --deadline-s 330 --side direct --flags backend --request-form gateway "${kernels[@]}"
+                          --sglang-args="--enable-mixed-chunk" --clients bare --runs $r39_split) ;;
         # Item 3: one LoRA serving flag added last to the backend's launch (SGLang's parser keeps an option's
         # last value); no run starts after 330 s (the later --deadline-s wins), so 4 fit on 4 GPUs in one call.
         lora-*)
