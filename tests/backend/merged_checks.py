@@ -22,6 +22,7 @@ from backend_helpers import bearer, chat, kill_tree
 
 import art_sglang as art
 from art_sglang import SGLangBackend
+from art_sglang.process_tree import collect_tree
 from art_sglang.serving.servers.client import ServerClient
 from art_sglang.serving.servers.process import ServerProcess
 
@@ -161,7 +162,7 @@ async def crash_mid_push(
         loaded.append(bool(killed))
         if armed and not killed:  # step 1's first bucket is in: the server would hold a mix
             pid = _server(backend).pid
-            killed["tree"] = [p.pid for p in [psutil.Process(pid), *psutil.Process(pid).children(True)]]
+            killed["tree"] = [p.pid for p in collect_tree(pid)]
             killed["pid"] = kill_tree(pid)
             killed["last"] = kwargs["weight_version"] is not None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 from backend_helpers import sample_groups
@@ -28,20 +29,21 @@ def _training() -> Training:
     )
 
 
+def _backend(root: Path, **config: Any) -> SGLangBackend:
+    settings = SGLangConfig(weight_sync_method="merged", **config)
+    return SGLangBackend(path=str(root / ".art"), sglang_config=settings)
+
+
 async def test_merged_steps_serve_what_lora_serves_of_the_same_adapter(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:
-    backend = SGLangBackend(
-        path=str(tmp_path / ".art"), sglang_config=SGLangConfig(weight_sync_method="merged")
-    )
     model = art.TrainableModel(name="fused", project="merged", base_model=str(tiny_model_path))
-    await merged_against_lora(backend, model, _training(), steps=2, log_dir=tmp_path)
+    await merged_against_lora(_backend(tmp_path), model, _training(), steps=2, log_dir=tmp_path)
 
 
 async def test_a_server_killed_mid_push_serves_whole_weights_of_one_step(
     tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = SGLangConfig(weight_sync_method="merged", merged_bucket_bytes=BUCKET_BYTES)
-    backend = SGLangBackend(path=str(tmp_path / ".art"), sglang_config=config)
     model = art.TrainableModel(name="fused", project="merged", base_model=str(tiny_model_path))
+    backend = _backend(tmp_path, merged_bucket_bytes=BUCKET_BYTES)
     await crash_mid_push(backend, model, _training(), tmp_path, monkeypatch)

@@ -8,8 +8,8 @@ tests/backend/test_merged_against_lora.py):
   train() returns step 1, and `agent@1` answers with step 1's whole weights (those of SGLang holding its
   adapter), far from step 0's.
 
-    pytest -m gpu tests/gpu/test_merged_against_lora_on_gpu.py -k lora     (~5 min on an H100)
-    pytest -m gpu tests/gpu/test_merged_against_lora_on_gpu.py -k killed   (~5 min)
+    pytest -m gpu tests/gpu/test_merged_against_lora_on_gpu.py -k lora_serves       (~5 min on an H100)
+    pytest -m gpu tests/gpu/test_merged_against_lora_on_gpu.py -k killed_mid_push   (~5 min)
 """
 
 from __future__ import annotations
