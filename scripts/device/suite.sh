@@ -103,6 +103,10 @@
 #   (GPUs 0 and 1) in one group from GPU 2, and a trainer of 2 ranks (GPUs 1, 2) whose rank 0 sends
 # merged-in-flight (~4 min, 1 GPU): merged weights co-resident; a long whole and a long streamed rollout
 #   across a step are continued on the new weights, one choice each with two version spans, trained on
+# merged-vs-lora (~5 min, 1 GPU): 50 merged steps (shared mode), then the served logprobs of fixed ids against
+#   SGLang with LoRA holding the 50th step's adapter (max abs <= 0.05, the base model >= 0.2 away)
+# merged-crash-push (~5 min, 1 GPU): the server SIGKILLed once the first bucket of a step's push loaded; the
+#   step returns and its name serves that step's whole weights (against SGLang holding its adapter)
 # bench-weight-push (~3 min, 1 GPU): merged-weight sync by CUDA IPC (shared mode), buckets of 128/512/2048
 #   MiB, merge and whole sync (pause to first token) per step; bench-weight-push-nccl (~3 min, 2 GPUs): the
 #   same by NCCL broadcast from GPU 1 (split mode). BENCH_MODEL=... for the 7B shape
@@ -167,6 +171,8 @@ for name in "$@"; do
     sync) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py) ;;
     sync-merged) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py -k merged) ;;
     merged-in-flight) cmd=("${pytest[@]}" -m gpu tests/gpu/test_merged_updates_on_gpu.py) ;;
+    merged-vs-lora) cmd=("${pytest[@]}" -m gpu tests/gpu/test_merged_against_lora_on_gpu.py -k lora_serves) ;;
+    merged-crash-push) cmd=("${pytest[@]}" -m gpu tests/gpu/test_merged_against_lora_on_gpu.py -k killed_mid_push) ;;
     sync-merged-split) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py -k merged-split) ;;
     sync-merged-nccl) cmd=("${pytest[@]}" -m gpu tests/gpu/test_sync_methods.py
                            -k "merged-split or merged-replicas or merged-ranks") ;;

@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 from backend_helpers import chat, kill_tree, start_when_let, wait_dead
-from test_merged_sync import BUCKET_BYTES, _assert_as_peft_merges, _forced_logprobs, _train_step
+from merged_checks import forced_logprobs
+from test_merged_sync import BUCKET_BYTES, _assert_as_peft_merges, _train_step
 
 import art_sglang as art
 from art_sglang import SGLangBackend, SGLangConfig
@@ -74,7 +75,7 @@ async def test_split_mode_pushes_over_one_group_and_a_restarted_server_rejoins(
         served: dict[int, list[float]] = {}
         for seed in (1, 2):
             assert await _train_step(backend, model, seed) == seed
-            served[seed], version = await _forced_logprobs(gateway, f"fused@{seed}")
+            served[seed], version = await forced_logprobs(gateway, f"fused@{seed}")
             assert version == f"fused@{seed}"
         # Made once, at register; every bucket broadcast, none sent as tensors.
         assert calls["init_weights_update_group"] == 1
@@ -87,10 +88,10 @@ async def test_split_mode_pushes_over_one_group_and_a_restarted_server_rejoins(
         await wait_dead(service.process)
         assert await service.servers.recover(probe=False)
         assert service.process.pid != pid and calls["init_weights_update_group"] == 2
-        assert (await _forced_logprobs(gateway, "fused@2"))[1] == "fused@2"
+        assert (await forced_logprobs(gateway, "fused@2"))[1] == "fused@2"
         assert await _train_step(backend, model, 3) == 3
         assert calls["init_weights_update_group"] == 2
-        served[3], version = await _forced_logprobs(gateway, "fused@3")
+        served[3], version = await forced_logprobs(gateway, "fused@3")
         assert version == "fused@3"
         assert (await chat(gateway, "fused@2")).status_code == 404
         await _assert_as_peft_merges(
@@ -129,7 +130,7 @@ async def test_a_failed_broadcast_is_pushed_again_over_a_new_group_then_restarts
         assert await _train_step(backend, model, 1) == 1
         assert buckets[whole:] == [False, True] + [False] * whole
         assert calls["init_weights_update_group"] == 2
-        served[1], version = await _forced_logprobs(gateway, "fused@1")
+        served[1], version = await forced_logprobs(gateway, "fused@1")
         assert version == "fused@1"
 
         pid, start = service.process.pid, len(buckets)
@@ -138,7 +139,7 @@ async def test_a_failed_broadcast_is_pushed_again_over_a_new_group_then_restarts
         assert buckets[start:] == [False, True, False, True] + [False] * whole
         assert service.process.pid != pid
         assert calls["init_weights_update_group"] == 4  # the second attempt's, then the restarted server's
-        served[2], version = await _forced_logprobs(gateway, "fused@2")
+        served[2], version = await forced_logprobs(gateway, "fused@2")
         assert version == "fused@2"
         await _assert_as_peft_merges(
             service, model.base_model, ModelStore(path, "merged", "fused"), served, tmp_path
@@ -147,7 +148,7 @@ async def test_a_failed_broadcast_is_pushed_again_over_a_new_group_then_restarts
 
 async def _replica_logprobs(service: Any) -> list[tuple[list[float], str]]:
     """Each replica's own logprobs of the forced tokens (its weights, asked directly) and its version."""
-    return [await _forced_logprobs(p.base_url, None, p.config.api_key) for p in service.processes]
+    return [await forced_logprobs(p.base_url, None, p.config.api_key) for p in service.processes]
 
 
 async def test_two_replicas_in_one_group_serve_each_step_and_a_restarted_one_rejoins(
@@ -189,7 +190,7 @@ async def test_two_replicas_in_one_group_serve_each_step_and_a_restarted_one_rej
         merged = tmp_path / "peft-merged-3"
         merge(model.base_model, ModelStore(path, "merged", "fused").checkpoint_dir(3), merged)
         await service.servers.live()[0].update_weights_from_disk(str(merged))
-        expected, _ = await _forced_logprobs(
+        expected, _ = await forced_logprobs(
             service.processes[0].base_url, None, service.processes[0].config.api_key
         )
         assert first[0] == pytest.approx(expected, abs=1e-5)

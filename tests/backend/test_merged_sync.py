@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 import pytest
-from backend_helpers import bearer, chat, kill_tree, sample_groups, settled
+from backend_helpers import chat, kill_tree, sample_groups, settled
+from merged_checks import forced_logprobs
 
 import art_sglang as art
 from art_sglang import SGLangBackend, SGLangConfig
@@ -21,30 +21,8 @@ from art_sglang.orchestration.merge import merge
 from art_sglang.serving.servers.client import ServerClient
 from art_sglang.storage.model_store import ModelStore
 
-# A prompt and a continuation the logprobs are teacher-forced on: the same tokens whatever the weights.
-TOKENS = [300, 400, 500, 600, 700, 800, 900, 1000]
 # The tiny model's wrapped weights take a few hundred KiB: this cuts a push into several buckets.
 BUCKET_BYTES = 64 << 10
-
-
-async def _forced_logprobs(
-    base_url: str, name: str | None, key: str | None = None
-) -> tuple[list[float], str]:
-    """The logprob of each of TOKENS after the ones before it (and the version that answered), served as
-    `name` (through the gateway) or by the server's own weights (None)."""
-    body: dict[str, Any] = {
-        "input_ids": TOKENS,
-        "sampling_params": {"temperature": 0, "max_new_tokens": 1},
-        "return_logprob": True,
-        "logprob_start_len": 0,
-    }
-    if name is not None:
-        body["lora_path"] = name
-    async with httpx.AsyncClient(timeout=60, trust_env=False, headers=bearer(key)) as http:
-        response = await http.post(f"{base_url}/generate", json=body)
-    assert response.status_code == 200, response.text
-    meta = response.json()["meta_info"]
-    return [entry[0] for entry in meta["input_token_logprobs"][1:]], meta["weight_version"]
 
 
 async def _train_step(backend: SGLangBackend, model: art.TrainableModel, seed: int) -> int:
@@ -69,7 +47,7 @@ async def _assert_as_peft_merges(
         merged = tmp_path / f"peft-merged-{step}"
         merge(base_model, store.checkpoint_dir(step), merged)
         await client.update_weights_from_disk(str(merged))
-        expected, _ = await _forced_logprobs(process.base_url, None, process.config.api_key)
+        expected, _ = await forced_logprobs(process.base_url, None, process.config.api_key)
         assert logprobs == pytest.approx(expected, abs=1e-5), step
 
 
@@ -85,13 +63,13 @@ async def test_three_merged_steps_serve_what_peft_merges(tmp_path: Path, tiny_mo
         assert "--enable-lora" not in service.process.command()
         assert not [arg for arg in service.process.command() if "lora" in arg]
         gateway = model.inference_base_url.removesuffix("/v1")
-        base, version = await _forced_logprobs(gateway, "fused@0")
+        base, version = await forced_logprobs(gateway, "fused@0")
         assert version == "fused@0"
         served: dict[int, list[float]] = {}
         for seed in (1, 2, 3):
             step = await _train_step(backend, model, seed)
             assert step == seed and model.get_inference_name() == f"fused@{step}"
-            served[step], version = await _forced_logprobs(gateway, f"fused@{step}")
+            served[step], version = await forced_logprobs(gateway, f"fused@{step}")
             assert version == f"fused@{step}"
             assert served[step] != pytest.approx(base, abs=1e-6)  # the step changed the policy
             old = await chat(gateway, f"fused@{step - 1}")
@@ -142,7 +120,7 @@ async def test_a_failed_push_is_pushed_again_then_restarts_the_server(
         refuse.add(whole + 1)
         assert await _train_step(backend, model, 1) == 1
         assert buckets[whole:] == [False, True] + [False] * whole
-        served[1], version = await _forced_logprobs(gateway, "fused@1")
+        served[1], version = await forced_logprobs(gateway, "fused@1")
         assert version == "fused@1"
 
         # Step 2: both attempts fail; the server restarts and is given step 2 before it is routed.
@@ -152,7 +130,7 @@ async def test_a_failed_push_is_pushed_again_then_restarts_the_server(
         assert await _train_step(backend, model, 2) == 2
         assert buckets[start:] == [False, True, False, True] + [False] * whole
         assert service.process.pid != pid
-        served[2], version = await _forced_logprobs(gateway, "fused@2")
+        served[2], version = await forced_logprobs(gateway, "fused@2")
         assert version == "fused@2"
         assert (await chat(gateway, "fused@1")).status_code == 404
         await _assert_as_peft_merges(service, model.base_model, store, served, tmp_path)
@@ -187,7 +165,7 @@ async def test_a_trainer_that_dies_mid_push_is_restarted_and_pushes_the_step_who
         assert service is not None
         assert await _train_step(backend, model, 1) == 1
         assert killed and backend.trainer(model).pid not in killed
-        served, version = await _forced_logprobs(model.inference_base_url.removesuffix("/v1"), "fused@1")
+        served, version = await forced_logprobs(model.inference_base_url.removesuffix("/v1"), "fused@1")
         assert version == "fused@1"
         await _assert_as_peft_merges(service, model.base_model, store, {1: served}, tmp_path)
     finally:
