@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from ..errors import AdapterLoadError, AdapterOperationTimeoutError, ServerCrash
 from ..planning.serving_plan import SYNC_TRAITS, ServingPlan
 from ..process_tree import gather_all
 from ..storage.model_store import check_adapter
+from .adapter_leases import AdapterLeases
 from .gateway.app import ANY, AdapterGateway
 from .gateway.resend import DRAINED
 from .served_names import parse_served_name, served_name, step_of
@@ -93,7 +93,7 @@ class InferenceService:
         self._find_checkpoint: Callable[[str], Path | None] | None = None
         self._drain_timeout = drain_timeout
         self._adapters: dict[str, Path] = {}  # loaded (and wanted after every start), oldest first
-        self._leases: Counter[str] = Counter()  # names rollouts hold: never unloaded while held
+        self._leases = AdapterLeases(self.remove_adapter)  # names rollouts hold (unloads wait for them)
         # No longer routed, still loaded (on every running server) until their requests finish.
         self._unloading: dict[str, Path] = {}
         # No longer routed, left loaded: SGLang can no longer unload them (stranded_adapters.py).
@@ -253,6 +253,7 @@ class InferenceService:
         """Load `path` as `name` (checked locally first) on every running server, then route it. No-op if
         already loaded. A server that is down loads it when it is brought up, before it is routed to."""
         async with self._servers.command():
+            self._leases.wanted(name)
             if name in self._adapters:
                 return
             if name in self._stranded:  # still on the servers that did not restart since
@@ -268,7 +269,10 @@ class InferenceService:
         """Stop routing `name`, wait for its requests in flight, then unload it from the server. A leased
         name stays (see `lease`)."""
         async with self._servers.command():
-            if self._leases[name] > 0 or name not in self._adapters:
+            if name not in self._adapters:
+                return
+            if self._leases.held(name):
+                self._leases.unload_when_free(name)
                 return
             self._unloading[name] = self._adapters.pop(name)
             self._publish()
@@ -312,24 +316,16 @@ class InferenceService:
             await asyncio.sleep(0.01)
         return True
 
-    @contextlib.asynccontextmanager
-    async def lease(self, name: str, path: Path) -> AsyncIterator[None]:
+    def lease(self, name: str, path: Path) -> contextlib.AbstractAsyncContextManager[None]:
         """Keep `name` loaded and routed for the block (loading `path` first if it is not): the commands
-        that unload adapters (`remove_adapter`, `keep_newest`, `prune`) leave a leased name alone, so a
-        rollout finishes on the step it started with. Leases nest and may overlap."""
-        self._leases[name] += 1
-        try:
-            if SYNC_TRAITS[self._config.weight_sync_method].serves_older_steps:  # else by alias (serve_alias)
-                await self.add_adapter(name, path)
-            yield
-        finally:
-            self._leases[name] -= 1
-            if self._leases[name] <= 0:
-                del self._leases[name]
+        that unload adapters (`remove_adapter`, `keep_newest`, `prune`) unload a leased name only once its
+        last lease ends, so a rollout finishes on the step it started with. Leases nest and may overlap."""
+        older = SYNC_TRAITS[self._config.weight_sync_method].serves_older_steps  # else by alias (serve_alias)
+        return self._leases.lease(name, (lambda: self.add_adapter(name, path)) if older else None)
 
     def leased(self) -> frozenset[str]:
         """The names held by a lease now."""
-        return frozenset(self._leases)
+        return self._leases.names()
 
     async def keep_newest(self, prefix: str, keep: int) -> None:
         """Unload the adapters whose name starts with `prefix` except the `keep` newest (highest step) and
@@ -455,6 +451,7 @@ class InferenceService:
         """Stop the servers, the router, the gateway and the clients. Idempotent."""
         if self._gateway is not None:
             self._gateway.closing()  # what the stopped servers end unfinished reaches clients as errors
+        await self._leases.close()
         await self._servers.close()
         if self._gateway is not None:
             self._gateway.close()
