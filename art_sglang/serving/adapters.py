@@ -267,7 +267,7 @@ class InferenceService:
 
     async def remove_adapter(self, name: str) -> None:
         """Stop routing `name`, wait for its requests in flight, then unload it from the server. A leased
-        name stays (see `lease`)."""
+        name stays until its last lease ends, and is unloaded then (see `lease`)."""
         async with self._servers.command():
             if name not in self._adapters:
                 return
@@ -328,14 +328,15 @@ class InferenceService:
         return self._leases.names()
 
     async def keep_newest(self, prefix: str, keep: int) -> None:
-        """Unload the adapters whose name starts with `prefix` except the `keep` newest (highest step) and
-        the leased ones."""
+        """Unload the adapters whose name starts with `prefix` except the `keep` newest (highest step); a
+        leased one once its last lease ends."""
         mine = sorted((name for name in self._adapters if name.startswith(prefix)), key=step_of)
         for name in mine[: max(len(mine) - keep, 0)]:
             await self.remove_adapter(name)
 
     async def prune(self, prefix: str, retain: set[str]) -> None:
-        """Unload the adapters whose name starts with `prefix` except `retain` and the leased ones."""
+        """Unload the adapters whose name starts with `prefix` except `retain`; a leased one once its last
+        lease ends."""
         for name in [name for name in self._adapters if name.startswith(prefix) and name not in retain]:
             await self.remove_adapter(name)
 

@@ -46,6 +46,7 @@ Sequences of any length are returned; the trainer drops those longer than its ro
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,15 +179,12 @@ class ChatTokenizer:
         self.end_of_turn = {tokenizer.convert_ids_to_tokens(i): i for i in ids if i is not None}
         # The chat_template_kwargs rollouts send with every request, so training renders what sampling saw.
         self.template_kwargs = dict(template_kwargs or {})
-        self._longest_token: int | None = None
 
-    @property
+    @functools.cached_property
     def longest_token_bytes(self) -> int:
         """The vocabulary's longest entry in UTF-8 bytes (token_bounds.py), read once: walking a
         152k-entry vocabulary took ~0.15 s of every `train` call on every rank."""
-        if self._longest_token is None:
-            self._longest_token = longest_token_bytes(self.tokenizer)
-        return self._longest_token
+        return longest_token_bytes(self.tokenizer)
 
     @classmethod
     def for_model(

@@ -68,7 +68,8 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     import torch
 
     return all(
-        bool(torch.isfinite(torch.cat([t.reshape(-1) for t in group])).all()) for group in _by_kind(tensors)
+        bool(torch.isfinite(torch.cat([tensors[i].reshape(-1) for i in group])).all())
+        for group in _by_kind(tensors)
     )
 
 
@@ -79,15 +80,14 @@ def clones(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
     copies = [torch.empty_like(t) for t in tensors]
     with torch.no_grad():
-        for group in _by_kind(list(range(len(tensors))), key=lambda i: tensors[i]):
+        for group in _by_kind(tensors):
             torch._foreach_copy_([copies[i] for i in group], [tensors[i].detach() for i in group])
     return copies
 
 
-def _by_kind(items: list[Any], key: Callable[[Any], torch.Tensor] = lambda t: t) -> list[list[Any]]:
-    """`items` grouped by their tensor's device and dtype (what one batched kernel can take), in order."""
-    groups: dict[tuple[Any, Any], list[Any]] = {}
-    for item in items:
-        tensor = key(item)
-        groups.setdefault((tensor.device, tensor.dtype), []).append(item)
+def _by_kind(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """The indices of `tensors` grouped by device and dtype (what one batched kernel can take), in order."""
+    groups: dict[tuple[Any, Any], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
     return list(groups.values())
