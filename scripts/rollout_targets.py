@@ -56,6 +56,9 @@ DROPS: dict[str, dict[str, Any]] = {
     "original-logprob": {"server_env": {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}},
     "keys": {},  # no --api-key/--admin-api-key (their --config file): handled where the keys are made
     "token-ids": {},  # requests without return_token_ids: handled in the request form
+    # SGLang as released: none of art_sglang's backports (serving/servers/sglang_site/), or all but one.
+    "backports": {"server_env": {"ART_SGLANG_BACKPORTS": "none"}},
+    "gumbel-sampling": {"server_env": {"ART_SGLANG_BACKPORTS": "json-response"}},
 }
 SECRET_FIELDS = ("api_key", "admin_api_key")
 

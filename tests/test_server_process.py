@@ -290,3 +290,55 @@ async def test_reference_engine_restart_is_healthy_on_the_same_port(
             assert [card.id for card in await client.list_models()] == [str(tiny_model_path)]
     finally:
         await server.stop()
+
+
+def test_sglang_finds_the_backports_plugin_on_its_path(tmp_path: Path) -> None:
+    """SGLang's plugin loader reads `importlib.metadata.entry_points(group="sglang.srt.plugins")`: a python
+    with the server's environment finds the backports there and loads their `register`."""
+    their_path = "/somewhere/else"
+    server = ServerProcess(
+        SGLangConfig(server_env={"PYTHONPATH": their_path}),
+        "m",
+        engine="sglang",
+        log_path=tmp_path / "s.log",
+    )
+    env = server.environment()
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(process_module.SGLANG_SITE), their_path]
+    script = (
+        "from importlib.metadata import entry_points\n"
+        "[ep] = [ep for ep in entry_points(group='sglang.srt.plugins') if ep.dist.name == 'art-sglang-backports']\n"
+        "print(ep.name, ep.load().__module__)\n"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    assert found.stdout.split() == ["art_sglang_backports", "art_sglang_backports"]
+    reference = ServerProcess(SGLangConfig(), "m", engine="reference", log_path=tmp_path / "r.log")
+    assert str(process_module.SGLANG_SITE) not in reference.environment().get("PYTHONPATH", "")
+
+
+async def test_a_backport_of_no_name_fails_before_the_launch(tmp_path: Path) -> None:
+    config = SGLangConfig(
+        server_python=sys.executable, server_env={"ART_SGLANG_BACKPORTS": "json-response,fast"}
+    )
+    server = ServerProcess(config, "m", engine="sglang", log_path=tmp_path / "s.log")
+    with pytest.raises(ValueError, match=r"names no backport \['fast'\].*gumbel-sampling.*json-response"):
+        await server.start()
+    assert server.pid is None and not server.log_path.exists()
+
+
+@pytest.mark.parametrize(
+    ("raw", "chosen"),
+    [(None, ["json-response", "gumbel-sampling"]), ("all", ["json-response", "gumbel-sampling"]),
+     ("none", []), (" gumbel-sampling , ", ["gumbel-sampling"])],
+)  # fmt: skip
+def test_backport_selection(raw: str | None, chosen: list[str]) -> None:
+    assert process_module.backports.selection(raw) == chosen
+
+
+@pytest.mark.parametrize(
+    ("version", "numbers"), [("0.5.17", (0, 5, 17)), ("0.5.17.post1", (0, 5, 17)), ("0.5.23rc0", (0, 5, 23)),
+                             ("1.0", (1, 0, 0))]
+)  # fmt: skip
+def test_backports_read_the_release(version: str, numbers: tuple[int, int, int]) -> None:
+    assert process_module.backports.release(version) == numbers

@@ -57,6 +57,8 @@
 #     r39-http-workers, r39-mixed-chunk (~4 each, 4 at once with r39-drop-keys and r39-drop-token-ids on
 #       4 GPUs: per_gpu.sh): where a wave's time goes outside decode, SGLang's one HTTP process (4 workers,
 #       no keys, against r39-drop-keys) and admission prefills (--enable-mixed-chunk)
+#     r39-drop-backports, r39-drop-gumbel-sampling (~3 each): r39-direct-exact without art_sglang's backports of
+#       newer SGLang's fixes (SGLang as released), and with the JSON one alone
 #     r39-compare (seconds): every r39-*-<model>.json into bench_rollouts39-<model>.json/.md (docs' table)
 #     RUNS='KIND-TOKENS:GROUPS[@CLIENT] ...' replaces a suite's runs; ART_SGLANG_COMMIT=<sha> records the commit
 #   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
@@ -302,7 +304,8 @@ for name in "$@"; do
       esac
       # shellcheck disable=SC2206
       [ -z "${RUNS:-}" ] || cmd+=(--runs $RUNS)
-      cmd+=(--workdir "/tmp/work-$name" --json "$results/$name-${rmodel##*/}.json") ;;
+      # The model in the folder's name too: the same suite may run on two models at once (RMODEL per GPU).
+      cmd+=(--workdir "/tmp/work-$name-${rmodel##*/}" --json "$results/$name-${rmodel##*/}.json") ;;
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
     # 512 conversations with CUDA graphs on: at 128 without graphs (the first H200x2 run) one replica was
     # not saturated, so a second could not double the throughput.
@@ -373,7 +376,7 @@ for name in "$@"; do
   "${cmd[@]}" 2>&1 | tee -a "$OUT/$name.log" | grep -E --line-buffered '^(===|PASSED|FAILED|ERROR|SKIPPED)|passed|failed|error|\| '
   rc=${PIPESTATUS[0]}
   echo "=== $name: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/$name.log"
-  for log in $(find "/tmp/pt-$name" "/tmp/work-$name" \( -name 'server*.log' -o -name 'trainer*.log' \) -size -4M 2>/dev/null); do
+  for log in $(find "/tmp/pt-$name" "/tmp/work-$name" "/tmp/work-$name-${rmodel##*/}" \( -name 'server*.log' -o -name 'trainer*.log' \) -size -4M 2>/dev/null); do
     mkdir -p "$OUT/$name-logs" && cp "$log" "$OUT/$name-logs/$(echo "${log#/tmp/}" | tr / _)"
   done
   [ "$rc" = 0 ] || failed=$((failed + 1))

@@ -1,5 +1,6 @@
 """Serving behaviour beyond shapes: bad requests are 4xx and harmless, streaming equals the plain answer,
-logprobs are the model's log-softmax, seeded sampling repeats, stop strings, tool_choice "required" and a
+logprobs are the model's log-softmax, sampling draws from the model's distribution, seeded sampling repeats,
+a long answer with logprobs arrives whole, stop strings, tool_choice "required" and a
 named tool force a call in the tool-call parser's markup, the prefix-cache report, flush, release/resume
 memory, weights from disk, metrics and the info endpoints."""
 
@@ -174,6 +175,46 @@ def test_seeded_sampling_and_n_choices(client: httpx.Client, engine: str) -> Non
     if engine == "reference":
         # SGLang honours the seed only with --enable-deterministic-inference; the reference always does.
         assert sample() == first
+
+
+def test_sampling_draws_from_the_models_distribution(client: httpx.Client) -> None:
+    """Two tokens biased to probabilities 0.25 and 0.75 (every other token below 1e-30) come up at those rates:
+    SGLang samples by the Gumbel-max trick where it runs art_sglang's backport, the reference engine with
+    torch.multinomial. 60 requests of n=8."""
+    low, high = 65, 66
+    bias = {str(low): 100.0 - math.log(3), str(high): 100.0}
+    draws: list[int] = []
+    for _ in range(60):
+        response = chat(client, max_tokens=1, temperature=1.0, n=8, logit_bias=bias, return_token_ids=True)
+        assert response.status_code == 200, response.text
+        draws += [choice["token_ids"][0] for choice in response.json()["choices"]]
+    assert set(draws) <= {low, high}
+    share = draws.count(high) / len(draws)
+    sigma = math.sqrt(0.75 * 0.25 / len(draws))
+    assert abs(share - 0.75) < 5 * sigma, share
+
+
+def test_a_long_answer_with_logprobs_is_whole_json(
+    client: httpx.Client, server: ServerProcess, engine: str
+) -> None:
+    """A non-streamed answer with logprobs (each token's bytes, top logprobs, ids): one entry per token, each
+    entry's bytes its token's UTF-8. On SGLang the response is serialised by art_sglang's backport, which the
+    server's log names."""
+    response = chat(client, max_tokens=300, temperature=1.0, logprobs=True, top_logprobs=2,
+                    return_token_ids=True, ignore_eos=True)  # fmt: skip
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    [choice] = body["choices"]
+    content = choice["logprobs"]["content"]
+    assert len(content) == len(choice["token_ids"]) == body["usage"]["completion_tokens"] == 300
+    for entry in content:
+        assert entry["bytes"] == list(entry["token"].encode("utf-8"))
+        assert len(entry["top_logprobs"]) == 2 and entry["logprob"] <= 0
+    if engine == "sglang":
+        log = server.log_path.read_text()
+        assert "art_sglang backport json-response: registered" in log
+        assert "Applied 1 hook(s) to sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat" in log
 
 
 def test_openai_client(server: ServerProcess) -> None:

@@ -3,7 +3,10 @@ until healthy, stop its whole process tree, restart, and notice when it died.
 
 Its keys (`--api-key`, `--admin-api-key`) never appear on its command line, which every local user can
 read (`ps`): they are written to a file only this user can read, passed as SGLang's `--config <file>`, and
-the file is deleted once the server is up (SGLang reads it while parsing its arguments)."""
+the file is deleted once the server is up (SGLang reads it while parsing its arguments).
+
+SGLang runs with `sglang_site/` first on its PYTHONPATH: the plugin there backports fixes from newer SGLang
+releases (`sglang_site/art_sglang_backports.py`; `ART_SGLANG_BACKPORTS` chooses them)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import httpx
 from art_sglang.config import KEEP_ALIVE_ENV, SGLANG_ENV_DEFAULTS, SGLangConfig
 from art_sglang.errors import ServerStartError
 from art_sglang.process_tree import EXIT_GRACE_SECONDS, ManagedProcess, display_command, peek_exit_code
+from art_sglang.serving.servers.sglang_site import art_sglang_backports as backports
 
 Engine = Literal["sglang", "reference"]
 
@@ -34,6 +38,8 @@ ENGINE_MODULES: dict[Engine, str] = {
     "reference": "art_sglang_reference",
 }
 logger = logging.getLogger(__name__)
+# Only the plugin and its dist-info are in this folder, so the server's own packages are never shadowed.
+SGLANG_SITE = Path(__file__).resolve().parent / "sglang_site"
 
 _POLL_SECONDS = 0.25
 _REPORT_SECONDS = 30.0  # between "still starting" lines
@@ -168,6 +174,9 @@ class ServerProcess(ManagedProcess):
         env.setdefault("PYTHONUNBUFFERED", "1")
         if self.gpu_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
+        if self.engine == "sglang":
+            backports.selection(env.get(backports.SELECT_ENV))  # a bad name fails here, not in the server
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SGLANG_SITE), env.get("PYTHONPATH")]))
         return env
 
     @property
@@ -186,6 +195,7 @@ class ServerProcess(ManagedProcess):
         if self._popen is not None:
             # It crashed: clear what is left of its tree (and its exit hook) first.
             await self.stop(timeout=EXIT_GRACE_SECONDS)
+        environment = self.environment()
         self._port = self.config.port or claim_port(self.config.host, self._port)
         command = self.command()
         if self._keys():
@@ -194,7 +204,7 @@ class ServerProcess(ManagedProcess):
             # Popen runs on the event loop's thread on purpose: the parent-death signal is tied to the
             # forking thread, and an executor thread may exit while the server still runs.
             try:
-                self._launch(command, self.environment(), pipes=False)
+                self._launch(command, environment, pipes=False)
             except OSError as exc:  # e.g. the server venv's python does not exist
                 self._release_auto_port()
                 raise ServerStartError(f"Could not run {display_command(command)}: {exc}") from exc

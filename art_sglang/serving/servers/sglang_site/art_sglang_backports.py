@@ -1,0 +1,119 @@
+"""Fixes from newer SGLang releases, backported to the SGLang that art_sglang launches: an SGLang general
+plugin. This folder is put on the server's PYTHONPATH (nothing else in it), SGLang finds the entry point of
+`art_sglang_backports-*.dist-info` (group `sglang.srt.plugins`) and calls `register()` in its HTTP process and
+in each scheduler process. A backport applies only to releases before the one that fixed it.
+
+`ART_SGLANG_BACKPORTS` in the server's environment chooses them: `all` (the default), `none`, or a comma list of
+the names below.
+
+- `json-response` (fixed in 0.5.23): the OpenAI chat and completion routes hand their pydantic response to
+  FastAPI, whose `jsonable_encoder` walks every element in Python: every token's logprob entry with its list
+  of bytes, ~50 ms for a 1,024-token answer, one answer at a time in the one HTTP process. After a wave of
+  GRPO rollouts the answers left that process seconds after the last token was sampled. Serialised in one
+  pass by pydantic's own encoder instead (the same JSON).
+- `gumbel-sampling` (fixed in 0.5.23): `torch.multinomial` checks its input with two host-device syncs, which
+  hold the scheduler's CPU work of the next decode step until the GPU has finished this one. Sampled by the
+  Gumbel-max trick instead: the argmax of the probabilities divided by exponential noise, the same
+  distribution, no sync. Seeded requests keep SGLang's own path.
+
+This module imports nothing of art_sglang (the server's venv need not have it) and no SGLang at import time
+(art_sglang reads `selection` when it launches a server).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SELECT_ENV = "ART_SGLANG_BACKPORTS"
+
+
+async def _json_in_one_pass(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    from fastapi.responses import Response
+    from pydantic import BaseModel
+
+    result = await original(*args, **kwargs)
+    if isinstance(result, BaseModel):  # errors and streams are responses already
+        return Response(content=result.model_dump_json(by_alias=True), media_type="application/json")
+    return result
+
+
+def _gumbel_sample(
+    original: Callable[..., Any], probs: Any, sampling_seed: Any = None, positions: Any = None
+) -> Any:
+    import torch
+
+    if sampling_seed is not None:
+        return original(probs, sampling_seed, positions)
+    noise = torch.empty_like(probs, dtype=torch.float32).exponential_(1.0)
+    noise.clamp_min_(torch.finfo(torch.float32).tiny)  # a zero draw must not divide by zero
+    return (probs.float() / noise).argmax(dim=-1).view(-1).to(torch.int32)
+
+
+_CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
+_COMPLETION = "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion"
+# name -> (the first release with the fix, [(the function wrapped, its wrapper)])
+BACKPORTS: dict[str, tuple[tuple[int, int, int], list[tuple[str, Callable[..., Any]]]]] = {
+    "json-response": (
+        (0, 5, 23),
+        [
+            (f"{_CHAT}.handle_request", _json_in_one_pass),
+            (f"{_COMPLETION}.handle_request", _json_in_one_pass),
+        ],
+    ),
+    "gumbel-sampling": (
+        (0, 5, 23),
+        [("sglang.srt.layers.sampler.sampling_from_probs_torch", _gumbel_sample)],
+    ),
+}
+
+
+def selection(raw: str | None) -> list[str]:
+    """The backports `raw` (the value of `ART_SGLANG_BACKPORTS`, None: unset) chooses; ValueError on a name
+    that is none of them."""
+    value = (raw or "all").strip()
+    if value == "all":
+        return list(BACKPORTS)
+    if value == "none":
+        return []
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in BACKPORTS]
+    if unknown:
+        raise ValueError(
+            f"{SELECT_ENV}={raw!r} names no backport {unknown}: give 'all', 'none' or a comma list of "
+            f"{sorted(BACKPORTS)}"
+        )
+    return names
+
+
+def release(version: str) -> tuple[int, int, int]:
+    """`0.5.17`, `0.5.17.post1`, `0.5.23rc0` -> their (major, minor, patch)."""
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if found is None:
+        raise ValueError(f"not a release number: {version!r}")
+    major, minor, patch = found.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def register() -> None:
+    """SGLang's plugin hook: register the chosen backports its release lacks (applied by SGLang next)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.version import __version__
+
+    running = release(__version__)
+    for name in selection(os.environ.get(SELECT_ENV)):
+        fixed_in, hooks = BACKPORTS[name]
+        if running >= fixed_in:
+            logger.info("art_sglang backport %s: not needed on SGLang %s", name, __version__)
+            continue
+        for target, wrapper in hooks:
+            HookRegistry.register(target, wrapper, HookType.AROUND)
+        logger.info(
+            "art_sglang backport %s: registered for SGLang %s (fixed in %s)",
+            name, __version__, ".".join(map(str, fixed_in)),
+        )  # fmt: skip
