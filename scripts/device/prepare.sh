@@ -13,8 +13,14 @@ for name in openai jiter distro sniffio fastapi starlette uvicorn python_multipa
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/usite "${wheels[@]}" .whl/*.whl 2>&1 \
   | grep -v '^WARNING' || true
-printf '#!/bin/sh\n# SGLang with its own stack only (the two venvs of setup_sglang.sh, on this machine)\nPYTHONPATH=/tmp/site exec python3 "$@"\n' \
-  > /tmp/sglang-python
+# SGLang with its own stack only (the two venvs of setup_sglang.sh, on this machine), plus the plugin folder
+# ServerProcess puts on its path (art_sglang/serving/servers/sglang_site: nothing but the plugin), as a venv's
+# python would keep it.
+cat > /tmp/sglang-python <<'WRAPPER'
+#!/bin/sh
+plugin=$(printf '%s' "${PYTHONPATH:-}" | tr ':' '\n' | grep '/sglang_site$' | head -n 1)
+PYTHONPATH=/tmp/site${plugin:+:$plugin} exec python3 "$@"
+WRAPPER
 chmod +x /tmp/sglang-python
 # shellcheck source=scripts/device/env.sh
 source scripts/device/env.sh
