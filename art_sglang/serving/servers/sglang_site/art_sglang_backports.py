@@ -22,13 +22,11 @@ This module imports nothing of art_sglang (the server's venv need not have it) a
 
 from __future__ import annotations
 
-import logging
 import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 SELECT_ENV = "ART_SGLANG_BACKPORTS"
 
@@ -106,14 +104,16 @@ def register() -> None:
     from sglang.version import __version__
 
     running = release(__version__)
+    registered = []
     for name in selection(os.environ.get(SELECT_ENV)):
         fixed_in, hooks = BACKPORTS[name]
-        if running >= fixed_in:
-            logger.info("art_sglang backport %s: not needed on SGLang %s", name, __version__)
-            continue
-        for target, wrapper in hooks:
-            HookRegistry.register(target, wrapper, HookType.AROUND)
-        logger.info(
-            "art_sglang backport %s: registered for SGLang %s (fixed in %s)",
-            name, __version__, ".".join(map(str, fixed_in)),
-        )  # fmt: skip
+        if running < fixed_in:
+            for target, wrapper in hooks:
+                HookRegistry.register(target, wrapper, HookType.AROUND)
+            registered.append(f"{name} (fixed in {'.'.join(map(str, fixed_in))})")
+    # Printed, not logged: SGLang loads plugins before it sets up logging, so an INFO record would be lost.
+    print(
+        f"art_sglang backports on SGLang {__version__}: {', '.join(registered) or 'none'}",
+        file=sys.stderr,
+        flush=True,
+    )
