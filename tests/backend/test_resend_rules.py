@@ -195,3 +195,13 @@ async def test_an_aborted_stream_goes_on_from_its_text_as_one_stream(usage: bool
     usages = [e["usage"] for e in parsed if isinstance(e, dict) and "usage" in e]
     assert usages == ([{"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}] if usage else [])
     assert parsed[-1] == "[DONE]"
+
+
+def test_answer_json_reads_what_python_servers_write_and_writes_strict_json() -> None:
+    from art_sglang.serving.gateway import json_body
+
+    written = json.dumps({"logprob": float("-inf"), "x": [1, "é"]}).encode()  # `-Infinity`: not strict JSON
+    assert json_body.loads(written) == {"logprob": float("-inf"), "x": [1, "é"]}
+    assert json.loads(json_body.dumps({"logprob": float("-inf")})) == {"logprob": None}
+    with pytest.raises(ValueError):
+        json_body.loads(b"not json")

@@ -15,10 +15,10 @@ on an alias are drained before a push instead (`DRAINED`)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from . import json_body
 from .rules import CHAT_PATH
 
 VERSIONS_FIELD = "art_weight_versions"  # on each returned choice
@@ -132,7 +132,7 @@ async def with_versions(path: str, payload: Mapping[str, Any], body: bytes, post
     aborted is continued (up to `MAX_RESENDS` times) and stitched. A continuation the server refuses leaves
     the choice as it was cut (finish reason "abort")."""
     try:
-        answer = json.loads(body)
+        answer = json_body.loads(body)
         choices = answer["choices"]
     except (ValueError, KeyError, TypeError):
         return body
@@ -151,10 +151,10 @@ async def with_versions(path: str, payload: Mapping[str, Any], body: bytes, post
             status, raw = await post(request)
             if status != 200:
                 break
-            part = json.loads(raw)
+            part = json_body.loads(raw)
             stitch(path, choice, part, answer.get("usage"))
             answer.setdefault("metadata", {})["weight_version"] = part["meta_info"].get("weight_version")
-    return json.dumps(answer).encode()
+    return json_body.dumps(answer)
 
 
 def _logprob_count(path: str, choice: Mapping[str, Any]) -> int:

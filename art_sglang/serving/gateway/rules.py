@@ -50,6 +50,7 @@ from ...constraints import ALLOWED_FIELD, CONSTRAINT_FIELD, ConstraintError, Sam
 from ...tool_choice import DEFAULT_PARSER, TEMPLATE_TOOLS_FIELD, ToolUse, UnknownParser, tool_use
 from ..choice_count import GENERATE_PATH, ChoiceCountError, choices_per_prompt
 from ..served_names import parse_served_name, served_prefix, step_of
+from . import json_body
 
 # Paths whose body names a model; the first two can carry the sampled ids (`return_token_ids`).
 CHAT_PATH = "/v1/chat/completions"
@@ -356,7 +357,7 @@ def with_constraint(
     """A completion's JSON body with `constraint` (`art_constraint`) and the template's tools
     (`art_template_tools`) on each choice, where given; other bodies as they are."""
     try:
-        payload = json.loads(body)
+        payload = json_body.loads(body)
     except ValueError:
         return body
     choices = payload.get("choices") if isinstance(payload, dict) else None
@@ -370,4 +371,4 @@ def with_constraint(
     for choice in choices:
         if isinstance(choice, dict):
             choice.update(fields)
-    return json.dumps(payload).encode()
+    return json_body.dumps(payload)
