@@ -8,7 +8,7 @@ test -d /tmp/site/sglang || { echo "COLD: SGLang stack not installed"; exit 3; }
 test -d /tmp/tsite/unsloth || echo "note: trainer stack not installed (stage.sh train 0..1): trainer suites will fail"
 # openai/fastapi/uvicorn/pydantic come from the SGLang bundle's wheels (same interpreter), kept apart from its pins.
 wheels=()
-for name in openai jiter distro sniffio fastapi starlette uvicorn python_multipart pydantic pydantic_core annotated_types typing_inspection; do
+for name in openai jiter distro sniffio fastapi starlette uvicorn python_multipart pydantic pydantic_core annotated_types typing_inspection orjson; do
   wheels+=(/root/b.wheels/"$name"-*.whl)
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/usite "${wheels[@]}" .whl/*.whl 2>&1 \
