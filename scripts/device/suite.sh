@@ -47,7 +47,8 @@
 #     r39-direct-exact (~3): SGLang launched exactly as the backend launches it (flags, keys, the gateway's
 #       request form), no gateway, no trainer; r39-drop-<suspect> (~3 each): the same without one suspect
 #       (memory-saver, weights-backup, metrics, keys, token-ids, original-logprob, tool-parser)
-#     r39-lora-<variant> (~4, < 7 each; 4 at once on 4 GPUs: per_gpu.sh): the same with one LoRA serving flag
+#     r39-lora-<variant> (~4, < 7 each; 4 at once on 4 GPUs: per_gpu.sh; variants triton, triton-loras-1,
+#       exp-opti, exp-cublas, rank-64, no-prefill-graph, loras-2): the same with one LoRA serving flag
 #       changed: triton (--lora-backend triton), rank-64 (--max-lora-rank 64, SGLangConfig's default, against
 #       the bench's 16), no-prefill-graph (--disable-prefill-cuda-graph), loras-2 (--max-loras-per-batch 2)
 #     r39-vllm-base (~4.5): vLLM serving the base weights, no LoRA (ART's merged mode's stand-in), bare
@@ -290,16 +291,28 @@ for name in "$@"; do
                           --sglang-args="--enable-mixed-chunk" --clients bare --runs $r39_split) ;;
         # Item 3: one LoRA serving flag added last to the backend's launch (SGLang's parser keeps an option's
         # last value); no run starts after 330 s (the later --deadline-s wins), so 4 fit on 4 GPUs in one call.
+        # SGLang 0.5.17's LoRA kernels cost it ~43 % of its decode rate at 256 requests (/work/notes/39d.md):
+        # the triton backend, alone and with 0.5.17's experimental path behind environment variables (each
+        # shrink on a second stream beside the base GEMM, down_proj's shrink split; the second variable keeps
+        # it right under CUDA graphs; the third shrinks by cuBLAS where one adapter is resident). The server
+        # inherits the bench's environment.
         lora-*)
+          envs=()
           case ${name#r39-lora-} in
             triton) change='--lora-backend triton' ;;
+            triton-loras-1) change='--lora-backend triton --max-loras-per-batch 1' ;;
+            exp-opti) change='--lora-backend triton'
+                      envs=(SGLANG_EXPERIMENTAL_LORA_OPTI=1 SGLANG_OPT_LORA_OVERLAP_MAIN_ALLOC=1) ;;
+            exp-cublas) change='--lora-backend triton --max-loras-per-batch 1'
+                        envs=(SGLANG_EXPERIMENTAL_LORA_OPTI=1 SGLANG_OPT_LORA_OVERLAP_MAIN_ALLOC=1
+                              SGLANG_OPT_LORA_CUBLAS=1) ;;
             rank-64) change='--max-lora-rank 64' ;;
             no-prefill-graph) change='--disable-prefill-cuda-graph' ;;
             loras-2) change='--max-loras-per-batch 2' ;;
             *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
           esac
-          cmd=("${r39[@]}" --deadline-s 330 --side direct --flags backend --request-form gateway "${kernels[@]}"
-               --sglang-args="$change" --clients bare --runs $r39_split) ;;
+          cmd=(env "${envs[@]}" "${r39[@]}" --deadline-s 330 --side direct --flags backend --request-form gateway
+               "${kernels[@]}" --sglang-args="$change" --clients bare --runs $r39_split) ;;
         *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
       esac
       # shellcheck disable=SC2206
