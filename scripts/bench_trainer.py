@@ -115,12 +115,19 @@ async def bench_backend(
 
 
 def _summary(steps: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
+    """The timed steps: `step_s` and `phases_s` are means over all of them; `steady_step_s` leaves the first
+    out (it can carry one-off costs: the warm-up step's background write, a late compilation), and the
+    `_each` lists keep every step's own numbers."""
     tokens = sum(m["num_tokens"] for _, m in steps)
     forwarded = sum(m["tokens_per_second"] * m["seconds"] for _, m in steps)
-    wall = sum(s for s, _ in steps)
+    walls = [s for s, _ in steps]
+    wall = sum(walls)
+    steady = walls[1:] or walls
     return {
         "step_s": wall / len(steps),
-        "step_s_each": [s for s, _ in steps],
+        "steady_step_s": statistics.fmean(steady),
+        "step_s_median": statistics.median(walls),
+        "step_s_each": walls,
         "train_tokens_per_s": tokens / wall,
         "forward_tokens_per_s": sum(m["tokens_per_second"] for _, m in steps) / len(steps),
         "tokens_per_step": forwarded / len(steps),
@@ -129,26 +136,37 @@ def _summary(steps: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
         "micro_batches": steps[-1][1]["micro_batches"],
         "gpu_peak_memory_gb": max((m.get("gpu_peak_memory_gb", 0.0) for _, m in steps), default=0.0),
         "phases_s": phases(steps),
+        "phases_s_each": [step_phases(wall, metrics) for wall, metrics in steps],
     }
+
+
+def step_phases(wall: float, metrics: dict[str, float]) -> dict[str, float]:
+    """Where one step's time went: the trainer's own phases (rank 0's, and the slowest and fastest rank's
+    where the trainer reports them), `other_in_trainer` (the trainer's time outside the named phases) and
+    `outside_trainer`: the rest of the step's wall time as the caller saw it (the request's JSON out and
+    in, its pipe, the ranks receiving it, the answer)."""
+    out = {
+        name.removeprefix("time/trainer_").removesuffix("_s"): value
+        for name, value in metrics.items()
+        if name.startswith("time/trainer_")
+    }
+    # The checkpoint comes after `seconds` is taken; the ranks' spread is not rank 0's time.
+    counted = [
+        v for k, v in out.items() if k != "checkpoint" and not k.endswith(("_slowest_rank", "_fastest_rank"))
+    ]
+    out["other_in_trainer"] = metrics["seconds"] - sum(counted)
+    out["outside_trainer"] = wall - metrics["seconds"] - out.get("checkpoint", 0.0)
+    return out
 
 
 def phases(steps: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """Where a step's time went (means over the timed steps): the trainer's own phases (rank 0's, and the
-    slowest and fastest rank's forward/backward), and `outside_trainer`: the rest of the step's wall time
-    as the caller saw it (the request's JSON out and in, its pipe, the ranks receiving it, the answer)."""
-    names = sorted({k for _, m in steps for k in m if k.startswith("time/trainer_")})
-    out = {
-        name.removeprefix("time/trainer_").removesuffix("_s"): statistics.fmean(
-            m.get(name, 0.0) for _, m in steps
-        )
-        for name in names
+    """`step_phases` averaged over the timed steps (a phase a step lacks counts as 0 s there)."""
+    each = [step_phases(wall, metrics) for wall, metrics in steps]
+    names = sorted({name for step in each for name in step} - {"other_in_trainer", "outside_trainer"})
+    return {
+        name: statistics.fmean(step.get(name, 0.0) for step in each)
+        for name in [*names, "other_in_trainer", "outside_trainer"]
     }
-    ranked = {"forward_backward_slowest_rank", "forward_backward_fastest_rank", "checkpoint"}
-    named = sum(v for k, v in out.items() if k not in ranked)
-    out["other_in_trainer"] = statistics.fmean(m["seconds"] for _, m in steps) - named
-    inside = [m["seconds"] + m.get("time/trainer_checkpoint_s", 0.0) for _, m in steps]
-    out["outside_trainer"] = statistics.fmean(wall - t for (wall, _), t in zip(steps, inside, strict=True))
-    return out
 
 
 def parse_run_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
@@ -222,6 +240,8 @@ async def main() -> None:
         )
         if "train_tokens_per_s" in result and "train_tokens_per_s" in single:
             result["speedup_vs_1_rank"] = result["train_tokens_per_s"] / single["train_tokens_per_s"]
+            # Same batch on every rank count: the ratio of step times after each run's first timed step.
+            result["steady_speedup_vs_1_rank"] = single["steady_step_s"] / result["steady_step_s"]
     report = {
         "model": model,
         "batch": args.batch,
@@ -244,9 +264,11 @@ async def main() -> None:
             r.get("optimizer_steps", "-"),
             r.get("micro_batches", "-"),
             r.get("step_s", "-"),
+            r.get("steady_step_s", "-"),
             r.get("train_tokens_per_s", "-"),
             r.get("forward_tokens_per_s", "-"),
             r.get("speedup_vs_1_rank", "-"),
+            r.get("steady_speedup_vs_1_rank", "-"),
             r.get("gpu_peak_memory_gb", "-"),
             r.get("error", ""),
         ]
@@ -262,10 +284,12 @@ async def main() -> None:
             "load s",
             "optimizer steps",
             "micro-batches (all ranks)",
-            "step s",
+            "step s (mean)",
+            "step s after the first",
             "trained tokens/s",
             "forward tokens/s",
-            "× 1 rank",
+            "× 1 rank (mean)",
+            "× 1 rank (after the first)",
             "peak GPU GB (fullest rank)",
             "error",
         ],
@@ -274,21 +298,31 @@ async def main() -> None:
     table += (
         "\n\nWhere a step's time went, seconds (means over the timed steps; rank 0's phases):\n\n"
         + phase_table(results)
+        + "\n\nEach timed step (the first can carry one-off costs; `steady_step_s` leaves it out):\n\n"
+        + phase_table(results, each=True)
     )
     (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1, default=str))
     (args.out / f"{args.name}.md").write_text(table + "\n")
     print(table)
 
 
-def phase_table(results: list[dict[str, Any]]) -> str:
+def phase_table(results: list[dict[str, Any]], *, each: bool = False) -> str:
+    """Seconds per phase: the means per run, or (`each`) a row per timed step."""
     timed = [r for r in results if "phases_s" in r]
     names = sorted({name for r in timed for name in r["phases_s"]})
-    rows = [
-        [r["backend"], r.get("packed_sequence_length") or "default", r["ranks"], r["step_s"]]
-        + [r["phases_s"].get(name, "-") for name in names]
+    runs = [
+        (r, f"{index + 1}" if each else "mean", step_s, phases)
         for r in timed
+        for index, (step_s, phases) in enumerate(
+            zip(r["step_s_each"], r["phases_s_each"], strict=True) if each else [(r["step_s"], r["phases_s"])]
+        )
     ]
-    return markdown_table(["path", "packed row", "ranks", "step s", *names], rows)
+    rows = [
+        [r["backend"], r.get("packed_sequence_length") or "default", r["ranks"], step, step_s]
+        + [phases.get(name, "-") for name in names]
+        for r, step, step_s, phases in runs
+    ]
+    return markdown_table(["path", "packed row", "ranks", "timed step", "step s", *names], rows)
 
 
 if __name__ == "__main__":
