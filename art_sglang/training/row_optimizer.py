@@ -30,6 +30,8 @@ from .train_state import TrainState, all_finite
 
 Progress = Callable[[dict[str, Any]], None]
 
+_SPREAD = ("forward_backward", "tokenize")  # the phases reported for the slowest and the fastest rank too
+
 
 @dataclass
 class _Sums:
@@ -119,12 +121,13 @@ class RowOptimizer:
                     sums.micro_batches,
                 ]
             )
-            # The slowest and the fastest rank's forward/backward (the step waits for the slowest), and
-            # the fullest rank's memory, in one collective.
+            # The slowest and the fastest rank's forward/backward (the step waits for the slowest) and
+            # tokenize (every rank tokenizes the whole batch), and the fullest rank's memory, in one
+            # collective.
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-            busiest, idlest, peak = ranks.reduce(
-                [times.seconds["forward_backward"], -times.seconds["forward_backward"], peak], "max"
-            )
+            own = [times.seconds[name] for name in _SPREAD]
+            *extremes, peak = ranks.reduce([*own, *(-s for s in own), peak], "max")
+            slowest, fastest = extremes[: len(own)], [-s for s in extremes[len(own) :]]
         seconds = time.perf_counter() - started
         return {
             **({"gpu_peak_memory_gb": peak} if cuda else {}),
@@ -139,8 +142,8 @@ class RowOptimizer:
             "row_length": float(max(len(s.input_ids) for row in rows for s in row)),
             "micro_batches": micro_batches,
             "tokens_per_second": forwarded / seconds if seconds > 0 else 0.0,
-            "time/trainer_forward_backward_slowest_rank_s": busiest,
-            "time/trainer_forward_backward_fastest_rank_s": -idlest,
+            **{f"time/trainer_{name}_slowest_rank_s": s for name, s in zip(_SPREAD, slowest, strict=True)},
+            **{f"time/trainer_{name}_fastest_rank_s": s for name, s in zip(_SPREAD, fastest, strict=True)},
         }
 
     def _step(

@@ -93,6 +93,13 @@ async def test_two_ranks_train_the_one_rank_adapter(
             assert got.metrics[key] == expected.metrics[key], key
         for key in ("loss", "kl", "grad_norm", "ratio_mean"):
             assert got.metrics[key] == pytest.approx(expected.metrics[key], rel=1e-4, abs=1e-7), key
+        # Where rank 0's phases sit among the ranks': every rank tokenizes and forwards its share.
+        for phase in ("tokenize", "forward_backward"):
+            spread = [
+                got.metrics[f"time/trainer_{phase}{rank}_s"]
+                for rank in ("_slowest_rank", "", "_fastest_rank")
+            ]
+            assert spread == sorted(spread, reverse=True) and spread[-1] > 0, phase
         a, b = adapter(expected.checkpoint_path), adapter(got.checkpoint_path)
         assert_same_adapter(b, a)
         initial = adapter(tmp_path / "one/checkpoints/0000")
