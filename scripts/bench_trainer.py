@@ -137,6 +137,12 @@ def _summary(steps: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
         "gpu_peak_memory_gb": max((m.get("gpu_peak_memory_gb", 0.0) for _, m in steps), default=0.0),
         "phases_s": phases(steps),
         "phases_s_each": [step_phases(wall, metrics) for wall, metrics in steps],
+        "checkpoint_parts_s": {  # rank 0's checkpoint phase in parts, means (trainer.py)
+            name.removeprefix("time/checkpoint_").removesuffix("_s"): statistics.fmean(
+                m.get(name, 0.0) for _, m in steps
+            )
+            for name in sorted({k for _, m in steps for k in m if k.startswith("time/checkpoint_")})
+        },
     }
 
 
@@ -300,6 +306,17 @@ async def main() -> None:
         + phase_table(results)
         + "\n\nEach timed step (the first can carry one-off costs; `steady_step_s` leaves it out):\n\n"
         + phase_table(results, each=True)
+        + "\n\nRank 0's checkpoint phase in parts, seconds (means): waiting for the previous step's optimizer "
+        + "state, host copies, the published files, their fsyncs and rename:\n\n"
+        + markdown_table(
+            ["path", "ranks", "checkpoint", "wait", "copy", "files", "sync"],
+            [
+                [r["backend"], r["ranks"], r["phases_s"].get("checkpoint", "-")]
+                + [r["checkpoint_parts_s"].get(part, "-") for part in ("wait", "copy", "files", "sync")]
+                for r in results
+                if "checkpoint_parts_s" in r
+            ],
+        )
     )
     (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1, default=str))
     (args.out / f"{args.name}.md").write_text(table + "\n")

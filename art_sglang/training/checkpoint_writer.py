@@ -11,6 +11,7 @@ shared mode), tries a failed one again, and raises if that fails too."""
 
 from __future__ import annotations
 
+import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,6 +44,9 @@ class CheckpointWriter:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optimizer-state")
         self._pending: _Pending | None = None
         self._buffers: list[torch.Tensor] = []
+        # Seconds of the last write's parts, in order: waiting for the previous optimizer state, the host
+        # copies, writing the published files, and their fsyncs and rename.
+        self.seconds: dict[str, float] = {}
 
     @property
     def unsettled_step(self) -> int | None:
@@ -62,7 +66,9 @@ class CheckpointWriter:
         step's optimizer state first (`settle`)."""
         from safetensors.torch import save_file
 
+        started = time.perf_counter()
         self.settle()
+        settled = time.perf_counter()
         weights, config = adapter
         copied: list[torch.Tensor] = []
 
@@ -74,6 +80,8 @@ class CheckpointWriter:
         weights = dict(zip(weights, copied[: len(weights)], strict=True))
         reserve = sum(t.numel() * t.element_size() + _ZIP_OVERHEAD for t in copied[len(weights) :]) + 2**16
         late: list[ckpt.LateFile] = []
+        filled: list[float] = []
+        copies_done = time.perf_counter()
 
         def fill(tmp: Path) -> None:
             save_file(weights, str(tmp / ckpt.ADAPTER_WEIGHTS), metadata={"format": "pt"})
@@ -81,6 +89,7 @@ class CheckpointWriter:
             files = {**trainer_state, ckpt.COMPLETE_FILES_KEY: list(ckpt.CHECKPOINT_FILES)}
             ckpt.write_json(tmp / ckpt.TRAINER_STATE, files)
             late.append(ckpt.LateFile(tmp, ckpt.OPTIMIZER, reserve))
+            filled.append(time.perf_counter())
 
         try:
             path = ckpt.write_checkpoint(checkpoint_dir, step, fill)
@@ -88,6 +97,12 @@ class CheckpointWriter:
             for file in late:
                 file.close()
             raise
+        self.seconds = {
+            "wait": settled - started,
+            "copy": copies_done - settled,
+            "files": filled[0] - copies_done,
+            "sync": time.perf_counter() - filled[0],
+        }
         pending = _Pending(step, late[0], state, Future())
         pending.future = self._thread.submit(pending.write)
         self._pending = pending

@@ -324,7 +324,9 @@ class Trainer:
         except BaseException:
             self._restore(snapshot)
             raise
-        return StepOutcome(self.step, {**metrics, **times.metrics()}, path, trained=True)
+        # Rank 0's checkpoint in parts (not phases of their own: they are the checkpoint phase's).
+        parts = {f"time/checkpoint_{part}_s": s for part, s in self._writer.seconds.items()}
+        return StepOutcome(self.step, {**metrics, **times.metrics(), **parts}, path, trained=True)
 
     def _advance_untrained(
         self,
