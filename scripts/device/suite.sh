@@ -281,8 +281,8 @@ for name in "$@"; do
                            --clients bare --runs $r39_split) ;;
         drop-*) cmd=("${r39[@]}" --side direct --flags backend --drop "${name#r39-drop-}" --request-form gateway
                      "${kernels[@]}" --clients bare --runs $r39_split) ;;
-        # Where a wave's time goes outside decode (SGLang 0.5.17's one HTTP process encodes
-        # each non-streamed chat response with FastAPI's jsonable_encoder, ~47 ms per 1,024-token answer): the
+        # Where a wave's time goes outside decode (SGLang 0.5.17's one HTTP process encoded each non-streamed
+        # chat response with FastAPI's jsonable_encoder, ~47 ms per 1,024-token answer, until the backports): the
         # same launch with 4 tokenizer/HTTP workers (0.5.17 refuses them beside an API key, hence no keys;
         # compare with r39-drop-keys), and with mixed chunks (admission prefills beside decode).
         http-workers) cmd=("${r39[@]}" --deadline-s 330 --side direct --flags backend --drop keys --request-form gateway
@@ -291,7 +291,7 @@ for name in "$@"; do
                           --sglang-args="--enable-mixed-chunk" --clients bare --runs $r39_split) ;;
         # Item 3: one LoRA serving flag added last to the backend's launch (SGLang's parser keeps an option's
         # last value); no run starts after 330 s (the later --deadline-s wins), so 4 fit on 4 GPUs in one call.
-        # SGLang 0.5.17's LoRA kernels cost it ~43 % of its decode rate at 256 requests (read from its code):
+        # SGLang 0.5.17's LoRA kernels cost it 39-46 % of its decode rate (its log, 2026-11-28):
         # the triton backend, alone and with 0.5.17's experimental path behind environment variables (each
         # shrink on a second stream beside the base GEMM, down_proj's shrink split; the second variable keeps
         # it right under CUDA graphs; the third shrinks by cuBLAS where one adapter is resident). The server
