@@ -226,7 +226,11 @@ async def test_with_no_replica_left_rollouts_and_train_fail_clearly(
     """A second backend, one replica, on the same cluster: once every worker node is gone, a rollout fails
     (it is not left waiting), and train() says that no replica is up."""
     config = ClusterConfig(
-        address=run.cluster.address, gpus_per_replica=0, replica_resources={SLOT: 1}, placement_timeout=15
+        address=run.cluster.address,
+        gpus_per_replica=0,
+        replica_resources={SLOT: 1},
+        adapter_dir=str(tmp_path / "node-local"),  # a lost node keeps its folder (its log stays by design)
+        placement_timeout=15,
     )
     backend = SGLangBackend(path=str(tmp_path / ".art"), engine="reference", cluster=config)
     model = art.TrainableModel(name="lonely", project="cluster", base_model=str(tiny_model_path))
