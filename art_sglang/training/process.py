@@ -95,9 +95,11 @@ class TrainerProcess(ManagedProcess):
         if self.ranks == 1:
             return [python, "-m", "art_sglang.training.worker"]
         # --standalone: a rendezvous of its own on a free local port; no restarts: a dead rank ends the
-        # worker, and the next step starts a new one from the newest checkpoint.
+        # worker, and the next step starts a new one from the newest checkpoint. --log-dir: its folder beside
+        # the trainer's log (left to itself it makes one in /tmp at every start and never removes it).
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.ranks}"]
-        return [python, *launcher, "--max-restarts=0", "-m", "art_sglang.training.worker"]
+        log_dir = f"--log-dir={self.log_path.parent / 'torchelastic'}"
+        return [python, *launcher, log_dir, "--max-restarts=0", "-m", "art_sglang.training.worker"]
 
     def environment(self) -> dict[str, str]:
         # A backend that itself runs under torch's launcher must not hand its own rank and rendezvous to

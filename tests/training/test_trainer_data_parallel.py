@@ -78,6 +78,8 @@ async def test_two_ranks_train_the_one_rank_adapter(
     two_ranks: TrainerProcess, tiny_model_path: Path, tmp_path: Path, tokenizer: Any
 ) -> None:
     one, two = trainer(tiny_model_path, tmp_path / "one", 1), two_ranks
+    # The launcher keeps its folder (a subfolder per start) beside the trainer's log, not in /tmp.
+    assert len(list((two.log_path.parent / "torchelastic").iterdir())) == 1
     sft = sft_batches(
         [t.model_dump(mode="json") for g in batch(tokenizer) for t in g.trajectories], 1e-2, batch_size=4
     )
@@ -244,9 +246,10 @@ def test_a_backend_under_torchrun_gives_the_trainer_no_rank_of_its_own(
         monkeypatch.setenv(name, value)
     env = trainer(tiny_model_path, tmp_path, 1).environment()
     assert not {"RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"} & env.keys()
-    assert trainer(tiny_model_path, tmp_path, 2).command()[1:5] == [
+    assert trainer(tiny_model_path, tmp_path, 2).command()[1:6] == [
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node=2",
+        f"--log-dir={tmp_path / 'torchelastic'}",
     ]
