@@ -191,8 +191,11 @@ class Prober:
         pid = self.server.process.pid
         assert pid is not None
         profiles = []
-        if way == self.args.profile_way and self.args.profile_dir is not None and shutil.which("py-spy"):
-            profiles = start_profiles(pid, self.args.seconds, self.args.profile_dir)
+        if way == self.args.profile_way and self.args.profile_dir is not None:
+            if shutil.which("py-spy"):
+                profiles = start_profiles(pid, self.args.seconds, self.args.profile_dir)
+            else:
+                print(f"no profile of {way}: py-spy is not on PATH", flush=True)
         server_before, own_before = process_cpu(pid), time.process_time()
         start, answers, waves = time.perf_counter(), [], 0
         while time.perf_counter() - start < self.args.seconds:

@@ -33,7 +33,9 @@
 #     ART's client straight to SGLang, through the gateway with prefill sharing off and on, with a bare client,
 #     and as n=8 per group, 3 repeats each, into probe_costs-<model>.json; probe-costs-trained-modules (~5 min):
 #     the gateway and bare ways with SGLang adapting only the trainer's modules (not lm_head/embed_tokens);
-#     probe-costs-vllm (~5 min, after stage.sh vllm 0..5): vLLM with ART's client and with a bare one
+#     probe-costs-vllm (~5 min, after stage.sh vllm 0..5): vLLM with ART's client and with a bare one;
+#     probe-costs-http (~5 min, after models-random): the real-vocabulary model, bare client with and without
+#     logprobs and through the gateway, py-spy samples of every server process during the bare waves
 #   Issue 39's side-by-side (scripts/bench_rollouts.py on models with Qwen2.5's vocabulary; ART's client and a
 #     bare one; each suite one server start, JSON r39-<suite>-<model>.json; A/B/A: r39-backend-a1, r39-vllm,
 #     r39-backend-a2 on one machine, back to back). Minutes on an H100 at 1.5B (starts: backend ~2, vLLM ~2.5,
@@ -239,6 +241,13 @@ for name in "$@"; do
     probe-costs-trained-modules) cmd=("${probe[@]}" "${kernels[@]}" --ways gateway-share raw
                                       --lora-target-modules q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
                                       --json "$results/probe_costs_trained_modules-${big##*/}.json") ;;
+    # Where a short-answer wave's time goes outside the GPU, with the backports (merged mode's 32x8x128 wave:
+    # 3.48 s, of which decode ~0.74 s): the server processes' CPU seconds per way, and py-spy samples of each
+    # during the bare client's waves (py-spy comes with SGLang's kit).
+    probe-costs-http) cmd=(env PATH="$PATH:/tmp/site/bin" "${probe[@]}" --model "$rmodel" "${kernels[@]}"
+                           --ways raw raw-nologprobs gateway-share --profile-way raw
+                           --profile-dir "$OUT/probe-costs-http-profile"
+                           --json "$results/probe_costs_http-${rmodel##*/}.json") ;;
     probe-costs-vllm) cmd=("${probe[@]}" --engine vllm "${vllm_kernels[@]}" --ways art-client raw
                            --json "$results/probe_costs_vllm-${big##*/}.json") ;;
     bench-rollouts-sglang) cmd=("${rollouts[@]}" --side backend "${kernels[@]}" --workdir "/tmp/work-$name"
