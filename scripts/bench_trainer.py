@@ -123,6 +123,7 @@ def _summary(steps: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
     walls = [s for s, _ in steps]
     wall = sum(walls)
     steady = walls[1:] or walls
+    each = [step_phases(seconds, metrics) for seconds, metrics in steps]
     return {
         "step_s": wall / len(steps),
         "steady_step_s": statistics.fmean(steady),
@@ -135,8 +136,8 @@ def _summary(steps: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
         "optimizer_steps": steps[-1][1]["gradient_steps"],
         "micro_batches": steps[-1][1]["micro_batches"],
         "gpu_peak_memory_gb": max((m.get("gpu_peak_memory_gb", 0.0) for _, m in steps), default=0.0),
-        "phases_s": phases(steps),
-        "phases_s_each": [step_phases(wall, metrics) for wall, metrics in steps],
+        "phases_s": mean_phases(each),
+        "phases_s_each": each,
         "checkpoint_parts_s": {  # rank 0's checkpoint phase in parts, means (trainer.py)
             name.removeprefix("time/checkpoint_").removesuffix("_s"): statistics.fmean(
                 m.get(name, 0.0) for _, m in steps
@@ -165,9 +166,8 @@ def step_phases(wall: float, metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def phases(steps: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """`step_phases` averaged over the timed steps (a phase a step lacks counts as 0 s there)."""
-    each = [step_phases(wall, metrics) for wall, metrics in steps]
+def mean_phases(each: list[dict[str, float]]) -> dict[str, float]:
+    """The timed steps' `step_phases` averaged (a phase a step lacks counts as 0 s there)."""
     names = sorted({name for step in each for name in step} - {"other_in_trainer", "outside_trainer"})
     return {
         name: statistics.fmean(step.get(name, 0.0) for step in each)
