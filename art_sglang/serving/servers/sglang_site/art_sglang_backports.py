@@ -1,10 +1,11 @@
 """Fixes from newer SGLang releases, backported to the SGLang that art_sglang launches: an SGLang general
 plugin. This folder is put on the server's PYTHONPATH (nothing else in it), SGLang finds the entry point of
 `art_sglang_backports-*.dist-info` (group `sglang.srt.plugins`) and calls `register()` in its HTTP process and
-in each scheduler process. A backport applies only to releases before the one that fixed it.
+in each scheduler process. A backport applies only to releases before the one that fixed it; a fix no release
+has yet applies to every release, and stays out of the default choice until a GPU measurement adopts it.
 
-`ART_SGLANG_BACKPORTS` in the server's environment chooses them: `all` (the default), `none`, or a comma list of
-the names below.
+`ART_SGLANG_BACKPORTS` in the server's environment chooses them: `default` (unset: the ones marked default
+below), `all`, `none`, or a comma list of the names below.
 
 - `json-response` (fixed in 0.5.23): the OpenAI chat and completion routes hand their pydantic response to
   FastAPI, whose `jsonable_encoder` walks every element in Python: every token's logprob entry with its list
@@ -28,7 +29,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 SELECT_ENV = "ART_SGLANG_BACKPORTS"
 
@@ -55,18 +56,26 @@ def _gumbel_sample(
     return (probs.float() / noise).argmax(dim=-1).view(-1).to(torch.int32)
 
 
+class Backport(NamedTuple):
+    """A fix: the first release that has it (None: none yet), the functions it wraps with their wrappers,
+    and whether the default choice applies it."""
+
+    fixed_in: tuple[int, int, int] | None
+    hooks: list[tuple[str, Callable[..., Any]]]
+    default: bool = True
+
+
 _CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
 _COMPLETION = "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion"
-# name -> (the first release with the fix, [(the function wrapped, its wrapper)])
-BACKPORTS: dict[str, tuple[tuple[int, int, int], list[tuple[str, Callable[..., Any]]]]] = {
-    "json-response": (
+BACKPORTS: dict[str, Backport] = {
+    "json-response": Backport(
         (0, 5, 23),
         [
             (f"{_CHAT}.handle_request", _json_in_one_pass),
             (f"{_COMPLETION}.handle_request", _json_in_one_pass),
         ],
     ),
-    "gumbel-sampling": (
+    "gumbel-sampling": Backport(
         (0, 5, 23),
         [("sglang.srt.layers.sampler.sampling_from_probs_torch", _gumbel_sample)],
     ),
@@ -76,7 +85,9 @@ BACKPORTS: dict[str, tuple[tuple[int, int, int], list[tuple[str, Callable[..., A
 def selection(raw: str | None) -> list[str]:
     """The backports `raw` (the value of `ART_SGLANG_BACKPORTS`, None: unset) chooses; ValueError on a name
     that is none of them."""
-    value = (raw or "all").strip()
+    value = (raw or "default").strip()
+    if value == "default":
+        return [name for name, backport in BACKPORTS.items() if backport.default]
     if value == "all":
         return list(BACKPORTS)
     if value == "none":
@@ -85,7 +96,7 @@ def selection(raw: str | None) -> list[str]:
     unknown = [name for name in names if name not in BACKPORTS]
     if unknown:
         raise ValueError(
-            f"{SELECT_ENV}={raw!r} names no backport {unknown}: give 'all', 'none' or a comma list of "
+            f"{SELECT_ENV}={raw!r} names no backport {unknown}: give 'default', 'all', 'none' or a comma list of "
             f"{sorted(BACKPORTS)}"
         )
     return names
@@ -108,11 +119,16 @@ def register() -> None:
     running = release(__version__)
     registered = []
     for name in selection(os.environ.get(SELECT_ENV)):
-        fixed_in, hooks = BACKPORTS[name]
-        if running < fixed_in:
-            for target, wrapper in hooks:
+        backport = BACKPORTS[name]
+        if backport.fixed_in is None or running < backport.fixed_in:
+            for target, wrapper in backport.hooks:
                 HookRegistry.register(target, wrapper, HookType.AROUND)
-            registered.append(f"{name} (fixed in {'.'.join(map(str, fixed_in))})")
+            fixed = (
+                "in no release yet"
+                if backport.fixed_in is None
+                else "in " + ".".join(map(str, backport.fixed_in))
+            )
+            registered.append(f"{name} (fixed {fixed})")
     # Printed, not logged: SGLang loads plugins before it sets up logging, so an INFO record would be lost.
     print(
         f"art_sglang backports on SGLang {__version__}: {', '.join(registered) or 'none'}",
