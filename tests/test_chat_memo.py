@@ -138,3 +138,21 @@ def test_the_hook_tokenizes_a_prompt_once_and_hands_out_copies(monkeypatch: pyte
     assert other.prompt_ids == [97, 98, 99]
     memo.memoised_jinja_template(original, chat, Request("ab"), None, True)  # multimodal: SGLang's own path
     assert calls == ["ab", "abc", "ab"]
+
+
+def test_custom_encoders_and_results_with_media_are_not_memoised(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memo, "_MEMO", memo.PromptMemo())
+    calls: list[str] = []
+
+    def original(chat: Chat, request: Request, tools: Any, is_multimodal: bool) -> Result:
+        calls.append(request.messages[0].content)
+        media = ["img"] if request.messages[0].content == "media" else None
+        return Result(prompt_ids=[1], stop=None, image_data=media)
+
+    adapted = Chat()
+    adapted._encoding_adapter = object()  # type: ignore[attr-defined]  # 0.5.23's custom encoders
+    for chat, content in ((adapted, "a"), (Chat(), "media")):
+        for _ in range(2):
+            memo.memoised_jinja_template(original, chat, Request(content), None, False)
+    assert calls == ["a", "a", "media", "media"]
+    assert len(memo._MEMO) == 0

@@ -4,8 +4,8 @@ messages into prompt ids with the chat template and the tokenizer, one request a
 rollouts, so this memo keeps the ids of recent text-only prompts and hands a copy to the group's later requests.
 
 Only SGLang's own Jinja path is memoised (`OpenAIServingChat._apply_jinja_template` with no custom encoder and a
-text-only model); the key holds every input that path reads (see `template_inputs`). Imports nothing of
-art_sglang and no SGLang.
+text-only model; the same method and call on 0.5.17 and 0.5.23); the key holds every input that path reads
+(see `template_inputs`). Imports nothing of art_sglang and no SGLang.
 """
 
 from __future__ import annotations
@@ -103,7 +103,9 @@ def memoised_jinja_template(
 ) -> Any:
     """AROUND hook of `OpenAIServingChat._apply_jinja_template`: the memo's copy where it holds the prompt,
     else SGLang's own result (memoised when text-only). Errors are never memoised."""
-    if is_multimodal or chat.chat_encoding_spec is not None:
+    # A custom encoder (0.5.17's chat_encoding_spec, 0.5.23's encoding adapter too) or a model that takes
+    # media: SGLang's own path, whose inputs this key does not hold.
+    if is_multimodal or chat.chat_encoding_spec is not None or getattr(chat, "_encoding_adapter", None):
         return original(chat, request, tools, is_multimodal)
     key = memo_key(template_inputs(chat, request, tools))
     found = _MEMO.get(key) if key is not None else None
