@@ -20,8 +20,9 @@ below), `all`, `none`, or a comma list of the names below.
   at once (H100, 2026-11-28); upstream measured +23 % at batch 32.
 - `chat-template-memo` (no release; not default): the HTTP process applies the chat template and tokenizes
   every chat request on its event loop, ~2.7 ms for a 1,100-token prompt (CPU), though a GRPO group sends the
-  same messages for each rollout. Memoised in a small LRU keyed on every input of that step
-  (`art_sglang_chat_memo.py`); the same ids.
+  same messages for each rollout. Memoised in a bounded LRU keyed on every input of that step
+  (`art_sglang_chat_memo.py`): the same ids, 2.7 -> 0.45 ms a request for 32 groups x 8 (CPU, real 0.5.17
+  classes); no GPU measurement yet.
 
 This module imports nothing of art_sglang (the server's venv need not have it) and no SGLang at import time
 (art_sglang reads `selection` when it launches a server).
