@@ -57,6 +57,8 @@
 #     r39-backend-merged (~6.5): issue 40's merged mode (weight_sync_method='merged': the server without LoRA,
 #       measured after one trained step whose merged weights the trainer pushed), bare client on grpo-128:32
 #       grpo-128:16 grpo-1024:16, ART's client too on the 128-token ones; "backend, merged" in r39-compare
+#     r39-backend-merged-memo (~6.5): the same with the backports' opt-in chat-template-memo beside the default
+#       ones (the HTTP process tokenizes a group's prompt once), label "memo"
 #     r39-http-workers, r39-mixed-chunk (~4 each, 4 at once with r39-drop-keys and r39-drop-token-ids on
 #       4 GPUs: per_gpu.sh): where a wave's time goes outside decode, SGLang's one HTTP process (4 workers,
 #       no keys, against r39-drop-keys) and admission prefills (--enable-mixed-chunk)
@@ -282,6 +284,12 @@ for name in "$@"; do
         vllm) cmd=("${r39[@]}" --side direct --engine vllm "${vllm_kernels[@]}" --runs $r39_main) ;;
         backend-merged) cmd=("${r39[@]}" --side backend --weights merged "${kernels[@]}"
                              --runs grpo-128:32 grpo-128:16 grpo-1024:16@bare) ;;
+        # The server inherits ART_SGLANG_BACKPORTS: the default backports, whichever they are, and the memo.
+        backend-merged-memo)
+          chosen=$(python3 -c "from art_sglang.serving.servers.sglang_site import art_sglang_backports as b
+print(','.join([*b.selection(None), 'chat-template-memo']))")
+          cmd=(env "ART_SGLANG_BACKPORTS=$chosen" "${r39[@]}" --side backend --weights merged --label memo
+               "${kernels[@]}" --runs grpo-128:32 grpo-128:16 grpo-1024:16@bare) ;;
         backend-a2) cmd=("${r39[@]}" --side backend --label A2 "${kernels[@]}" --routes gateway server
                          --clients bare --runs $r39_split) ;;
         vllm-base) cmd=("${r39[@]}" --side direct --engine vllm --no-lora "${vllm_kernels[@]}" --clients bare
