@@ -43,7 +43,8 @@ class _Sums:
     ratio: float | torch.Tensor = 0.0  # sum over tokens
     clipped: int | torch.Tensor = 0  # count over tokens
     tokens: int = 0
-    tokens_forwarded: int = 0
+    tokens_forwarded: int = 0  # the sequences' own tokens
+    tokens_padded: int = 0  # the micro-batch tensors' size (each padded to its longest sequence)
     micro_batches: int = 0
 
 
@@ -112,12 +113,13 @@ class RowOptimizer:
             sums.kl += row_kl
             sums.grad_norm += grad_norm
         with times.phase("all_reduce"):
-            ratio, clipped, tokens, forwarded, micro_batches = ranks.reduce(
+            ratio, clipped, tokens, forwarded, padded, micro_batches = ranks.reduce(
                 [
                     float(sums.ratio),
                     float(sums.clipped),
                     sums.tokens,
                     sums.tokens_forwarded,
+                    sums.tokens_padded,
                     sums.micro_batches,
                 ]
             )
@@ -141,6 +143,8 @@ class RowOptimizer:
             "gradient_steps": float(len(rows)),
             "row_length": float(max(len(s.input_ids) for row in rows for s in row)),
             "micro_batches": micro_batches,
+            "num_tokens_forwarded": forwarded,
+            "num_tokens_padded": padded,
             "tokens_per_second": forwarded / seconds if seconds > 0 else 0.0,
             **{f"time/trainer_{name}_slowest_rank_s": s for name, s in zip(_SPREAD, slowest, strict=True)},
             **{f"time/trainer_{name}_fastest_rank_s": s for name, s in zip(_SPREAD, fastest, strict=True)},
@@ -213,6 +217,7 @@ class RowOptimizer:
         sums.clipped += terms.clipped.sum()
         sums.tokens += int(new.numel())
         sums.tokens_forwarded += sum(len(s.input_ids) for s in batch)
+        sums.tokens_padded += len(batch) * tensors["width"]
         return share.detach()
 
     def _tensors(self, batch: list[TokenizedSequence]) -> dict[str, Any]:
