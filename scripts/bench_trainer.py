@@ -308,13 +308,13 @@ async def main() -> None:
         + phase_table(results)
         + "\n\nEach timed step (the first can carry one-off costs; `steady_step_s` leaves it out):\n\n"
         + phase_table(results, each=True)
-        + "\n\nRank 0's checkpoint phase in parts, seconds (means): waiting for the previous step's optimizer "
-        + "state, host copies, the published files, their fsyncs and rename:\n\n"
+        + "\n\nRank 0's checkpoint phase in parts, seconds (means): waiting for the previous step's background "
+        + "work (fsyncs, optimizer state), host copies, the published files, their rename:\n\n"
         + markdown_table(
-            ["path", "ranks", "checkpoint", "wait", "copy", "files", "sync"],
+            ["path", "ranks", "checkpoint", "wait", "copy", "files", "rename"],
             [
                 [r["backend"], r["ranks"], r["phases_s"].get("checkpoint", "-")]
-                + [r["checkpoint_parts_s"].get(part, "-") for part in ("wait", "copy", "files", "sync")]
+                + [r["checkpoint_parts_s"].get(part, "-") for part in ("wait", "copy", "files", "rename")]
                 for r in results
                 if "checkpoint_parts_s" in r
             ],
