@@ -30,7 +30,10 @@ from .train_state import TrainState, all_finite
 
 Progress = Callable[[dict[str, Any]], None]
 
-_SPREAD = ("forward_backward", "tokenize")  # the phases reported for the slowest and the fastest rank too
+# The phases reported for the slowest and the fastest rank too. all_reduce's are the rows' collectives (not
+# the end-of-call reduce that carries these numbers): the fastest rank's is about the transfer alone (the
+# last rank to arrive waits for no one), the rest of another rank's is waiting for the slowest.
+_SPREAD = ("forward_backward", "tokenize", "all_reduce")
 
 
 @dataclass
@@ -112,6 +115,7 @@ class RowOptimizer:
             sums.loss += row_loss
             sums.kl += row_kl
             sums.grad_norm += grad_norm
+        own = [times.seconds[name] for name in _SPREAD]
         with times.phase("all_reduce"):
             ratio, clipped, tokens, forwarded, padded, micro_batches = ranks.reduce(
                 [
@@ -123,11 +127,10 @@ class RowOptimizer:
                     sums.micro_batches,
                 ]
             )
-            # The slowest and the fastest rank's forward/backward (the step waits for the slowest) and
-            # tokenize (every rank tokenizes the whole batch), and the fullest rank's memory, in one
-            # collective.
+            # The slowest and the fastest rank's forward/backward (the step waits for the slowest),
+            # tokenize (every rank tokenizes the whole batch) and the rows' all-reduces, and the fullest
+            # rank's memory, in one collective.
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-            own = [times.seconds[name] for name in _SPREAD]
             *extremes, peak = ranks.reduce([*own, *(-s for s in own), peak], "max")
             slowest, fastest = extremes[: len(own)], [-s for s in extremes[len(own) :]]
         seconds = time.perf_counter() - started

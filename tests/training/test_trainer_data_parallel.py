@@ -105,6 +105,11 @@ async def test_two_ranks_train_the_one_rank_adapter(
                 for rank in ("_slowest_rank", "", "_fastest_rank")
             ]
             assert spread == sorted(spread, reverse=True) and spread[-1] > 0, phase
+        # The rows' all-reduces: the fastest rank's is the transfer, the others' add their wait.
+        slowest, fastest = (
+            got.metrics[f"time/trainer_all_reduce_{e}_rank_s"] for e in ("slowest", "fastest")
+        )
+        assert slowest >= fastest > 0
         a, b = adapter(expected.checkpoint_path), adapter(got.checkpoint_path)
         assert_same_adapter(b, a)
         initial = adapter(tmp_path / "one/checkpoints/0000")
