@@ -119,7 +119,8 @@ def _summary(steps: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
     out (it can carry one-off costs: the warm-up step's background write, a late compilation), and the
     `_each` lists keep every step's own numbers."""
     tokens = sum(m["num_tokens"] for _, m in steps)
-    forwarded = sum(m["tokens_per_second"] * m["seconds"] for _, m in steps)
+    # Counted by the trainer: a rate times `seconds` was not, the rate being over the optimizer steps only.
+    forwarded = sum(m["num_tokens_forwarded"] for _, m in steps)
     walls = [s for s, _ in steps]
     wall = sum(walls)
     steady = walls[1:] or walls
@@ -132,6 +133,7 @@ def _summary(steps: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
         "train_tokens_per_s": tokens / wall,
         "forward_tokens_per_s": sum(m["tokens_per_second"] for _, m in steps) / len(steps),
         "tokens_per_step": forwarded / len(steps),
+        "padded_tokens_per_step": sum(m["num_tokens_padded"] for _, m in steps) / len(steps),
         "trained_tokens_per_step": tokens / len(steps),
         "optimizer_steps": steps[-1][1]["gradient_steps"],
         "micro_batches": steps[-1][1]["micro_batches"],
@@ -306,13 +308,13 @@ async def main() -> None:
         + phase_table(results)
         + "\n\nEach timed step (the first can carry one-off costs; `steady_step_s` leaves it out):\n\n"
         + phase_table(results, each=True)
-        + "\n\nRank 0's checkpoint phase in parts, seconds (means): waiting for the previous step's optimizer "
-        + "state, host copies, the published files, their fsyncs and rename:\n\n"
+        + "\n\nRank 0's checkpoint phase in parts, seconds (means): waiting for the previous step's background "
+        + "work (fsyncs, optimizer state), host copies, the published files, their rename:\n\n"
         + markdown_table(
-            ["path", "ranks", "checkpoint", "wait", "copy", "files", "sync"],
+            ["path", "ranks", "checkpoint", "wait", "copy", "files", "rename"],
             [
                 [r["backend"], r["ranks"], r["phases_s"].get("checkpoint", "-")]
-                + [r["checkpoint_parts_s"].get(part, "-") for part in ("wait", "copy", "files", "sync")]
+                + [r["checkpoint_parts_s"].get(part, "-") for part in ("wait", "copy", "files", "rename")]
                 for r in results
                 if "checkpoint_parts_s" in r
             ],

@@ -1,7 +1,12 @@
 """Checkpoint folders `<checkpoint_dir>/<step:04d>/`: a PEFT adapter (adapter_config.json +
 adapter_model.safetensors, loadable by peft and by SGLang's /load_lora_adapter), optimizer.pt and
-trainer_state.json. A checkpoint is written into `<step:04d>.tmp-<random>` in the same folder, every
-file fsynced, then renamed into place, so a crash never leaves a half-written folder under a step name.
+trainer_state.json. A checkpoint is written into `<step:04d>.tmp-<random>` in the same folder, then
+renamed into place, so no reader (the server, a resume after the process died) ever sees a half-written
+folder under a step name. Its fsyncs follow the rename (`LateFile.sync_published`, run by the trainer's
+writer in the background before the next checkpoint): until then a power loss or kernel crash can leave
+the newest step's files torn, so trainer_state.json records the published files' sizes (`SIZES_KEY`) and a step whose
+files differ from them (`wrong_sizes`) is neither listed nor resumed; the step before it is whole, its
+fsyncs done before this one was renamed.
 The optimizer state may follow the rename (`LateFile`: a temp name, fsync, rename, so it is there whole
 or not at all): trainer_state.json lists the files of the complete step, and a step that lacks one of them
 (the trainer stopped before it was written) is incomplete (`missing_files`). Its adapter was published
@@ -34,6 +39,8 @@ CHECKPOINT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER, TRAINER_STATE)
 # What the rename needs (the adapter serves from then on); optimizer.pt may follow.
 PUBLISHED_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINER_STATE)
 COMPLETE_FILES_KEY = "files"  # in trainer_state.json: every file of the complete step
+SIZES_KEY = "sizes"  # in trainer_state.json: the bytes of each published file but itself
+SIZED_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 _STEP_DIR = re.compile(r"^\d{4,}$")
 _TMP_MARK = ".tmp-"
 _BROKEN_MARK = ".broken-"
@@ -61,13 +68,42 @@ def _parses_as_json(path: Path) -> bool:
 
 
 def list_checkpoints(checkpoint_dir: Path) -> list[int]:
-    """Steps whose folder holds an adapter, ascending; temp and set-aside folders are ignored."""
+    """Steps whose folder holds an adapter of the size its trainer state recorded, ascending; temp and
+    set-aside folders are ignored."""
     folder = Path(checkpoint_dir)
     if not folder.is_dir():
         return []
     return sorted(
-        int(p.name) for p in folder.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and has_adapter(p)
+        int(p.name)
+        for p in folder.iterdir()
+        if p.is_dir() and _STEP_DIR.match(p.name) and has_adapter(p) and not _torn(p)
     )
+
+
+def _torn(path: Path) -> bool:
+    """Files of different sizes than trainer_state.json recorded (an unreadable one records nothing)."""
+    try:
+        return bool(wrong_sizes(path, read_trainer_state(path)))
+    except (OSError, ValueError):
+        return False
+
+
+def file_sizes(folder: Path) -> dict[str, int]:
+    """The bytes of SIZED_FILES in `folder`, for trainer_state.json's SIZES_KEY."""
+    return {name: (Path(folder) / name).stat().st_size for name in SIZED_FILES}
+
+
+def wrong_sizes(path: Path, trainer_state: dict[str, Any]) -> list[str]:
+    """The files whose size differs from what `trainer_state` recorded: written but not yet on disk when
+    the machine stopped (none recorded: an older checkpoint, or ART's)."""
+    recorded = trainer_state.get(SIZES_KEY) or {}
+    found = {}
+    for name in recorded:
+        try:
+            found[name] = (Path(path) / name).stat().st_size
+        except OSError:
+            found[name] = None
+    return [name for name, size in recorded.items() if found[name] != size]
 
 
 def step_folders(checkpoint_dir: Path) -> list[Path]:
@@ -101,9 +137,9 @@ def remove_stale_temp_dirs(checkpoint_dir: Path) -> None:
 
 
 def write_checkpoint(checkpoint_dir: Path, step: int, write: Callable[[Path], None]) -> Path:
-    """Run `write(tmp)` to fill a temp folder (at least PUBLISHED_FILES), fsync it, and rename it to
-    `<step:04d>`. A folder already at that name that holds no adapter is set aside first; one that holds
-    an adapter is never replaced."""
+    """Run `write(tmp)` to fill a temp folder (at least PUBLISHED_FILES) and rename it to `<step:04d>`;
+    `LateFile.sync_published` puts it on disk. A folder already at that name that holds no adapter is set aside
+    first; one that holds an adapter is never replaced."""
     folder = Path(checkpoint_dir)
     folder.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(folder, step)
@@ -113,15 +149,11 @@ def write_checkpoint(checkpoint_dir: Path, step: int, write: Callable[[Path], No
         missing = [name for name in PUBLISHED_FILES if not (tmp / name).is_file()]
         if missing:
             raise RuntimeError(f"checkpoint {step} is missing {missing}")
-        for path in tmp.iterdir():
-            _fsync(path)
-        _fsync(tmp)
         if final.exists():
             if has_adapter(final):
                 raise FileExistsError(f"checkpoint {final} already exists")
             set_aside(final)
         os.replace(tmp, final)
-        _fsync(folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -149,6 +181,23 @@ class LateFile:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without reservations
                 self.close()
                 raise
+
+    def sync_published(self) -> None:
+        """Put what was published with the folder on disk: every file in it, the folder, and the folder
+        above (its rename into place), through descriptors that follow the folder's renames."""
+        for name in os.listdir(self._folder):
+            fd = os.open(name, os.O_RDONLY, dir_fd=self._folder)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=self._folder)
+        try:
+            for fd in (self._folder, parent):
+                with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
+                    os.fsync(fd)
+        finally:
+            os.close(parent)
 
     def finish(self, write: Callable[[BinaryIO], None]) -> None:
         """Write the file (again, after a failed try) and rename it into place."""
@@ -192,13 +241,3 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / TRAINER_STATE).read_text())
-
-
-def _fsync(path: Path) -> None:
-    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)
-    fd = os.open(path, flags)
-    try:
-        with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
-            os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -78,6 +78,12 @@ def read_checkpoint(path: Path, device: torch.device) -> CheckpointState:
             trainer_state = ckpt.read_trainer_state(path)
         except (OSError, ValueError) as exc:
             raise unreadable(ckpt.TRAINER_STATE, exc) from None
+    torn = ckpt.wrong_sizes(path, trainer_state or {})
+    if torn:
+        raise unreadable(
+            torn[0],
+            "not the size trainer_state.json recorded (torn: not yet on disk when the machine stopped)",
+        )
     missing = ckpt.missing_files(path, trainer_state or {})
     if [name for name in missing if name != ckpt.OPTIMIZER]:
         raise unreadable(missing[0], "missing: the trainer stopped before this step was complete")

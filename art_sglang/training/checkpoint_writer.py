@@ -1,13 +1,17 @@
-"""Rank 0's checkpoint writes, with the optimizer state off the step's path.
+"""Rank 0's checkpoint writes, with their disk work off the step's path.
 
 A step's answer waits for what the server needs: the adapter, its config and trainer_state.json, written
-and renamed into place (checkpoints.write_checkpoint). optimizer.pt (twice the adapter's size, about
-0.3 s of serialisation and fsync at 1.5B) is written from a host copy in a background thread into space
-reserved before the rename (checkpoints.LateFile), while the next step computes. trainer_state.json lists
-the complete step's files: a step whose optimizer.pt never arrived (the trainer stopped first) is
-incomplete; its adapter was served under its name, so resume keeps it, with a fresh optimizer. `settle` waits for
-the write (the next checkpoint and the worker's exit call it; not offload, which follows a step at once in
-shared mode), tries a failed one again, and raises if that fails too."""
+and renamed into place (checkpoints.write_checkpoint), readable by the server from then on. A background
+thread then fsyncs them (LateFile.sync_published: 0.05 s for the 74 MB adapter at 1.5B on a CPU test
+host) and writes optimizer.pt (twice the adapter's size, about 0.3 s of serialisation and fsync at 1.5B)
+from a host copy into space reserved before the rename (checkpoints.LateFile), while the next step
+computes. Until then a power loss can tear the newest step: trainer_state.json records the published
+files' sizes, and resume sets a step whose files differ aside for the one before, which the next write
+waited for. trainer_state.json lists the complete step's files: a step whose optimizer.pt never arrived
+(the trainer stopped first) is incomplete; its adapter was served under its name, so resume keeps it, with
+a fresh optimizer. `settle` waits for the background work (the next checkpoint and the worker's exit call
+it; not offload, which follows a step at once in shared mode), tries a failed one again, and raises if
+that fails too."""
 
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ class _Pending:
     future: Future[None]
 
     def write(self) -> None:
+        self.file.sync_published()  # the step itself on disk first
         self.file.finish(lambda stream: torch.save(self.state, stream))
 
 
@@ -44,8 +49,8 @@ class CheckpointWriter:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optimizer-state")
         self._pending: _Pending | None = None
         self._buffers: list[torch.Tensor] = []
-        # Seconds of the last write's parts, in order: waiting for the previous optimizer state, the host
-        # copies, writing the published files, and their fsyncs and rename.
+        # Seconds of the last write's parts, in order: waiting for the previous checkpoint's background
+        # work, the host copies, writing the published files, and their rename into place.
         self.seconds: dict[str, float] = {}
 
     @property
@@ -86,7 +91,11 @@ class CheckpointWriter:
         def fill(tmp: Path) -> None:
             save_file(weights, str(tmp / ckpt.ADAPTER_WEIGHTS), metadata={"format": "pt"})
             config.save_pretrained(str(tmp))
-            files = {**trainer_state, ckpt.COMPLETE_FILES_KEY: list(ckpt.CHECKPOINT_FILES)}
+            files = {
+                **trainer_state,
+                ckpt.COMPLETE_FILES_KEY: list(ckpt.CHECKPOINT_FILES),
+                ckpt.SIZES_KEY: ckpt.file_sizes(tmp),
+            }
             ckpt.write_json(tmp / ckpt.TRAINER_STATE, files)
             late.append(ckpt.LateFile(tmp, ckpt.OPTIMIZER, reserve))
             filled.append(time.perf_counter())
@@ -101,7 +110,7 @@ class CheckpointWriter:
             "wait": settled - started,
             "copy": copies_done - settled,
             "files": filled[0] - copies_done,
-            "sync": time.perf_counter() - filled[0],
+            "rename": time.perf_counter() - filled[0],
         }
         pending = _Pending(step, late[0], state, Future())
         pending.future = self._thread.submit(pending.write)
@@ -121,7 +130,7 @@ class CheckpointWriter:
         return list(self._buffers)
 
     def settle(self) -> None:
-        """Wait until the last step's optimizer state is on disk; a failed write is tried once more here,
+        """Wait until the last step is on disk, its optimizer state included; a failed write is tried once more here,
         and its error raised if it fails again (it is tried again at the next call)."""
         pending = self._pending
         if pending is None:

@@ -30,7 +30,10 @@ from .train_state import TrainState, all_finite
 
 Progress = Callable[[dict[str, Any]], None]
 
-_SPREAD = ("forward_backward", "tokenize")  # the phases reported for the slowest and the fastest rank too
+# The phases reported for the slowest and the fastest rank too. all_reduce's are the rows' collectives (not
+# the end-of-call reduce that carries these numbers): the fastest rank's is about the transfer alone (the
+# last rank to arrive waits for no one), the rest of another rank's is waiting for the slowest.
+_SPREAD = ("forward_backward", "tokenize", "all_reduce")
 
 
 @dataclass
@@ -43,7 +46,8 @@ class _Sums:
     ratio: float | torch.Tensor = 0.0  # sum over tokens
     clipped: int | torch.Tensor = 0  # count over tokens
     tokens: int = 0
-    tokens_forwarded: int = 0
+    tokens_forwarded: int = 0  # the sequences' own tokens
+    tokens_padded: int = 0  # the micro-batch tensors' size (each padded to its longest sequence)
     micro_batches: int = 0
 
 
@@ -111,21 +115,22 @@ class RowOptimizer:
             sums.loss += row_loss
             sums.kl += row_kl
             sums.grad_norm += grad_norm
+        own = [times.seconds[name] for name in _SPREAD]
         with times.phase("all_reduce"):
-            ratio, clipped, tokens, forwarded, micro_batches = ranks.reduce(
+            ratio, clipped, tokens, forwarded, padded, micro_batches = ranks.reduce(
                 [
                     float(sums.ratio),
                     float(sums.clipped),
                     sums.tokens,
                     sums.tokens_forwarded,
+                    sums.tokens_padded,
                     sums.micro_batches,
                 ]
             )
-            # The slowest and the fastest rank's forward/backward (the step waits for the slowest) and
-            # tokenize (every rank tokenizes the whole batch), and the fullest rank's memory, in one
-            # collective.
+            # The slowest and the fastest rank's forward/backward (the step waits for the slowest),
+            # tokenize (every rank tokenizes the whole batch) and the rows' all-reduces, and the fullest
+            # rank's memory, in one collective.
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-            own = [times.seconds[name] for name in _SPREAD]
             *extremes, peak = ranks.reduce([*own, *(-s for s in own), peak], "max")
             slowest, fastest = extremes[: len(own)], [-s for s in extremes[len(own) :]]
         seconds = time.perf_counter() - started
@@ -141,6 +146,8 @@ class RowOptimizer:
             "gradient_steps": float(len(rows)),
             "row_length": float(max(len(s.input_ids) for row in rows for s in row)),
             "micro_batches": micro_batches,
+            "num_tokens_forwarded": forwarded,
+            "num_tokens_padded": padded,
             "tokens_per_second": forwarded / seconds if seconds > 0 else 0.0,
             **{f"time/trainer_{name}_slowest_rank_s": s for name, s in zip(_SPREAD, slowest, strict=True)},
             **{f"time/trainer_{name}_fastest_rank_s": s for name, s in zip(_SPREAD, fastest, strict=True)},
@@ -213,6 +220,7 @@ class RowOptimizer:
         sums.clipped += terms.clipped.sum()
         sums.tokens += int(new.numel())
         sums.tokens_forwarded += sum(len(s.input_ids) for s in batch)
+        sums.tokens_padded += len(batch) * tensors["width"]
         return share.detach()
 
     def _tensors(self, batch: list[TokenizedSequence]) -> dict[str, Any]:

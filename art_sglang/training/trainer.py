@@ -192,7 +192,7 @@ class Trainer:
         try:
             self._writer.settle()
         except Exception as exc:
-            return self._write_failure(f"the optimizer state of checkpoint {unsettled}", exc)
+            return self._write_failure(f"checkpoint {unsettled} (its fsyncs or optimizer state)", exc)
         return None
 
     def _write_failure(self, what: str, exc: Exception) -> str:

@@ -55,8 +55,12 @@ def test_each_timed_step_is_reported_and_the_steady_time_leaves_the_first_out(tm
         # A step's parts add up to its wall time (the ranks' spread is not part of it).
         parts = [v for k, v in phases.items() if not k.endswith(("_slowest_rank", "_fastest_rank"))]
         assert abs(sum(parts) - wall) < 1e-6
+    # Forward tokens as the trainer counted them (a whole number), not a rate times another window.
+    forwarded = result["tokens_per_step"]
+    assert forwarded == int(forwarded)
+    assert result["trained_tokens_per_step"] < forwarded <= result["padded_tokens_per_step"]
     parts = result["checkpoint_parts_s"]
-    assert sorted(parts) == ["copy", "files", "sync", "wait"]
+    assert sorted(parts) == ["copy", "files", "rename", "wait"]
     assert sum(parts.values()) <= result["phases_s"]["checkpoint"]
     table = (tmp_path / "out" / "bench_trainer.md").read_text()
     assert "step s after the first" in table and "| peft | default | 1 | 3 |" in table

@@ -48,6 +48,23 @@ def test_partial_and_temp_folders_are_not_checkpoints(tmp_path: Path) -> None:
     assert sorted(f.name for f in aside.iterdir()) == [ckpt.ADAPTER_CONFIG]
 
 
+def test_a_published_file_of_another_size_than_recorded_is_torn(tmp_path: Path) -> None:
+    """trainer_state.json records the published files' sizes: a file that differs (a power loss before the
+    fsyncs, which follow the rename) takes its step out of the listing, whatever its content."""
+
+    def sized(folder: Path) -> None:
+        fill(folder)
+        ckpt.write_json(folder / ckpt.TRAINER_STATE, {ckpt.SIZES_KEY: ckpt.file_sizes(folder)})
+
+    for step in (1, 2):
+        ckpt.write_checkpoint(tmp_path, step, sized)
+    newest = tmp_path / "0002"
+    assert ckpt.wrong_sizes(newest, ckpt.read_trainer_state(newest)) == []
+    (newest / ckpt.ADAPTER_WEIGHTS).write_text("{ }")  # parses as well as "{}" did
+    assert ckpt.wrong_sizes(newest, ckpt.read_trainer_state(newest)) == [ckpt.ADAPTER_WEIGHTS]
+    assert ckpt.list_checkpoints(tmp_path) == [1]
+
+
 def test_adapter_only_folder_as_art_writes_it_is_a_checkpoint_and_never_replaced(tmp_path: Path) -> None:
     art_step = tmp_path / "0003"
     art_step.mkdir()

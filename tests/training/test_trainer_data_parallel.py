@@ -91,8 +91,11 @@ async def test_two_ranks_train_the_one_rank_adapter(
         got = await two.train(batch(tokenizer), OPTIONS)
         assert got.step == expected.step == 1
         # Each rank forwarded its share; the metrics count the whole batch.
-        for key in ("num_tokens", "num_sequences", "gradient_steps"):
+        for key in ("num_tokens", "num_tokens_forwarded", "num_sequences", "gradient_steps"):
             assert got.metrics[key] == expected.metrics[key], key
+        # A rank pads its micro-batches to their own longest sequence: never more than one rank does.
+        assert got.metrics["num_tokens_forwarded"] <= got.metrics["num_tokens_padded"]
+        assert got.metrics["num_tokens_padded"] <= expected.metrics["num_tokens_padded"]
         for key in ("loss", "kl", "grad_norm", "ratio_mean"):
             assert got.metrics[key] == pytest.approx(expected.metrics[key], rel=1e-4, abs=1e-7), key
         # Where rank 0's phases sit among the ranks': every rank tokenizes and forwards its share.
@@ -102,6 +105,11 @@ async def test_two_ranks_train_the_one_rank_adapter(
                 for rank in ("_slowest_rank", "", "_fastest_rank")
             ]
             assert spread == sorted(spread, reverse=True) and spread[-1] > 0, phase
+        # The rows' all-reduces: the fastest rank's is the transfer, the others' add their wait.
+        slowest, fastest = (
+            got.metrics[f"time/trainer_all_reduce_{e}_rank_s"] for e in ("slowest", "fastest")
+        )
+        assert slowest >= fastest > 0
         a, b = adapter(expected.checkpoint_path), adapter(got.checkpoint_path)
         assert_same_adapter(b, a)
         initial = adapter(tmp_path / "one/checkpoints/0000")
@@ -161,8 +169,10 @@ async def test_three_ranks_follow_the_one_rank_loss_curve(
         await asyncio.gather(one.stop(), three.stop())
     expected, got = curves[1], curves[3]
     assert all(m["gradient_steps"] >= 2 for m in expected)  # several rows, so several shares, per step
-    for key in ("num_tokens", "gradient_steps"):
+    for key in ("num_tokens", "num_tokens_forwarded", "gradient_steps"):
         assert [m[key] for m in got] == [m[key] for m in expected], key
+    for ours, theirs in zip(got, expected, strict=True):
+        assert ours["num_tokens_forwarded"] <= ours["num_tokens_padded"] <= theirs["num_tokens_padded"]
     for key in ("loss", "kl", "grad_norm"):
         assert [m[key] for m in got] == pytest.approx([m[key] for m in expected], rel=1e-4, abs=1e-7), key
     assert_same_adapter(adapter(three.checkpoint_dir / "0004"), adapter(one.checkpoint_dir / "0004"))

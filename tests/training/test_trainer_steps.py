@@ -126,13 +126,13 @@ def test_rows_are_optimizer_steps(tiny_model_path: Path, tmp_path: Path, tokeniz
 def test_the_checkpoint_phase_is_told_in_its_parts(
     tiny_model_path: Path, tmp_path: Path, tokenizer: Any
 ) -> None:
-    """Rank 0's checkpoint phase split into waiting for the previous optimizer state, the host copies, the
-    published files and their fsyncs and rename (the GPU benchmarks read which part holds the step)."""
+    """Rank 0's checkpoint phase split into waiting for the previous checkpoint's background work, the host
+    copies, the published files and their rename (the GPU benchmarks read which part holds the step)."""
     trainer = Trainer(str(tiny_model_path), tmp_path, TrainerConfig())
     trainer.resume_or_init()
     metrics = trainer.train(batch(tokenizer), TrainOptions(), lambda _: None).metrics
     trainer.close()
-    parts = [metrics[f"time/checkpoint_{part}_s"] for part in ("wait", "copy", "files", "sync")]
+    parts = [metrics[f"time/checkpoint_{part}_s"] for part in ("wait", "copy", "files", "rename")]
     assert min(parts) >= 0 and 0 < sum(parts) <= metrics["time/trainer_checkpoint_s"]
 
 
