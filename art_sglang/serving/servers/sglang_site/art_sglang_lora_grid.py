@@ -7,8 +7,9 @@ expand and embedding kernels size their grid's segment axis by `weight_indices.s
 of every decode step launches 256 segments' worth of CTAs, though a batch of 256 tokens of one adapter has
 16 segments. The unused ones load `seg_indptr`, find an empty segment and exit (~94 % of the CTAs at bs 256).
 
-A batch is cut per adapter group into chunks of at least 16 tokens, so its segments number at most
-ceil(tokens / 16) + adapters - 1 (`max_decode_segments`). The hook keeps prefix views of SGLang's own static
+A batch is cut per adapter group into chunks of at least 16 tokens: a group of g tokens makes
+ceil(g / 16) <= (g + 15) / 16 segments, so a batch makes at most (tokens + 15 * groups) // 16
+(`max_decode_segments`; reached by groups of one request beside one large group). The hook keeps prefix views of SGLang's own static
 buffers of that length: `prepare_lora_batch` takes its slot count from `weight_indices.shape[0]` and
 zero-fills / indptr-pads the unused tail of exactly these views, and a batch that somehow had more segments
 would fail its `copy_` loudly instead of computing wrong values.
@@ -25,10 +26,11 @@ MIN_CHUNK_SIZE = 16  # chunked_backend.MIN_CHUNK_SIZE: csgmv never cuts a batch 
 
 
 def max_decode_segments(max_bs: int, tokens_per_req: int, max_loras_per_batch: int) -> int:
-    """The most segments csgmv cuts a graph batch of at most `max_bs` requests into: each of its (at most
-    `max_loras_per_batch`) adapter groups of g tokens makes ceil(g / chunk) segments, chunk >= 16."""
-    most_tokens = max_bs * tokens_per_req
-    return -(-most_tokens // MIN_CHUNK_SIZE) + max_loras_per_batch - 1
+    """The most segments csgmv cuts a graph batch of at most `max_bs` requests into: each of its adapter
+    groups (one per adapter slot at most, and one request at least) of g tokens makes ceil(g / chunk) segments,
+    chunk >= 16."""
+    groups = min(max_loras_per_batch, max_bs)
+    return (max_bs * tokens_per_req + groups * (MIN_CHUNK_SIZE - 1)) // MIN_CHUNK_SIZE
 
 
 def right_size_decode_segments(
