@@ -330,8 +330,8 @@ async def test_a_backport_of_no_name_fails_before_the_launch(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("raw", "chosen"),
     [(None, ["json-response", "gumbel-sampling"]), ("default", ["json-response", "gumbel-sampling"]),
-     ("all", ["json-response", "gumbel-sampling", "chat-template-memo"]),
-     ("none", []), (" gumbel-sampling , ", ["gumbel-sampling"])],
+     ("all", ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid"]),
+     ("none", []), (" gumbel-sampling , ", ["gumbel-sampling"]), ("csgmv-decode-grid", ["csgmv-decode-grid"])],
 )  # fmt: skip
 def test_backport_selection(raw: str | None, chosen: list[str]) -> None:
     assert process_module.backports.selection(raw) == chosen

@@ -50,9 +50,14 @@
 #       request form), no gateway, no trainer; r39-drop-<suspect> (~3 each): the same without one suspect
 #       (memory-saver, weights-backup, metrics, keys, token-ids, original-logprob, tool-parser)
 #     r39-lora-<variant> (~4, < 7 each; 4 at once on 4 GPUs: per_gpu.sh; variants triton, triton-loras-1,
-#       exp-opti, exp-cublas, rank-64, no-prefill-graph, loras-2): the same with one LoRA serving flag
+#       exp-opti, exp-cublas, rank-64, no-prefill-graph, loras-2, csgmv-grid): the same with one LoRA serving flag
 #       changed: triton (--lora-backend triton), rank-64 (--max-lora-rank 64, SGLangConfig's default, against
-#       the bench's 16), no-prefill-graph (--disable-prefill-cuda-graph), loras-2 (--max-loras-per-batch 2)
+#       the bench's 16), no-prefill-graph (--disable-prefill-cuda-graph), loras-2 (--max-loras-per-batch 2),
+#       csgmv-grid (art_sglang's opt-in csgmv-decode-grid backport: csgmv's decode graph sized by the segments
+#       a batch can have)
+#     lora-logprob-ab (~4): scripts/lora_logprob_ab.py, a LoRA variant's logprobs against csgmv's (greedy decode
+#       of 200 requests at once and teacher-forced prefill; max/mean |diff|); VARIANT_ENV='K=V ...' and
+#       VARIANT_ARGS='--flag ...' name the variant (default: csgmv-decode-grid)
 #     r39-vllm-base (~4.5): vLLM serving the base weights, no LoRA (ART's merged mode's stand-in), bare
 #     r39-backend-merged (~6.5): issue 40's merged mode (weight_sync_method='merged': the server without LoRA,
 #       measured after one trained step whose merged weights the trainer pushed), bare client on grpo-128:32
@@ -274,6 +279,15 @@ for name in "$@"; do
     models-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-shape) ;;
     models-random) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-1.5b-random) ;;
     models-random-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-random) ;;
+    # Issue 39: a LoRA serving change's logprobs against csgmv's, 200 requests at once (decode in the CUDA
+    # graphs): SGLang started twice as the backend launches it, same adapter, greedy decode and teacher-forced
+    # prefill. VARIANT_ENV (KEY=VALUE ...) and VARIANT_ARGS (SGLang flags) make the variant; default: the
+    # csgmv-decode-grid entry.
+    lora-logprob-ab)
+      # shellcheck disable=SC2206
+      cmd=(python3 scripts/lora_logprob_ab.py --model "$rmodel" "${kernels[@]}" --workdir /tmp/work-lora-logprob-ab
+           --variant-env ${VARIANT_ENV:-ART_SGLANG_BACKPORTS=json-response,gumbel-sampling,csgmv-decode-grid}
+           --variant-args="${VARIANT_ARGS:-}" --json "$results/lora-logprob-ab-${rmodel##*/}.json") ;;
     r39-compare) cmd=(python3 scripts/bench_rollouts.py --compare "$results"/r39-*-"${rmodel##*/}".json
                       --json "$results/bench_rollouts39-${rmodel##*/}.json"
                       --markdown "$results/bench_rollouts39-${rmodel##*/}.md") ;;
@@ -326,6 +340,10 @@ print(','.join([*b.selection(None), 'chat-template-memo']))")
             rank-64) change='--max-lora-rank 64' ;;
             no-prefill-graph) change='--disable-prefill-cuda-graph' ;;
             loras-2) change='--max-loras-per-batch 2' ;;
+            # csgmv (SGLang's default, named) with art_sglang's opt-in csgmv-decode-grid beside the default
+            # backports: the decode graph's LoRA kernels launched for the segments a batch can have, not 256.
+            csgmv-grid) change='--lora-backend csgmv'
+                        envs=("ART_SGLANG_BACKPORTS=json-response,gumbel-sampling,csgmv-decode-grid") ;;
             *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
           esac
           cmd=(env "${envs[@]}" "${r39[@]}" --deadline-s 330 --side direct --flags backend --request-form gateway

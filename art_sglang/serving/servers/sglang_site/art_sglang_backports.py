@@ -23,6 +23,10 @@ below), `all`, `none`, or a comma list of the names below.
   same messages for each rollout. Memoised in a bounded LRU keyed on every input of that step
   (`art_sglang_chat_memo.py`): the same ids, 2.7 -> 0.45 ms a request for 32 groups x 8 (CPU, real 0.5.17
   classes); no GPU measurement yet.
+- `csgmv-decode-grid` (in no release; not default): csgmv's decode CUDA graph launched every LoRA kernel
+  with one segment slot per request of the largest graph batch (256), ~94 % of them empty at bs 256 with one
+  adapter; sized by the most segments a batch can have instead (`art_sglang_lora_grid.py`, beside this one).
+  Targets 0.5.17's `init_cuda_graph_batch_info` (0.5.23 renamed it). Not yet measured on a GPU.
 
 This module imports nothing of art_sglang (the server's venv need not have it) and no SGLang at import time
 (art_sglang reads `selection` when it launches a server).
@@ -47,6 +51,12 @@ async def _json_in_one_pass(original: Callable[..., Any], *args: Any, **kwargs: 
     if isinstance(result, BaseModel):  # errors and streams are responses already
         return Response(content=result.model_dump_json(by_alias=True), media_type="application/json")
     return result
+
+
+def _csgmv_decode_grid(original: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    from art_sglang_lora_grid import right_size_decode_segments  # beside this module on the server's path
+
+    right_size_decode_segments(original, *args, **kwargs)
 
 
 def _gumbel_sample(
@@ -92,6 +102,16 @@ BACKPORTS: dict[str, Backport] = {
     ),
     "chat-template-memo": Backport(
         None, [(f"{_CHAT}._apply_jinja_template", _memoised_chat_template)], default=False
+    ),
+    "csgmv-decode-grid": Backport(
+        None,
+        [
+            (
+                "sglang.srt.lora.backend.chunked_backend.ChunkedSgmvLoRABackend.init_cuda_graph_batch_info",
+                _csgmv_decode_grid,
+            )
+        ],
+        default=False,
     ),
 }
 
