@@ -1,7 +1,7 @@
 """Does a LoRA serving change keep SGLang's numbers? One real-vocabulary model and one random adapter, served
-twice by SGLang launched as SGLangBackend launches it (`--flags backend`, no keys): the baseline, then the
-variant (`--variant-args`: SGLang flags added last; `--variant-env`: the server's environment, e.g.
-ART_SGLANG_BACKPORTS=json-response,gumbel-sampling,csgmv-decode-grid). Both get the same requests, all at
+twice by SGLang launched as SGLangBackend launches it (`--flags backend`, no keys): the baseline
+(`--baseline-env`: its environment, e.g. ART_SGLANG_BACKPORTS naming all default backports but one), then the
+variant (`--variant-args`: SGLang flags added last; `--variant-env`: the server's environment). Both get the same requests, all at
 once so that decode runs in the CUDA graphs of ~`--requests` rows:
 
 - decode: greedy answers of `--answer-tokens` to fixed prompt ids, with the logprob of every token chosen;
@@ -13,7 +13,7 @@ once so that decode runs in the CUDA graphs of ~`--requests` rows:
 Prints and writes (--json) the largest and mean absolute logprob differences of each, how many decode steps
 of each server ran in a CUDA graph (its log's decode lines) and the backports each server's plugin applied.
   python scripts/lora_logprob_ab.py --model /root/models/qwen2.5-1.5b-random --sampling-backend pytorch \
-      --variant-env ART_SGLANG_BACKPORTS=json-response,gumbel-sampling,csgmv-decode-grid
+      --baseline-env ART_SGLANG_BACKPORTS=json-response,gumbel-sampling,chat-template-memo
 """
 
 from __future__ import annotations
@@ -144,12 +144,14 @@ def differences(a: list[float], b: list[float]) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    baseline_env = dict(item.split("=", 1) for item in args.baseline_env)
     variant_env = dict(item.split("=", 1) for item in args.variant_env)
-    base = await serve_and_ask(args, "baseline", [], {})
+    base = await serve_and_ask(args, "baseline", [], baseline_env)
     variant = await serve_and_ask(args, "variant", args.variant_args, variant_env)
     return {
         "model": args.model, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
-        "answer_tokens": args.answer_tokens, "variant": {"args": args.variant_args, "env": variant_env},
+        "answer_tokens": args.answer_tokens, "baseline": {"env": baseline_env},
+        "variant": {"args": args.variant_args, "env": variant_env},
         **compare(base, variant),
         "server_log": {"baseline": base["server_log"], "variant": variant["server_log"]},
         "launch": {"baseline": base["launch"], "variant": variant["launch"]},
@@ -173,6 +175,9 @@ def main() -> None:
     add_server_args(parser)
     parser.set_defaults(lora_rank=16, workdir=Path("/tmp/lora-logprob-ab"))
     parser.add_argument("--variant-args", type=shlex.split, default=[], help="SGLang flags of the variant")
+    parser.add_argument(
+        "--baseline-env", nargs="*", default=[], metavar="KEY=VALUE", help="the baseline's env"
+    )
     parser.add_argument("--variant-env", nargs="*", default=[], metavar="KEY=VALUE", help="the variant's env")
     parser.add_argument("--requests", type=int, default=200, help="sent at once: the decode graphs' batch")
     parser.add_argument("--prompt-tokens", type=int, default=64)

@@ -41,6 +41,8 @@ import httpx
 from bench_common import art_openai_client, server_config, server_settings, version_in
 from inference_engines import EngineServer
 
+from art_sglang.serving.servers.sglang_site import art_sglang_backports
+
 ADAPTER = "rollouts@0"
 CLIENTS = ("art", "bare")
 ROUTES = ("gateway", "server")
@@ -58,7 +60,10 @@ DROPS: dict[str, dict[str, Any]] = {
     "token-ids": {},  # requests without return_token_ids: handled in the request form
     # SGLang as released: none of art_sglang's backports (serving/servers/sglang_site/), or all but one.
     "backports": {"server_env": {"ART_SGLANG_BACKPORTS": "none"}},
-    "gumbel-sampling": {"server_env": {"ART_SGLANG_BACKPORTS": "json-response"}},
+    **{
+        name: {"server_env": {"ART_SGLANG_BACKPORTS": art_sglang_backports.without(name)}}
+        for name in art_sglang_backports.selection(None)
+    },
 }
 SECRET_FIELDS = ("api_key", "admin_api_key")
 

@@ -25,10 +25,11 @@ INPUTS: dict[str, Any] = {
 }
 
 
-def test_the_memo_is_chosen_by_name_or_all_and_not_by_default() -> None:
+def test_the_memo_is_chosen_by_default_by_name_and_by_all() -> None:
     assert backports.BACKPORTS["chat-template-memo"].fixed_in is None
     assert "chat-template-memo" in backports.selection("all")
-    assert "chat-template-memo" not in backports.selection(None)
+    assert "chat-template-memo" in backports.selection(None)
+    assert "chat-template-memo" not in backports.selection("json-response")
     assert backports.selection("json-response,chat-template-memo") == ["json-response", "chat-template-memo"]
 
 

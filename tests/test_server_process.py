@@ -329,12 +329,22 @@ async def test_a_backport_of_no_name_fails_before_the_launch(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     ("raw", "chosen"),
-    [(None, ["json-response", "gumbel-sampling"]), ("default", ["json-response", "gumbel-sampling"]),
+    [(None, ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid"]),
+     ("default", ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid"]),
      ("all", ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid"]),
      ("none", []), (" gumbel-sampling , ", ["gumbel-sampling"]), ("csgmv-decode-grid", ["csgmv-decode-grid"])],
 )  # fmt: skip
 def test_backport_selection(raw: str | None, chosen: list[str]) -> None:
     assert process_module.backports.selection(raw) == chosen
+
+
+def test_all_default_backports_but_one() -> None:
+    everyone = process_module.backports.selection(None)
+    for name in everyone:
+        assert process_module.backports.selection(process_module.backports.without(name)) == [
+            other for other in everyone if other != name
+        ]
+    assert process_module.backports.without("json-response").split(",")[0] == "gumbel-sampling"
 
 
 @pytest.mark.parametrize(

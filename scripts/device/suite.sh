@@ -50,25 +50,25 @@
 #       request form), no gateway, no trainer; r39-drop-<suspect> (~3 each): the same without one suspect
 #       (memory-saver, weights-backup, metrics, keys, token-ids, original-logprob, tool-parser)
 #     r39-lora-<variant> (~4, < 7 each; 4 at once on 4 GPUs: per_gpu.sh; variants triton, triton-loras-1,
-#       exp-opti, exp-cublas, rank-64, no-prefill-graph, loras-2, csgmv-grid): the same with one LoRA serving flag
+#       exp-opti, exp-cublas, rank-64, no-prefill-graph, loras-2): the same with one LoRA serving flag
 #       changed: triton (--lora-backend triton), rank-64 (--max-lora-rank 64, SGLangConfig's default, against
-#       the bench's 16), no-prefill-graph (--disable-prefill-cuda-graph), loras-2 (--max-loras-per-batch 2),
-#       csgmv-grid (art_sglang's opt-in csgmv-decode-grid backport: csgmv's decode graph sized by the segments
-#       a batch can have)
-#     lora-logprob-ab (~4): scripts/lora_logprob_ab.py, a LoRA variant's logprobs against csgmv's (greedy decode
-#       of 200 requests at once and teacher-forced prefill; max/mean |diff|); VARIANT_ENV='K=V ...' and
-#       VARIANT_ARGS='--flag ...' name the variant (default: csgmv-decode-grid)
+#       the bench's 16), no-prefill-graph (--disable-prefill-cuda-graph), loras-2 (--max-loras-per-batch 2)
+#     lora-logprob-ab (~4): scripts/lora_logprob_ab.py, a LoRA variant's logprobs against a baseline's (greedy
+#       decode of 200 requests at once and teacher-forced prefill; max/mean |diff|); BASELINE_ENV, VARIANT_ENV
+#       ('K=V ...') and VARIANT_ARGS ('--flag ...') name them (default: the default backports without
+#       csgmv-decode-grid against all of them)
 #     r39-vllm-base (~4.5): vLLM serving the base weights, no LoRA (ART's merged mode's stand-in), bare
 #     r39-backend-merged (~6.5): issue 40's merged mode (weight_sync_method='merged': the server without LoRA,
 #       measured after one trained step whose merged weights the trainer pushed), bare client on grpo-128:32
 #       grpo-128:16 grpo-1024:16, ART's client too on the 128-token ones; "backend, merged" in r39-compare
-#     r39-backend-merged-memo (~6.5): the same with the backports' opt-in chat-template-memo beside the default
-#       ones (the HTTP process tokenizes a group's prompt once), label "memo"
+#     r39-backend-merged-no-memo (~6.5): the same without the chat-template-memo backport (the HTTP process
+#       tokenizes every request's prompt, as SGLang does), label "no memo"
 #     r39-http-workers, r39-mixed-chunk (~4 each, 4 at once with r39-drop-keys and r39-drop-token-ids on
 #       4 GPUs: per_gpu.sh): where a wave's time goes outside decode, SGLang's one HTTP process (4 workers,
 #       no keys, against r39-drop-keys) and admission prefills (--enable-mixed-chunk)
-#     r39-drop-backports, r39-drop-gumbel-sampling (~3 each): r39-direct-exact without art_sglang's backports of
-#       newer SGLang's fixes (SGLang as released), and with the JSON one alone
+#     r39-drop-backports, r39-drop-<backport> (~3 each): r39-direct-exact without art_sglang's backports
+#       (SGLang as released), or without one of them (json-response, gumbel-sampling, chat-template-memo,
+#       csgmv-decode-grid)
 #     r39-compare (seconds): every r39-*-<model>.json into bench_rollouts39-<model>.json/.md (docs' table)
 #     RUNS='KIND-TOKENS:GROUPS[@CLIENT] ...' replaces a suite's runs; ART_SGLANG_COMMIT=<sha> records the commit
 #   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
@@ -162,6 +162,10 @@ rmodel=${RMODEL:-/root/models/qwen2.5-1.5b-random}
 r39=(python3 scripts/bench_rollouts.py --model "$rmodel" --resume --deadline-s 470)
 r39_main="grpo-128:32 grpo-128:16 grpo-1024:16@bare varying-384:32@bare multiturn-64:32@bare"
 r39_split="grpo-128:32@bare grpo-1024:16@bare"
+# The ART_SGLANG_BACKPORTS value of the default backports but one.
+backports_without() {
+  python3 -c "from art_sglang.serving.servers.sglang_site import art_sglang_backports as b; print(b.without('$1'))"
+}
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
 for name in "$@"; do
@@ -286,8 +290,9 @@ for name in "$@"; do
     lora-logprob-ab)
       # shellcheck disable=SC2206
       cmd=(python3 scripts/lora_logprob_ab.py --model "$rmodel" "${kernels[@]}" --workdir /tmp/work-lora-logprob-ab
-           --variant-env ${VARIANT_ENV:-ART_SGLANG_BACKPORTS=json-response,gumbel-sampling,csgmv-decode-grid}
-           --variant-args="${VARIANT_ARGS:-}" --json "$results/lora-logprob-ab-${rmodel##*/}.json") ;;
+           --baseline-env ${BASELINE_ENV:-ART_SGLANG_BACKPORTS=$(backports_without csgmv-decode-grid)}
+           --variant-env ${VARIANT_ENV:-} --variant-args="${VARIANT_ARGS:-}"
+           --json "$results/lora-logprob-ab-${rmodel##*/}.json") ;;
     r39-compare) cmd=(python3 scripts/bench_rollouts.py --compare "$results"/r39-*-"${rmodel##*/}".json
                       --json "$results/bench_rollouts39-${rmodel##*/}.json"
                       --markdown "$results/bench_rollouts39-${rmodel##*/}.md") ;;
@@ -298,12 +303,10 @@ for name in "$@"; do
         vllm) cmd=("${r39[@]}" --side direct --engine vllm "${vllm_kernels[@]}" --runs $r39_main) ;;
         backend-merged) cmd=("${r39[@]}" --side backend --weights merged "${kernels[@]}"
                              --runs grpo-128:32 grpo-128:16 grpo-1024:16@bare) ;;
-        # The server inherits ART_SGLANG_BACKPORTS: the default backports, whichever they are, and the memo.
-        backend-merged-memo)
-          chosen=$(python3 -c "from art_sglang.serving.servers.sglang_site import art_sglang_backports as b
-print(','.join([*b.selection(None), 'chat-template-memo']))")
-          cmd=(env "ART_SGLANG_BACKPORTS=$chosen" "${r39[@]}" --side backend --weights merged --label memo
-               "${kernels[@]}" --runs grpo-128:32 grpo-128:16 grpo-1024:16@bare) ;;
+        # The server inherits ART_SGLANG_BACKPORTS: the default backports but the memo.
+        backend-merged-no-memo)
+          cmd=(env "ART_SGLANG_BACKPORTS=$(backports_without chat-template-memo)" "${r39[@]}" --side backend
+               --weights merged --label "no memo" "${kernels[@]}" --runs grpo-128:32 grpo-128:16 grpo-1024:16@bare) ;;
         backend-a2) cmd=("${r39[@]}" --side backend --label A2 "${kernels[@]}" --routes gateway server
                          --clients bare --runs $r39_split) ;;
         vllm-base) cmd=("${r39[@]}" --side direct --engine vllm --no-lora "${vllm_kernels[@]}" --clients bare
@@ -340,10 +343,6 @@ print(','.join([*b.selection(None), 'chat-template-memo']))")
             rank-64) change='--max-lora-rank 64' ;;
             no-prefill-graph) change='--disable-prefill-cuda-graph' ;;
             loras-2) change='--max-loras-per-batch 2' ;;
-            # csgmv (SGLang's default, named) with art_sglang's opt-in csgmv-decode-grid beside the default
-            # backports: the decode graph's LoRA kernels launched for the segments a batch can have, not 256.
-            csgmv-grid) change='--lora-backend csgmv'
-                        envs=("ART_SGLANG_BACKPORTS=json-response,gumbel-sampling,csgmv-decode-grid") ;;
             *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
           esac
           cmd=(env "${envs[@]}" "${r39[@]}" --deadline-s 330 --side direct --flags backend --request-form gateway

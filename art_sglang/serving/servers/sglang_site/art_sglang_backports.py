@@ -18,15 +18,18 @@ below), `all`, `none`, or a comma list of the names below.
   Gumbel-max trick instead: the argmax of the probabilities divided by exponential noise, the same
   distribution, no sync. Seeded requests keep SGLang's own path. No change measured with 128–256 requests
   at once (H100, 2026-11-28); upstream measured +23 % at batch 32.
-- `chat-template-memo` (no release; not default): the HTTP process applies the chat template and tokenizes
-  every chat request on its event loop, ~2.7 ms for a 1,100-token prompt (CPU), though a GRPO group sends the
-  same messages for each rollout. Memoised in a bounded LRU keyed on every input of that step
-  (`art_sglang_chat_memo.py`): the same ids, 2.7 -> 0.45 ms a request for 32 groups x 8 (CPU, real 0.5.17
-  classes); no GPU measurement yet.
-- `csgmv-decode-grid` (in no release; not default): csgmv's decode CUDA graph launched every LoRA kernel
-  with one segment slot per request of the largest graph batch (256), ~94 % of them empty at bs 256 with one
-  adapter; sized by the most segments a batch can have instead (`art_sglang_lora_grid.py`, beside this one).
-  Targets 0.5.17's `init_cuda_graph_batch_info` (0.5.23 renamed it). Not yet measured on a GPU.
+- `chat-template-memo` (in no release): the HTTP process applies the chat template and tokenizes every chat
+  request on its event loop, ~2.7 ms for a 1,100-token prompt (CPU), though a GRPO group sends the same
+  messages for each rollout. Memoised in a bounded LRU keyed on every input of that step
+  (`art_sglang_chat_memo.py`; the same ids as SGLang's path on CPU for varied requests): merged mode's
+  32 groups x 8 x 128-token waves +24 % output tokens/s with a bare client, +17 % with ART's (H200,
+  2026-11-28).
+- `csgmv-decode-grid` (in no release): csgmv's decode CUDA graph launched every LoRA kernel with one segment
+  slot per request of the largest graph batch (256), ~94 % of them empty at bs 256 with one adapter; sized
+  by the most segments a batch can have instead (`art_sglang_lora_grid.py`). Targets 0.5.17's
+  `init_cuda_graph_batch_info` (0.5.23 renamed it). Decode logprobs identical to csgmv's as released
+  (12,800 greedy tokens); SGLang's LoRA decode +15 %, its rate +6 % with 128-token answers and +11 % with
+  1,024 (H200, 2026-11-28).
 
 This module imports nothing of art_sglang (the server's venv need not have it) and no SGLang at import time
 (art_sglang reads `selection` when it launches a server).
@@ -100,9 +103,7 @@ BACKPORTS: dict[str, Backport] = {
         (0, 5, 23),
         [("sglang.srt.layers.sampler.sampling_from_probs_torch", _gumbel_sample)],
     ),
-    "chat-template-memo": Backport(
-        None, [(f"{_CHAT}._apply_jinja_template", _memoised_chat_template)], default=False
-    ),
+    "chat-template-memo": Backport(None, [(f"{_CHAT}._apply_jinja_template", _memoised_chat_template)]),
     "csgmv-decode-grid": Backport(
         None,
         [
@@ -111,7 +112,6 @@ BACKPORTS: dict[str, Backport] = {
                 _csgmv_decode_grid,
             )
         ],
-        default=False,
     ),
 }
 
@@ -134,6 +134,11 @@ def selection(raw: str | None) -> list[str]:
             f"{sorted(BACKPORTS)}"
         )
     return names
+
+
+def without(name: str) -> str:
+    """The `ART_SGLANG_BACKPORTS` value that chooses the default backports but `name` (`none` if no other)."""
+    return ",".join(other for other in selection(None) if other != name) or "none"
 
 
 def release(version: str) -> tuple[int, int, int]:
