@@ -86,8 +86,8 @@
 # Four GPUs (H100x4 or H200x4): four-gpu (~4.5 min) runs SGLangBackend(inference_device=0,
 #   training_devices=[1, 2, 3]) through 3 synchronous and 2 pipelined steps on the 1.5B shape (GPU roles and
 #   memory per step, nothing left after close()), four-gpu-7b the same on the 7B shape (~7 min, after
-#   models-7b); bench-trainer-ddp3 (~3.5 min): trainer tokens/s and where a step's time goes on 1, 2 and 3
-#   ranks; bench-trainer-ddp3-mb24k (~3.5 min): the same with a row's share forwarded as one micro-batch
+#   models-7b); bench-trainer-ddp3 (~4.5 min at 1.5B, ~5.5 at 7B; after models-random, or BENCH_MODEL with
+#   models-random-7b): trainer tokens/s and where a step's time goes on 1, 2 and 3 ranks; bench-trainer-ddp3-mb24k (~3.5 min): the same with a row's share forwarded as one micro-batch
 #   (does a row's second micro-batch cost more than its first?); bench-trainer-ddp3-b192 (~4 min): the same
 #   with 192 trajectories a step (24 GRPO groups of 8); loss-curves-3 (~3.5 min): scripts/loss_curves.py,
 #   8 steps of one model and seed on 1 rank twice and on 3 ranks; bench-trainer-ddp3-nockpt(-mb24k) (~3.5 min
@@ -159,6 +159,9 @@ rollouts=(python3 scripts/bench_rollouts.py --model "$big" --resume --deadline-s
 # Issue 39: models with Qwen2.5's vocabulary; every suite starts its own server (470 s: the last run and the
 # server's stop end before the call's 10 minutes; a cut suite goes on with --resume when called again).
 rmodel=${RMODEL:-/root/models/qwen2.5-1.5b-random}
+# Issue 43's data-parallel trainer benches: the real vocabulary too (its LM head and logprobs are a step's
+# largest layer at 1.5B), after models-random; BENCH_MODEL picks another.
+tmodel=${BENCH_MODEL:-$rmodel}
 r39=(python3 scripts/bench_rollouts.py --model "$rmodel" --resume --deadline-s 470)
 r39_main="grpo-128:32 grpo-128:16 grpo-1024:16@bare varying-384:32@bare multiturn-64:32@bare"
 r39_split="grpo-128:32@bare grpo-1024:16@bare"
@@ -382,34 +385,34 @@ for name in "$@"; do
     # default rows (2048 tokens: 2 of these sequences) bound any rank count at 2x (bench-trainer-ddp has them).
     # TORCH_LOGS=recompiles: the trainer logs (collected below) say whether a rank count meets more compiled
     # shapes than the compiler keeps.
-    bench-trainer-ddp3) cmd=(env TORCH_LOGS=recompiles python3 scripts/bench_trainer.py --model "$big" --backends unsloth
+    bench-trainer-ddp3) cmd=(env TORCH_LOGS=recompiles python3 scripts/bench_trainer.py --model "$tmodel" --backends unsloth
                              --ranks 1,2,3 --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 8192 --steps 3
                              --name bench_trainer_ddp3 --work "/tmp/work-$name" --out "$results") ;;
-    bench-trainer-ddp3-mb24k) cmd=(env TORCH_LOGS=recompiles python3 scripts/bench_trainer.py --model "$big" --backends unsloth
+    bench-trainer-ddp3-mb24k) cmd=(env TORCH_LOGS=recompiles python3 scripts/bench_trainer.py --model "$tmodel" --backends unsloth
                              --ranks 1,2,3 --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 24576 --steps 3
                              --name bench_trainer_ddp3_mb24k --work "/tmp/work-$name" --out "$results") ;;
     # 5 s idle before each timed step, as a synchronous loop's rollouts: rank 0's background optimizer-state
     # write of the step before is then done (is it what makes rank 0 the slowest rank?).
-    bench-trainer-ddp3-gap) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2,3
+    bench-trainer-ddp3-gap) cmd=(python3 scripts/bench_trainer.py --model "$tmodel" --backends unsloth --ranks 1,2,3
                              --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 8192 --steps 3 --gap-s 5
                              --name bench_trainer_ddp3_gap --work "/tmp/work-$name" --out "$results") ;;
-    bench-trainer-ddp3-b192) cmd=(env TORCH_LOGS=recompiles python3 scripts/bench_trainer.py --model "$big" --backends unsloth
+    bench-trainer-ddp3-b192) cmd=(env TORCH_LOGS=recompiles python3 scripts/bench_trainer.py --model "$tmodel" --backends unsloth
                              --ranks 1,2,3 --batch 192 --seq 1024 --packings 24576 --micro-batch-tokens 8192 --steps 2
                              --name bench_trainer_ddp3_b192 --work "/tmp/work-$name" --out "$results") ;;
     # Most of a micro-batch's fixed cost sits in Unsloth's checkpointed backward (py-spy, 2026-11-27): without
     # gradient checkpointing a backward no longer runs the forward again.
-    bench-trainer-ddp3-nockpt) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,2,3
+    bench-trainer-ddp3-nockpt) cmd=(python3 scripts/bench_trainer.py --model "$tmodel" --backends unsloth --ranks 1,2,3
                              --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 8192 --steps 3
                              --gradient-checkpointing off --name bench_trainer_ddp3_nockpt --work "/tmp/work-$name"
                              --out "$results") ;;
-    bench-trainer-ddp3-nockpt-mb24k) cmd=(python3 scripts/bench_trainer.py --model "$big" --backends unsloth
+    bench-trainer-ddp3-nockpt-mb24k) cmd=(python3 scripts/bench_trainer.py --model "$tmodel" --backends unsloth
                              --ranks 1,2,3 --batch 48 --seq 1024 --packings 24576 --micro-batch-tokens 24576 --steps 3
                              --gradient-checkpointing off --name bench_trainer_ddp3_nockpt_mb24k
                              --work "/tmp/work-$name" --out "$results") ;;
     # A CUDA timeline of one rank's 3rd step (after the warm-up) at each rank count: is a micro-batch's fixed cost
     # the GPU's or the launches'? (train3-rank*-busy.json: kernel time against wall time)
     bench-trainer-ddp3-profile) cmd=(env ART_SGLANG_TRAINER_PROFILE="$OUT/trainer-profile-$name" python3
-                             scripts/bench_trainer.py --model "$big" --backends unsloth --ranks 1,3 --batch 48 --seq 1024
+                             scripts/bench_trainer.py --model "$tmodel" --backends unsloth --ranks 1,3 --batch 48 --seq 1024
                              --packings 24576 --micro-batch-tokens 8192 --steps 2 --name bench_trainer_ddp3_profile
                              --work "/tmp/work-$name" --out "$results") ;;
     loss-curves-3) cmd=(python3 scripts/loss_curves.py --model "$big" --runs 1,1,3 --steps 8 --name loss_curves_3
