@@ -312,7 +312,7 @@ async def main() -> None:
         + "\n\nEach timed step (the first can carry one-off costs; `steady_step_s` leaves it out):\n\n"
         + phase_table(results, each=True)
         + "\n\nRank 0's checkpoint phase in parts, seconds (means): waiting for the previous step's background "
-        + "work (fsyncs, optimizer state), host copies, adapter_model.safetensors, the other published files "
+        + "work (fsyncs, optimizer state), the adapter's host copies, adapter_model.safetensors, the other published files "
         + "and optimizer.pt's reserve, their rename:\n\n"
         + markdown_table(
             ["path", "ranks", "checkpoint", *_CHECKPOINT_PARTS],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +36,12 @@ class _Pending:
     step: int
     file: ckpt.LateFile
     state: dict[str, Any]  # the optimizer state_dict, its tensors host copies
+    copied: Callable[[], None]  # waits until the transfers into `state`'s host copies are done
     future: Future[None]
 
     def write(self) -> None:
         self.file.sync_published()  # the step itself on disk first
+        self.copied()
         self.file.finish(lambda stream: torch.save(self.state, stream))
 
 
@@ -68,6 +71,20 @@ def save_adapter_weights(weights: dict[str, torch.Tensor], path: Path) -> None:
     serialize_file(specs, str(path), metadata={"format": "pt"})  # `weights` keeps the memory alive
 
 
+def _transfers_queued(devices: set[torch.device]) -> Callable[[], None]:
+    """A wait for the work queued so far on `devices`' current streams (none for host tensors: their
+    copies are done when queued)."""
+    events = [torch.cuda.Event() for _ in devices]
+    for event, device in zip(events, devices, strict=True):
+        event.record(torch.cuda.current_stream(device))
+
+    def wait() -> None:
+        for event in events:
+            event.synchronize()
+
+    return wait
+
+
 class CheckpointWriter:
     """Writes checkpoints one after the other, each step's optimizer state in the background."""
 
@@ -77,7 +94,7 @@ class CheckpointWriter:
         self._buffers: list[torch.Tensor] = []
         self._waited = 0.0  # seconds settle(before_write=True) waited since the last write
         # Seconds of the last write's parts, in order: waiting for the previous checkpoint's background
-        # work, the host copies, writing adapter_model.safetensors, the other published files and
+        # work, the adapter's host copies, writing adapter_model.safetensors, the other published files and
         # optimizer.pt's reserve, and their rename into place.
         self.seconds: dict[str, float] = {}
 
@@ -101,9 +118,12 @@ class CheckpointWriter:
         settled = time.perf_counter()
         weights, config = adapter
         copied: list[torch.Tensor] = []
+        state_copied: list[Callable[[], None]] = []
 
         def copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-            copied.extend(self._host_copies([*weights.values(), *tensors]))
+            buffers, rest_copied = self._host_copies([*weights.values(), *tensors], len(weights))
+            copied.extend(buffers)
+            state_copied.append(rest_copied)
             return copied[len(weights) :]
 
         state = copy_optimizer_state(optimizer, copies)
@@ -140,22 +160,30 @@ class CheckpointWriter:
             "rename": time.perf_counter() - filled[1],
         }
         self._waited = 0.0
-        pending = _Pending(step, late[0], state, Future())
+        pending = _Pending(step, late[0], state, state_copied[0], Future())
         pending.future = self._thread.submit(pending.write)
         self._pending = pending
         return path
 
-    def _host_copies(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of `tensors` in host buffers kept from step to step (pinned for a GPU's, so the copy is one
-        batch of asynchronous transfers and one synchronisation; fresh host memory costs page faults per
-        step). The buffers are free again once the last write is settled."""
+    def _host_copies(
+        self, tensors: list[torch.Tensor], first: int
+    ) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        """Copies of `tensors` in host buffers kept from step to step (pinned for a GPU's, so the copies are
+        asynchronous transfers; fresh host memory costs page faults per step): the first `first` done on
+        return, the rest once the returned wait returns. The rest (the optimizer state, twice the adapter)
+        moves while the adapter is written; the step's later kernels, on the same streams, cannot change
+        its sources before. The buffers are free again once the last write is settled."""
         if [(t.shape, t.dtype) for t in tensors] != [(b.shape, b.dtype) for b in self._buffers]:
             self._buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
-        for buffer, tensor in zip(self._buffers, tensors, strict=True):
-            buffer.copy_(tensor.detach(), non_blocking=True)  # into pinned memory: queued, not waited for
-        if any(t.is_cuda for t in tensors):
-            torch.cuda.synchronize()
-        return list(self._buffers)
+        devices = {t.device for t in tensors if t.is_cuda}
+        pairs = list(zip(self._buffers, tensors, strict=True))
+        waits = []
+        for part in (pairs[:first], pairs[first:]):
+            for buffer, tensor in part:
+                buffer.copy_(tensor.detach(), non_blocking=True)  # into pinned memory: queued, not waited for
+            waits.append(_transfers_queued(devices))
+        waits[0]()
+        return list(self._buffers), waits[1]
 
     def settle(self, *, before_write: bool = False) -> None:
         """Wait until the last step is on disk, its optimizer state included; a failed write is tried once more here,

@@ -99,3 +99,25 @@ def test_the_wait_counts_a_settle_before_the_write(tmp_path: Path, monkeypatch: 
     writer.close()
     assert writer.seconds["wait"] == 0
     assert ckpt.list_checkpoints(tmp_path) == [1, 2, 3, 4]
+
+
+@pytest.mark.gpu
+def test_a_gpu_state_is_saved_as_it_was_at_the_write(tmp_path: Path) -> None:
+    """The optimizer state's transfers finish in the background: kernels queued after the write (the next
+    step's) change the GPU tensors, not what optimizer.pt holds."""
+    weights = {name: t.float().cuda() for name, t in adapter(5).items()}
+    state = optimizer_state(weights)
+    expected = {i: entry["exp_avg"].cpu() for i, entry in state["state"].items()}
+    expected_weights = {name: t.cpu() for name, t in weights.items()}
+    writer = CheckpointWriter()
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=list(MODULES))
+    path = writer.write(tmp_path, 1, (weights, config), state, {"step": 1})
+    for entry in state["state"].values():
+        entry["exp_avg"].mul_(0).add_(7)  # queued behind the transfers on the same stream
+    for t in weights.values():
+        t.add_(1)
+    writer.close()
+    saved = torch.load(path / ckpt.OPTIMIZER)["state"]
+    assert all(torch.equal(saved[i]["exp_avg"], expected[i]) for i in expected)
+    on_disk = load_file(str(path / ckpt.ADAPTER_WEIGHTS))
+    assert all(torch.equal(on_disk[k], t) for k, t in expected_weights.items())
