@@ -30,6 +30,9 @@ from art_sglang.tiny_model import build_tiny_model
 from art_sglang.training.options import TrainOptions
 from art_sglang.training.process import TrainerProcess
 
+# Rank 0's checkpoint phase in parts, as checkpoint_writer.py's `seconds` names them.
+_CHECKPOINT_PARTS = ("wait", "copy", "adapter", "other_files", "rename")
+
 
 def synthetic_groups(model: str, batch: int, seq: int, seed: int = 0) -> list[dict[str, Any]]:
     """One group of `batch` trajectories, each a short prompt plus an answer of `seq` - 32 random tokens,
@@ -309,12 +312,13 @@ async def main() -> None:
         + "\n\nEach timed step (the first can carry one-off costs; `steady_step_s` leaves it out):\n\n"
         + phase_table(results, each=True)
         + "\n\nRank 0's checkpoint phase in parts, seconds (means): waiting for the previous step's background "
-        + "work (fsyncs, optimizer state), host copies, the published files, their rename:\n\n"
+        + "work (fsyncs, optimizer state), the adapter's host copies, adapter_model.safetensors, the other published files "
+        + "and optimizer.pt's reserve, their rename:\n\n"
         + markdown_table(
-            ["path", "ranks", "checkpoint", "wait", "copy", "files", "rename"],
+            ["path", "ranks", "checkpoint", *_CHECKPOINT_PARTS],
             [
                 [r["backend"], r["ranks"], r["phases_s"].get("checkpoint", "-")]
-                + [r["checkpoint_parts_s"].get(part, "-") for part in ("wait", "copy", "files", "rename")]
+                + [r["checkpoint_parts_s"].get(part, "-") for part in _CHECKPOINT_PARTS]
                 for r in results
                 if "checkpoint_parts_s" in r
             ],

@@ -178,7 +178,7 @@ class Trainer:
     def _write(self, metrics: dict[str, float]) -> tuple[Path | None, str | None]:
         """save_checkpoint, or what went wrong in words (torch reports a full disk as 'enforce fail at
         inline_container.cc'), its traceback in the log."""
-        failure = self._settled()
+        failure = self._settled(before_write=True)
         if failure is not None:
             return None, f"{failure} (so step {self.step} was not saved either)"
         try:
@@ -186,11 +186,12 @@ class Trainer:
         except Exception as exc:
             return None, self._write_failure(f"checkpoint {self.step}", exc)
 
-    def _settled(self) -> str | None:
-        """Settle the last checkpoint; what went wrong in words, if it could not be completed."""
+    def _settled(self, *, before_write: bool = False) -> str | None:
+        """Settle the last checkpoint (`before_write`: the next one's, its wait told as that one's part); what
+        went wrong in words, if it could not be completed."""
         unsettled = self._writer.unsettled_step
         try:
-            self._writer.settle()
+            self._writer.settle(before_write=before_write)
         except Exception as exc:
             return self._write_failure(f"checkpoint {unsettled} (its fsyncs or optimizer state)", exc)
         return None

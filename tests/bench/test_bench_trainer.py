@@ -60,7 +60,7 @@ def test_each_timed_step_is_reported_and_the_steady_time_leaves_the_first_out(tm
     assert forwarded == int(forwarded)
     assert result["trained_tokens_per_step"] < forwarded <= result["padded_tokens_per_step"]
     parts = result["checkpoint_parts_s"]
-    assert sorted(parts) == ["copy", "files", "rename", "wait"]
+    assert sorted(parts) == ["adapter", "copy", "other_files", "rename", "wait"]
     assert sum(parts.values()) <= result["phases_s"]["checkpoint"]
     table = (tmp_path / "out" / "bench_trainer.md").read_text()
     assert "step s after the first" in table and "| peft | default | 1 | 3 |" in table
