@@ -74,13 +74,7 @@ def cut_prefill_rows(
     """AROUND hook of `TritonLoRABackend.prepare_lora_batch`: a batch that may replay a prefill graph gets the
     static batch info refilled in row segments (the same values whether the graph replays or runs eagerly)."""
     original(
-        backend,
-        forward_batch=forward_batch,
-        weight_indices=weight_indices,
-        lora_ranks=lora_ranks,
-        scalings=scalings,
-        use_cuda_graph=use_cuda_graph,
-        use_prefill_cuda_graph=use_prefill_cuda_graph,
+        backend, forward_batch, weight_indices, lora_ranks, scalings, use_cuda_graph, use_prefill_cuda_graph
     )
     if use_cuda_graph or not use_prefill_cuda_graph:
         return
