@@ -30,10 +30,11 @@ below), `all`, `none`, or a comma list of the names below.
   `init_cuda_graph_batch_info` (0.5.23 renamed it). Decode logprobs identical to csgmv's as released
   (12,800 greedy tokens); SGLang's LoRA decode +15 %, its rate +6 % with 128-token answers and +11 % with
   1,024 (H200, 2026-11-28).
-- `triton-prefill-grid` (in no release; not default): the triton LoRA backend's prefill CUDA graphs launched
+- `triton-prefill-grid` (fixed in 0.5.23; not default): the triton LoRA backend's prefill CUDA graphs launched
   every LoRA kernel for 32 requests of the whole bucket each (8,192 rows), ~97 % of the CTAs empty, which
   halved its prefill rate against csgmv's (53k vs 99k tokens/s, H200, 2026-11-28); cut into the 16-row
-  segments a batch can have instead (`art_sglang_triton_prefill.py`, beside this one). Not yet measured.
+  segments a batch can have instead (`art_sglang_triton_prefill.py`, beside this one), as 0.5.23's
+  `prefill_cuda_graph_sgemm_batch_info` does. Not yet measured.
 
 This module imports nothing of art_sglang (the server's venv need not have it) and no SGLang at import time
 (art_sglang reads `selection` when it launches a server).
@@ -131,7 +132,7 @@ BACKPORTS: dict[str, Backport] = {
         ],
     ),
     "triton-prefill-grid": Backport(
-        None,
+        (0, 5, 23),
         [
             (f"{_TRITON}.init_prefill_cuda_graph_batch_info", _triton_prefill_widen),
             (f"{_TRITON}.prepare_lora_batch", _triton_prefill_cut),

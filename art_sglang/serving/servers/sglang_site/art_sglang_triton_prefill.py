@@ -1,6 +1,6 @@
 """The triton LoRA backend's prefill CUDA graphs launched for the 16-row segments a batch has, not for 32
 requests of the whole bucket each: the `triton-prefill-grid` entry of `art_sglang_backports` (a fix no SGLang
-release has).
+release before 0.5.23 has: 0.5.23's `TritonLoRABackend` cuts prefill-graph batches into 16-token chunks too).
 
 SGLang 0.5.17 captures LoRA prefill in its breakable prefill graphs, one graph per token bucket (up to the
 chunked-prefill size, 8,192), from a capture batch of ONE request of `bucket` tokens. `TritonLoRABackend` gives
