@@ -1,8 +1,9 @@
 """Does a LoRA serving change keep SGLang's numbers? One real-vocabulary model and one random adapter, served
 twice by SGLang launched as SGLangBackend launches it (`--flags backend`, no keys): the baseline
 (`--baseline-env`: its environment, e.g. ART_SGLANG_BACKPORTS naming all default backports but one), then the
-variant (`--variant-args`: SGLang flags added last; `--variant-env`: the server's environment). Both get the same requests, all at
-once so that decode runs in the CUDA graphs of ~`--requests` rows:
+variant (`--variant-args`: SGLang flags added last; `--variant-env`: the server's environment);
+`--baseline-args` adds flags to the baseline too (e.g. the variant without the one change under test). Both
+get the same requests, all at once so that decode runs in the CUDA graphs of ~`--requests` rows:
 
 - decode: greedy answers of `--answer-tokens` to fixed prompt ids, with the logprob of every token chosen;
   compared position by position up to where the two answers part (they part only where two tokens' logits
@@ -11,7 +12,9 @@ once so that decode runs in the CUDA graphs of ~`--requests` rows:
   `forced_logprobs`, a prefill): every position compared.
 
 Prints and writes (--json) the largest and mean absolute logprob differences of each, how many decode steps
-of each server ran in a CUDA graph (its log's decode lines) and the backports each server's plugin applied.
+and prefill batches of each server ran in a CUDA graph (its log's lines) and the backports each server's
+plugin applied. SGLang 0.5.17's triton LoRA backend keeps prefills of more than 32 requests out of its prefill
+graphs: `--prompt-tokens 256` makes the 8,192-token chunks hold fewer.
   python scripts/lora_logprob_ab.py --model /root/models/qwen2.5-1.5b-random --sampling-backend pytorch \
       --baseline-env ART_SGLANG_BACKPORTS=json-response,gumbel-sampling,chat-template-memo
 """
@@ -68,10 +71,13 @@ def server_log_facts(log: str) -> dict[str, Any]:
     """From a server's log: its decode lines (one per 40 steps by default) in a CUDA graph and not, the
     largest batch, and the backports its plugin registered (the variant's environment reached it)."""
     lines = re.findall(r"Decode batch.*?#running-req: (\d+).*?cuda graph: (True|False)", log)
+    prefills = re.findall(r"Prefill batch.*?cuda graph: (True|False)", log)
     backports = re.search(r"art_sglang backports on SGLang .*", log)
     return {
         "graph_lines": sum(graph == "True" for _, graph in lines),
         "eager_lines": sum(graph == "False" for _, graph in lines),
+        "prefill_graph_lines": prefills.count("True"),
+        "prefill_eager_lines": prefills.count("False"),
         "max_running": max((int(running) for running, _ in lines), default=0),
         "backports": backports.group(0) if backports else None,
     }
@@ -146,11 +152,11 @@ def differences(a: list[float], b: list[float]) -> dict[str, Any]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     baseline_env = dict(item.split("=", 1) for item in args.baseline_env)
     variant_env = dict(item.split("=", 1) for item in args.variant_env)
-    base = await serve_and_ask(args, "baseline", [], baseline_env)
+    base = await serve_and_ask(args, "baseline", args.baseline_args, baseline_env)
     variant = await serve_and_ask(args, "variant", args.variant_args, variant_env)
     return {
         "model": args.model, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
-        "answer_tokens": args.answer_tokens, "baseline": {"env": baseline_env},
+        "answer_tokens": args.answer_tokens, "baseline": {"args": args.baseline_args, "env": baseline_env},
         "variant": {"args": args.variant_args, "env": variant_env},
         **compare(base, variant),
         "server_log": {"baseline": base["server_log"], "variant": variant["server_log"]},
@@ -179,6 +185,7 @@ def main() -> None:
         "--baseline-env", nargs="*", default=[], metavar="KEY=VALUE", help="the baseline's env"
     )
     parser.add_argument("--variant-env", nargs="*", default=[], metavar="KEY=VALUE", help="the variant's env")
+    parser.add_argument("--baseline-args", type=shlex.split, default=[], help="SGLang flags of the baseline")
     parser.add_argument("--requests", type=int, default=200, help="sent at once: the decode graphs' batch")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--answer-tokens", type=int, default=64)

@@ -50,13 +50,17 @@
 #       request form), no gateway, no trainer; r39-drop-<suspect> (~3 each): the same without one suspect
 #       (memory-saver, weights-backup, metrics, keys, token-ids, original-logprob, tool-parser)
 #     r39-lora-<variant> (~4, < 7 each; 4 at once on 4 GPUs: per_gpu.sh; variants triton, triton-loras-1,
-#       exp-opti, exp-cublas, rank-64, no-prefill-graph, loras-2): the same with one LoRA serving flag
-#       changed: triton (--lora-backend triton), rank-64 (--max-lora-rank 64, SGLangConfig's default, against
-#       the bench's 16), no-prefill-graph (--disable-prefill-cuda-graph), loras-2 (--max-loras-per-batch 2)
+#       exp-opti, exp-cublas, rank-64, no-prefill-graph, loras-2, exp-opti-prefill-grid, exp-opti-eager-prefill):
+#       the same with one LoRA serving flag changed: triton (--lora-backend triton), rank-64 (--max-lora-rank 64,
+#       SGLangConfig's default, against the bench's 16), no-prefill-graph (--disable-prefill-cuda-graph), loras-2
+#       (--max-loras-per-batch 2), exp-opti-prefill-grid (exp-opti with the opt-in triton-prefill-grid fix:
+#       triton's prefill graphs launched for 16-row segments), exp-opti-eager-prefill (exp-opti with
+#       --disable-prefill-cuda-graph)
 #     lora-logprob-ab (~4): scripts/lora_logprob_ab.py, a LoRA variant's logprobs against a baseline's (greedy
 #       decode of 200 requests at once and teacher-forced prefill; max/mean |diff|); BASELINE_ENV, VARIANT_ENV
 #       ('K=V ...') and VARIANT_ARGS ('--flag ...') name them (default: the default backports without
-#       csgmv-decode-grid against all of them)
+#       csgmv-decode-grid against all of them); BASELINE_ARGS changes the baseline's flags, PROMPT_TOKENS the
+#       prompts' length (default 64)
 #     r39-vllm-base (~4.5): vLLM serving the base weights, no LoRA (ART's merged mode's stand-in), bare
 #     r39-backend-merged (~6.5): issue 40's merged mode (weight_sync_method='merged': the server without LoRA,
 #       measured after one trained step whose merged weights the trainer pushed), bare client on grpo-128:32
@@ -289,13 +293,14 @@ for name in "$@"; do
     # Issue 39: a LoRA serving change's logprobs against csgmv's, 200 requests at once (decode in the CUDA
     # graphs): SGLang started twice as the backend launches it, same adapter, greedy decode and teacher-forced
     # prefill. VARIANT_ENV (KEY=VALUE ...) and VARIANT_ARGS (SGLang flags) make the variant; default: the
-    # csgmv-decode-grid entry.
+    # csgmv-decode-grid entry. BASELINE_ARGS adds SGLang flags to the baseline; PROMPT_TOKENS (default 64; 256
+    # keeps the prefill chunks under the triton backend's 32-request graph cap).
     lora-logprob-ab)
       # shellcheck disable=SC2206
       cmd=(python3 scripts/lora_logprob_ab.py --model "$rmodel" "${kernels[@]}" --workdir /tmp/work-lora-logprob-ab
            --baseline-env ${BASELINE_ENV:-ART_SGLANG_BACKPORTS=$(backports_without csgmv-decode-grid)}
-           --variant-env ${VARIANT_ENV:-} --variant-args="${VARIANT_ARGS:-}"
-           --json "$results/lora-logprob-ab-${rmodel##*/}.json") ;;
+           --baseline-args="${BASELINE_ARGS:-}" --variant-env ${VARIANT_ENV:-} --variant-args="${VARIANT_ARGS:-}"
+           --prompt-tokens "${PROMPT_TOKENS:-64}" --json "$results/lora-logprob-ab-${rmodel##*/}.json") ;;
     r39-compare) cmd=(python3 scripts/bench_rollouts.py --compare "$results"/r39-*-"${rmodel##*/}".json
                       --json "$results/bench_rollouts39-${rmodel##*/}.json"
                       --markdown "$results/bench_rollouts39-${rmodel##*/}.md") ;;
@@ -346,6 +351,15 @@ for name in "$@"; do
             rank-64) change='--max-lora-rank 64' ;;
             no-prefill-graph) change='--disable-prefill-cuda-graph' ;;
             loras-2) change='--max-loras-per-batch 2' ;;
+            # exp-opti's decode with a prefill as fast as csgmv's: triton's prefill graphs launched every LoRA
+            # kernel for 32 requests of the whole bucket (~97 % empty CTAs: half csgmv's prefill rate). Cut into
+            # 16-row segments by art_sglang's opt-in triton-prefill-grid (beside the default backports: without()
+            # of a name not among them is all of them), or prefill eager (grids from the live batch).
+            exp-opti-prefill-grid) change='--lora-backend triton'
+                                   envs=(SGLANG_EXPERIMENTAL_LORA_OPTI=1 SGLANG_OPT_LORA_OVERLAP_MAIN_ALLOC=1
+                                         "ART_SGLANG_BACKPORTS=$(backports_without triton-prefill-grid),triton-prefill-grid") ;;
+            exp-opti-eager-prefill) change='--lora-backend triton --disable-prefill-cuda-graph'
+                                    envs=(SGLANG_EXPERIMENTAL_LORA_OPTI=1 SGLANG_OPT_LORA_OVERLAP_MAIN_ALLOC=1) ;;
             *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
           esac
           cmd=(env "${envs[@]}" "${r39[@]}" --deadline-s 330 --side direct --flags backend --request-form gateway

@@ -30,6 +30,11 @@ below), `all`, `none`, or a comma list of the names below.
   `init_cuda_graph_batch_info` (0.5.23 renamed it). Decode logprobs identical to csgmv's as released
   (12,800 greedy tokens); SGLang's LoRA decode +15 %, its rate +6 % with 128-token answers and +11 % with
   1,024 (H200, 2026-11-28).
+- `triton-prefill-grid` (fixed in 0.5.23; not default): the triton LoRA backend's prefill CUDA graphs launched
+  every LoRA kernel for 32 requests of the whole bucket each (8,192 rows), ~97 % of the CTAs empty, which
+  halved its prefill rate against csgmv's (53k vs 99k tokens/s, H200, 2026-11-28); cut into the 16-row
+  segments a batch can have instead (`art_sglang_triton_prefill.py`, beside this one), as 0.5.23's
+  `prefill_cuda_graph_sgemm_batch_info` does. Not yet measured.
 
 This module imports nothing of art_sglang (the server's venv need not have it) and no SGLang at import time
 (art_sglang reads `selection` when it launches a server).
@@ -62,6 +67,18 @@ def _csgmv_decode_grid(original: Callable[..., Any], *args: Any, **kwargs: Any) 
     right_size_decode_segments(original, *args, **kwargs)
 
 
+def _triton_prefill_widen(original: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    from art_sglang_triton_prefill import widen_prefill_segments  # beside this module on the server's path
+
+    widen_prefill_segments(original, *args, **kwargs)
+
+
+def _triton_prefill_cut(original: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    from art_sglang_triton_prefill import cut_prefill_rows  # beside this module on the server's path
+
+    cut_prefill_rows(original, *args, **kwargs)
+
+
 def _gumbel_sample(
     original: Callable[..., Any], probs: Any, sampling_seed: Any = None, positions: Any = None
 ) -> Any:
@@ -89,6 +106,7 @@ class Backport(NamedTuple):
     default: bool = True
 
 
+_TRITON = "sglang.srt.lora.backend.triton_backend.TritonLoRABackend"
 _CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
 _COMPLETION = "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion"
 BACKPORTS: dict[str, Backport] = {
@@ -112,6 +130,14 @@ BACKPORTS: dict[str, Backport] = {
                 _csgmv_decode_grid,
             )
         ],
+    ),
+    "triton-prefill-grid": Backport(
+        (0, 5, 23),
+        [
+            (f"{_TRITON}.init_prefill_cuda_graph_batch_info", _triton_prefill_widen),
+            (f"{_TRITON}.prepare_lora_batch", _triton_prefill_cut),
+        ],
+        default=False,
     ),
 }
 
