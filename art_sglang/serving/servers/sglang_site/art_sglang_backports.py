@@ -42,6 +42,7 @@ This module imports nothing of art_sglang (the server's venv need not have it) a
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sys
@@ -61,22 +62,16 @@ async def _json_in_one_pass(original: Callable[..., Any], *args: Any, **kwargs: 
     return result
 
 
-def _csgmv_decode_grid(original: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    from art_sglang_lora_grid import right_size_decode_segments  # beside this module on the server's path
+def _beside(module: str, function: str) -> Callable[..., Any]:
+    """An AROUND hook that runs `function` of `module`, a module beside this one on the server's path,
+    imported at the first call: art_sglang imports this module as part of its package (to check the
+    selection), where a top-level import of its siblings would fail."""
 
-    right_size_decode_segments(original, *args, **kwargs)
+    def hook(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), function)(original, *args, **kwargs)
 
-
-def _triton_prefill_widen(original: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    from art_sglang_triton_prefill import widen_prefill_segments  # beside this module on the server's path
-
-    widen_prefill_segments(original, *args, **kwargs)
-
-
-def _triton_prefill_cut(original: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    from art_sglang_triton_prefill import cut_prefill_rows  # beside this module on the server's path
-
-    cut_prefill_rows(original, *args, **kwargs)
+    hook.__qualname__ = f"{module}.{function}"  # what SGLang's hook registry names in its log
+    return hook
 
 
 def _gumbel_sample(
@@ -89,12 +84,6 @@ def _gumbel_sample(
     noise = torch.empty_like(probs, dtype=torch.float32).exponential_(1.0)
     noise.clamp_min_(torch.finfo(torch.float32).tiny)  # a zero draw must not divide by zero
     return (probs.float() / noise).argmax(dim=-1).view(-1).to(torch.int32)
-
-
-def _memoised_chat_template(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    from art_sglang_chat_memo import memoised_jinja_template  # beside this module on the server's path
-
-    return memoised_jinja_template(original, *args, **kwargs)
 
 
 class Backport(NamedTuple):
@@ -121,21 +110,26 @@ BACKPORTS: dict[str, Backport] = {
         (0, 5, 23),
         [("sglang.srt.layers.sampler.sampling_from_probs_torch", _gumbel_sample)],
     ),
-    "chat-template-memo": Backport(None, [(f"{_CHAT}._apply_jinja_template", _memoised_chat_template)]),
+    "chat-template-memo": Backport(
+        None, [(f"{_CHAT}._apply_jinja_template", _beside("art_sglang_chat_memo", "memoised_jinja_template"))]
+    ),
     "csgmv-decode-grid": Backport(
         None,
         [
             (
                 "sglang.srt.lora.backend.chunked_backend.ChunkedSgmvLoRABackend.init_cuda_graph_batch_info",
-                _csgmv_decode_grid,
+                _beside("art_sglang_lora_grid", "right_size_decode_segments"),
             )
         ],
     ),
     "triton-prefill-grid": Backport(
         (0, 5, 23),
         [
-            (f"{_TRITON}.init_prefill_cuda_graph_batch_info", _triton_prefill_widen),
-            (f"{_TRITON}.prepare_lora_batch", _triton_prefill_cut),
+            (
+                f"{_TRITON}.init_prefill_cuda_graph_batch_info",
+                _beside("art_sglang_triton_prefill", "widen_prefill_segments"),
+            ),
+            (f"{_TRITON}.prepare_lora_batch", _beside("art_sglang_triton_prefill", "cut_prefill_rows")),
         ],
         default=False,
     ),
