@@ -30,9 +30,6 @@ from art_sglang.tiny_model import build_tiny_model
 from art_sglang.training.options import TrainOptions
 from art_sglang.training.process import TrainerProcess
 
-# Rank 0's checkpoint phase in parts, as checkpoint_writer.py's `seconds` names them.
-_CHECKPOINT_PARTS = ("wait", "copy", "adapter", "other_files", "rename")
-
 
 def synthetic_groups(model: str, batch: int, seq: int, seed: int = 0) -> list[dict[str, Any]]:
     """One group of `batch` trajectories, each a short prompt plus an answer of `seq` - 32 random tokens,
@@ -147,7 +144,8 @@ def _summary(steps: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
             name.removeprefix("time/checkpoint_").removesuffix("_s"): statistics.fmean(
                 m.get(name, 0.0) for _, m in steps
             )
-            for name in sorted({k for _, m in steps for k in m if k.startswith("time/checkpoint_")})
+            # In the writer's order (the metrics keep it): checkpoint_writer.py's `seconds` names the parts.
+            for name in dict.fromkeys(k for _, m in steps for k in m if k.startswith("time/checkpoint_"))
         },
     }
 
@@ -306,6 +304,7 @@ async def main() -> None:
         ],
         rows,
     )
+    parts = list(dict.fromkeys(part for r in results for part in r.get("checkpoint_parts_s", {})))
     table += (
         "\n\nWhere a step's time went, seconds (means over the timed steps; rank 0's phases):\n\n"
         + phase_table(results)
@@ -315,10 +314,10 @@ async def main() -> None:
         + "work (fsyncs, optimizer state), the adapter's host copies, adapter_model.safetensors, the other published files "
         + "and optimizer.pt's reserve, their rename:\n\n"
         + markdown_table(
-            ["path", "ranks", "checkpoint", *_CHECKPOINT_PARTS],
+            ["path", "ranks", "checkpoint", *parts],
             [
                 [r["backend"], r["ranks"], r["phases_s"].get("checkpoint", "-")]
-                + [r["checkpoint_parts_s"].get(part, "-") for part in _CHECKPOINT_PARTS]
+                + [r["checkpoint_parts_s"].get(part, "-") for part in parts]
                 for r in results
                 if "checkpoint_parts_s" in r
             ],
