@@ -44,6 +44,8 @@
 #       RMODEL=/root/models/qwen2.5-7b-random then points these suites at
 #     r39-backend-a1 (~7), r39-vllm (~7.5): bare client on grpo-128:32 grpo-128:16 grpo-1024:16 varying-384:32
 #       multiturn-64:32, ART's client too on the 128-token ones; lone-request TTFT
+#     r39-backend-exp-opti (~6): r39-backend-a1's 128-token and 1,024-token runs with the backend on the triton
+#       LoRA kernels, 0.5.17's experimental path and the opt-in triton-prefill-grid fix (label "triton exp-opti")
 #     r39-backend-a2 (~5): the backend again, bare, grpo-128:32 and grpo-1024:16, through its gateway and
 #       straight to its own server (the gateway's share of the backend's cost, on the same live server)
 #     r39-direct-exact (~3): SGLang launched exactly as the backend launches it (flags, keys, the gateway's
@@ -169,10 +171,15 @@ tmodel=${BENCH_MODEL:-$rmodel}
 r39=(python3 scripts/bench_rollouts.py --model "$rmodel" --resume --deadline-s 470)
 r39_main="grpo-128:32 grpo-128:16 grpo-1024:16@bare varying-384:32@bare multiturn-64:32@bare"
 r39_split="grpo-128:32@bare grpo-1024:16@bare"
+# SGLang 0.5.17's experimental triton LoRA path: each shrink on a second stream beside the base GEMM, down_proj's
+# shrink split; the second variable keeps it right under CUDA graphs.
+exp_opti=(SGLANG_EXPERIMENTAL_LORA_OPTI=1 SGLANG_OPT_LORA_OVERLAP_MAIN_ALLOC=1)
 # The ART_SGLANG_BACKPORTS value of the default backports but one.
 backports_without() {
   python3 -c "from art_sglang.serving.servers.sglang_site import art_sglang_backports as b; print(b.without('$1'))"
 }
+# ... and of the default backports and one opt-in (without() of a name not among them is all of them).
+backports_with() { echo "$(backports_without "$1"),$1"; }
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
 for name in "$@"; do
@@ -315,6 +322,12 @@ for name in "$@"; do
         backend-merged-no-memo)
           cmd=(env "ART_SGLANG_BACKPORTS=$(backports_without chat-template-memo)" "${r39[@]}" --side backend
                --weights merged --label "no memo" "${kernels[@]}" --runs grpo-128:32 grpo-128:16 grpo-1024:16@bare) ;;
+        # The backend itself on the triton kernels with 0.5.17's experimental path and the prefill-grid fix
+        # (the direct side's r39-lora-exp-opti-prefill-grid), the bench's pool rank equal to the adapter's.
+        backend-exp-opti)
+          cmd=(env "${exp_opti[@]}" "ART_SGLANG_BACKPORTS=$(backports_with triton-prefill-grid)"
+               "${r39[@]}" --side backend --label "triton exp-opti" "${kernels[@]}" --sglang-args="--lora-backend triton"
+               --runs grpo-128:32 grpo-128:16@bare grpo-1024:16@bare) ;;
         backend-a2) cmd=("${r39[@]}" --side backend --label A2 "${kernels[@]}" --routes gateway server
                          --clients bare --runs $r39_split) ;;
         vllm-base) cmd=("${r39[@]}" --side direct --engine vllm --no-lora "${vllm_kernels[@]}" --clients bare
@@ -343,23 +356,20 @@ for name in "$@"; do
           case ${name#r39-lora-} in
             triton) change='--lora-backend triton' ;;
             triton-loras-1) change='--lora-backend triton --max-loras-per-batch 1' ;;
-            exp-opti) change='--lora-backend triton'
-                      envs=(SGLANG_EXPERIMENTAL_LORA_OPTI=1 SGLANG_OPT_LORA_OVERLAP_MAIN_ALLOC=1) ;;
+            exp-opti) change='--lora-backend triton' envs=("${exp_opti[@]}") ;;
             exp-cublas) change='--lora-backend triton --max-loras-per-batch 1'
-                        envs=(SGLANG_EXPERIMENTAL_LORA_OPTI=1 SGLANG_OPT_LORA_OVERLAP_MAIN_ALLOC=1
-                              SGLANG_OPT_LORA_CUBLAS=1) ;;
+                        envs=("${exp_opti[@]}" SGLANG_OPT_LORA_CUBLAS=1) ;;
             rank-64) change='--max-lora-rank 64' ;;
             no-prefill-graph) change='--disable-prefill-cuda-graph' ;;
             loras-2) change='--max-loras-per-batch 2' ;;
             # exp-opti's decode with a prefill as fast as csgmv's: triton's prefill graphs launched every LoRA
             # kernel for 32 requests of the whole bucket (~97 % empty CTAs: half csgmv's prefill rate). Cut into
-            # 16-row segments by art_sglang's opt-in triton-prefill-grid (beside the default backports: without()
-            # of a name not among them is all of them), or prefill eager (grids from the live batch).
+            # 16-row segments by art_sglang's opt-in triton-prefill-grid (beside the default backports), or
+            # prefill eager (grids from the live batch).
             exp-opti-prefill-grid) change='--lora-backend triton'
-                                   envs=(SGLANG_EXPERIMENTAL_LORA_OPTI=1 SGLANG_OPT_LORA_OVERLAP_MAIN_ALLOC=1
-                                         "ART_SGLANG_BACKPORTS=$(backports_without triton-prefill-grid),triton-prefill-grid") ;;
+                                   envs=("${exp_opti[@]}" "ART_SGLANG_BACKPORTS=$(backports_with triton-prefill-grid)") ;;
             exp-opti-eager-prefill) change='--lora-backend triton --disable-prefill-cuda-graph'
-                                    envs=(SGLANG_EXPERIMENTAL_LORA_OPTI=1 SGLANG_OPT_LORA_OVERLAP_MAIN_ALLOC=1) ;;
+                                    envs=("${exp_opti[@]}") ;;
             *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
           esac
           cmd=(env "${envs[@]}" "${r39[@]}" --deadline-s 330 --side direct --flags backend --request-form gateway
