@@ -162,13 +162,14 @@ rollouts=(python3 scripts/bench_rollouts.py --model "$big" --resume --deadline-s
 # BENCH_RUNS="grpo-128:32 grpo-128:16" picks the rollout runs (the 7B shape's runs take twice as long).
 # shellcheck disable=SC2206
 [ -z "${BENCH_RUNS:-}" ] || rollouts+=(--runs $BENCH_RUNS)
-# Issue 39: models with Qwen2.5's vocabulary; every suite starts its own server (470 s: the last run and the
-# server's stop end before the call's 10 minutes; a cut suite goes on with --resume when called again).
+# Issue 39: models with Qwen2.5's vocabulary; every suite starts its own server (470 s, or R39_DEADLINE_S: the
+# last run and the server's stop end before the call's 10 minutes; a cut suite goes on with --resume when called
+# again).
 rmodel=${RMODEL:-/root/models/qwen2.5-1.5b-random}
 # Issue 43's data-parallel trainer benches: the real vocabulary too (its LM head and logprobs are a step's
 # largest layer at 1.5B), after models-random; BENCH_MODEL picks another.
 tmodel=${BENCH_MODEL:-$rmodel}
-r39=(python3 scripts/bench_rollouts.py --model "$rmodel" --resume --deadline-s 470)
+r39=(python3 scripts/bench_rollouts.py --model "$rmodel" --resume --deadline-s "${R39_DEADLINE_S:-470}")
 r39_main="grpo-128:32 grpo-128:16 grpo-1024:16@bare varying-384:32@bare multiturn-64:32@bare"
 r39_split="grpo-128:32@bare grpo-1024:16@bare"
 # SGLang 0.5.17's experimental triton LoRA path: each shrink on a second stream beside the base GEMM, down_proj's
