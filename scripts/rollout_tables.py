@@ -10,12 +10,16 @@ repeats (slowest against fastest, fastest against slowest). `table` writes every
 
 from __future__ import annotations
 
+import re
 import statistics
 from typing import Any
 
 from bench_common import markdown_table
 
 CLIENT_NAMES = {"bare": "bare", "art": "ART's client"}
+# The backend's passes of an A/B/A order ("A1", "A2"): one configuration, pooled in the headline. Any other
+# label names a configuration of its own (e.g. other LoRA kernels), which keeps its column.
+PASS_LABEL = re.compile(r"A\d+")
 # What a compared document keeps of each side's: the server, the machine, its launch and memory.
 SOURCE_KEYS = ("side", "engine", "variant", "weights", "label", "device", "date", "machine", "start_s", "wall_s",
                "layout", "sglang_config", "launch", "server_info", "gpu_processes", "served_step",
@@ -114,10 +118,12 @@ def headline(document: dict[str, Any]) -> str:
     """Docs' table: a row per workload, output tokens/s per server and client (median of the repeats,
     slowest–fastest), the engine ratio (bare clients: backend / vLLM+LoRA), ART's client's ratio, and the
     backend against SGLang served directly with its flags; the backend in merged mode, where measured,
-    against vLLM+LoRA and vLLM's base weights (issue 40). The backend's passes (A1, A2) are pooled."""
+    against vLLM+LoRA and vLLM's base weights (issue 40). The backend's passes (A1, A2) are pooled; a
+    backend configuration of another label keeps its column and gets its own bare ratio to vLLM+LoRA."""
     columns: dict[str, list[dict[str, Any]]] = {}
     for entry in document["results"]:
-        name = source_name({**entry, "label": ""})
+        label = entry.get("label", "")
+        name = source_name({**entry, "label": "" if PASS_LABEL.fullmatch(label) else label})
         if entry.get("merging") == "off":
             continue
         columns.setdefault(f"{name} · {entry.get('client', 'art')}", []).append(entry)
@@ -145,6 +151,10 @@ def headline(document: dict[str, Any]) -> str:
     against = [(c, to) for c in CLIENT_NAMES for to in ("vLLM+LoRA", "vLLM base")
                if f"{merged} · {c}" in columns and f"{to} · {c}" in columns]  # fmt: skip
     headers += [f"{merged} / {to}, {CLIENT_NAMES[c]}" for c, to in against]
+    labelled = sorted(
+        {c.split(" · ")[0] for c in order if c.startswith("backend ") and c.endswith(" · bare")}
+    )
+    headers += [f"{name} / vLLM+LoRA, bare" for name in labelled]
     rows = []
     for run in runs:
         row = [run, *(_cell([e for e in columns[c] if e["run"] == run]) for c in order)]
@@ -152,6 +162,7 @@ def headline(document: dict[str, Any]) -> str:
         if direct:
             row.append(ratio(run, "bare", direct))
         row += [ratio(run, c, to, merged) for c, to in against]
+        row += [ratio(run, "bare", "vLLM+LoRA", name) for name in labelled]
         rows.append(row)
     return markdown_table(headers, rows)
 

@@ -308,11 +308,19 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
 
     # A vLLM result of the same work (made from the direct one), compared: the ratios are backend / vLLM.
     vllm = as_vllm(exact, "lora", tmp_path / "vllm.json")
+    # The backend in another configuration (a label that is not a pass of the A/B/A order), 3 times as fast.
+    other = copy.deepcopy(result)
+    other["label"] = "triton"
+    for entry in other["results"]:
+        entry["label"] = "triton"
+        for r in entry["runs"]:
+            r["output_tokens_per_s"] *= 3
+    (tmp_path / "other.json").write_text(json.dumps(other))
     compared = tmp_path / "both.json"
-    bench_rollouts.main(["--compare", str(out), str(direct), str(tmp_path / "vllm.json"), "--json", str(compared),
-                         "--markdown", str(tmp_path / "both.md")])  # fmt: skip
+    bench_rollouts.main(["--compare", str(out), str(direct), str(tmp_path / "vllm.json"), str(tmp_path / "other.json"),
+                         "--json", str(compared), "--markdown", str(tmp_path / "both.md")])  # fmt: skip
     document = json.loads(compared.read_text())
-    assert document["one_machine"] is None and len(document["sources"]) == 3  # no GPU: no UUID to compare
+    assert document["one_machine"] is None and len(document["sources"]) == 4  # no GPU: no UUID to compare
     ratios = {(r["backend"], r["to"], r["client"]): r for r in document["ratios"] if r["run"] == "grpo-2:2"}
     mine_rate = next(
         e["median"]["output_tokens_per_s"]
@@ -328,7 +336,7 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
         "SGLang direct+LoRA, backend flags -metrics, gateway form",
         "bare",
     ) in {(b, t.replace("reference direct", "SGLang direct"), c) for b, t, c in ratios}
-    assert set(document["lone_requests"]) == {"backend reference lora A1"}
+    assert set(document["lone_requests"]) == {"backend reference lora A1", "backend reference lora triton"}
     lines = (tmp_path / "both.md").read_text().splitlines()
     start = next(n for n, line in enumerate(lines) if line.startswith("| workload |"))
     assert "backend / vLLM+LoRA, bare" in lines[start] and "vLLM+LoRA · bare" in lines[start]
@@ -336,6 +344,17 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
         "| grpo-2:2",
         "| multiturn-2:1",
     ]
+    # The labelled configuration keeps its own column and ratio; the pass A1 alone makes the backend's.
+    headers = [cell.strip() for cell in lines[start].strip("|").split("|")]
+    row = dict(zip(headers, (cell.strip() for cell in lines[start + 2].strip("|").split("|")), strict=True))
+    assert (
+        f"{mine_rate:,.0f} " in row["backend · bare"]
+        and f"{3 * mine_rate:,.0f} " in row["backend triton · bare"]
+    )
+    default, labelled = (
+        float(row[f"{name} / vLLM+LoRA, bare"].split("**")[1]) for name in ("backend", "backend triton")
+    )
+    assert labelled == pytest.approx(3 * default, rel=0.01)
 
 
 def test_the_backend_in_merged_mode_on_cpu(tmp_path: Path, tiny_model_path: Path) -> None:
