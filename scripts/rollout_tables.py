@@ -151,9 +151,8 @@ def headline(document: dict[str, Any]) -> str:
     against = [(c, to) for c in CLIENT_NAMES for to in ("vLLM+LoRA", "vLLM base")
                if f"{merged} · {c}" in columns and f"{to} · {c}" in columns]  # fmt: skip
     headers += [f"{merged} / {to}, {CLIENT_NAMES[c]}" for c, to in against]
-    labelled = sorted(
-        {c.split(" · ")[0] for c in order if c.startswith("backend ") and c.endswith(" · bare")}
-    )
+    backends = {c.split(" · ")[0] for c in order if c.startswith("backend ") and c.endswith(" · bare")}
+    labelled = sorted(backends - {"backend"})
     headers += [f"{name} / vLLM+LoRA, bare" for name in labelled]
     rows = []
     for run in runs:

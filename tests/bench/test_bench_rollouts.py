@@ -346,6 +346,7 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
     ]
     # The labelled configuration keeps its own column and ratio; the pass A1 alone makes the backend's.
     headers = [cell.strip() for cell in lines[start].strip("|").split("|")]
+    assert len(set(headers)) == len(headers)
     row = dict(zip(headers, (cell.strip() for cell in lines[start + 2].strip("|").split("|")), strict=True))
     assert (
         f"{mine_rate:,.0f} " in row["backend · bare"]
