@@ -65,7 +65,16 @@ from bench_common import (
 )
 from benchmark_inference import converse, percentile, prompt_body, summarize
 from rollout_tables import compare, entry_key, table
-from rollout_targets import CLIENTS, DROPS, ROUTES, ArtSender, Target, backend_targets, direct_targets
+from rollout_targets import (
+    CLIENTS,
+    DROPS,
+    EVICTION_KEYS,
+    ROUTES,
+    ArtSender,
+    Target,
+    backend_targets,
+    direct_targets,
+)
 from rollout_workloads import (
     DEFAULT_RUNS,
     KINDS,
@@ -126,6 +135,8 @@ async def one_run(
     server = _delta(await target.cache_counters(http), cache)
     if server is not None:
         summary["server_cached_share"] = server["cached"] / server["prompt"] if server["prompt"] else 0.0
+        if "evictions" in server:
+            summary["server_evictions"] = {key: server[key] for key in EVICTION_KEYS}
     return summary
 
 
@@ -145,7 +156,7 @@ def spread(runs: list[dict[str, Any]]) -> dict[str, float]:
 def variant(args: argparse.Namespace) -> str:
     """The server and request form of this side, in words."""
     if args.side == "backend":
-        return args.weights
+        return args.weights + ("" if args.watchdog else ", no watchdog")
     words = ["lora" if args.lora else "base"]
     if args.flags == "backend":
         words.append("backend flags" + "".join(f" -{name}" for name in args.drop))
@@ -153,6 +164,8 @@ def variant(args: argparse.Namespace) -> str:
         words.append(" ".join(args.sglang_args))
     if args.engine != "vllm" and args.lora and args.request_form == "gateway":
         words.append("gateway form")
+    if args.beside_trainer:
+        words.append("beside an idle trainer")
     return ", ".join(words)
 
 
@@ -197,7 +210,7 @@ async def measure(
                     f"{spec.name} {setting.route} merging={setting.merging} {setting.client} "
                     f"repeat {repeat + 1}/{args.repeats}: {run['output_tokens_per_s']:,.0f} tok/s, "
                     f"{run['waves']} waves in {run['wall_s']:.1f} s, cached {100 * run['cached_share']:.1f} %, "
-                    f"prefill sharing {run['merge_counters']}",
+                    f"prefill sharing {run['merge_counters']}, server evictions {run.get('server_evictions')}",
                     flush=True,
                 )
         for setting in todo:
@@ -408,6 +421,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="direct SGLang: the adapter as <base>:<adapter>, or as the gateway forwards it (lora_path, "
         "return_token_ids)",
     )  # fmt: skip
+    parser.add_argument(
+        "--watchdog", action=argparse.BooleanOptionalAction, default=True,
+        help="backend side: --no-watchdog keeps the backend's watchdog from probing its server (GET /health)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--beside-trainer", action="store_true",
+        help="direct side: the backend's trainer worker started beside the server on its GPU, idle",
+    )  # fmt: skip
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="tokens of a group's prompt body")
     parser.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
@@ -451,6 +472,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--flags backend and --drop are for --side direct --engine sglang (or reference)")
         if args.drop and args.flags != "backend":
             parser.error("--drop removes from the backend's flags: give --flags backend")
+        if args.side == "backend" and args.beside_trainer:
+            parser.error("--beside-trainer is for --side direct (the backend starts its own trainer)")
+        if args.side != "backend" and not args.watchdog:
+            parser.error("--no-watchdog is for --side backend (a direct server has no watchdog)")
         document = asyncio.run(run(args))
     write_results(args, document, table(document))
 
