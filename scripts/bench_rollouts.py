@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -64,6 +65,7 @@ from bench_common import (
     write_results,
 )
 from benchmark_inference import converse, percentile, prompt_body, summarize
+from probe_rollout_costs import start_profiles
 from rollout_tables import compare, entry_key, table
 from rollout_targets import (
     CLIENTS,
@@ -140,6 +142,17 @@ async def one_run(
     return summary
 
 
+def profile(target: Target, args: argparse.Namespace, run: str, repeat: int) -> list[Any]:
+    """py-spy samplers of every server process over the first `--min-seconds` of the first repeat of
+    `--profile-run` (raw stacks into `--profile-dir`), none otherwise."""
+    if run != args.profile_run or repeat > 0 or args.profile_dir is None or target.server_pid is None:
+        return []
+    if shutil.which("py-spy") is None:
+        print(f"no profile of {run}: py-spy is not on PATH", flush=True)
+        return []
+    return start_profiles(target.server_pid, args.min_seconds, args.profile_dir)
+
+
 def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
     """The median over runs of each of RESULT_KEYS that the runs have."""
     return {
@@ -204,7 +217,10 @@ async def measure(
                 target = targets[setting.route]
                 target.set_merging(setting.merging)
                 tag = f"[{args.side} {args.engine} {setting} {spec.name} r{repeat} {time.time():.3f}]"
+                profiles = profile(target, args, spec.name, repeat)
                 run = await one_run(target, setting.client, http, spec, args, tag, body, bias)
+                for sampler in profiles:  # each ends after --min-seconds
+                    await asyncio.to_thread(sampler.wait)
                 entries[setting]["runs"].append(run)
                 print(
                     f"{spec.name} {setting.route} merging={setting.merging} {setting.client} "
@@ -429,6 +445,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--beside-trainer", action="store_true",
         help="direct side: the backend's trainer worker started beside the server on its GPU, idle",
     )  # fmt: skip
+    parser.add_argument(
+        "--profile-run", default=None, metavar="KIND-TOKENS:GROUPS",
+        help="sample every server process with py-spy during this run's first repeat (into --profile-dir)",
+    )  # fmt: skip
+    parser.add_argument("--profile-dir", type=Path, default=None, help="where --profile-run's samples go")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="tokens of a group's prompt body")
     parser.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")

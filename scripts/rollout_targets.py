@@ -163,6 +163,7 @@ class Target:
         gateway: Any = None,
         metrics_url: str | None = None,
         engine: EngineServer | None = None,
+        server_pid: int | None = None,
     ) -> None:
         self.model = model
         self.senders = senders
@@ -170,6 +171,7 @@ class Target:
         self.gateway = gateway
         self.metrics_url = metrics_url
         self.engine = engine
+        self.server_pid = server_pid  # the root of the server's process tree (--profile-run samples it)
 
     def body(self, messages: list[dict[str, str]], max_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
         """A rollout as ART sends it: non-streamed, temperature 1, logprobs on."""
@@ -345,7 +347,9 @@ async def backend_targets(
             if route == "gateway":
                 made = senders(model.inference_base_url, model.inference_api_key, args.clients)
                 gateway = backend.inference.gateway
-                targets[route] = Target(name, made, gateway=gateway, metrics_url=metrics)
+                targets[route] = Target(
+                    name, made, gateway=gateway, metrics_url=metrics, server_pid=process.pid
+                )
             else:  # the backend's own server, as the gateway forwards a rollout on an adapter (or an alias)
                 made = senders(f"{process.base_url}/v1", server_key, args.clients)
                 if args.weights == "merged":
@@ -353,7 +357,9 @@ async def backend_targets(
                     extra: dict[str, Any] = {"return_token_ids": True}
                 else:
                     served, extra = name, {"lora_path": name, "return_token_ids": True}
-                targets[route] = Target(served, made, extra=extra, metrics_url=metrics)
+                targets[route] = Target(
+                    served, made, extra=extra, metrics_url=metrics, server_pid=process.pid
+                )
         trainer_cpu = process_cpu_s(backend.trainer(model).pid)
         try:
             yield targets
@@ -459,7 +465,9 @@ async def direct_targets(
                 await server.load_adapter(http, ADAPTER, adapter)
             metrics = f"{server.base_url}/metrics" if args.engine != "vllm" else None
             made = senders(f"{server.base_url}/v1", api_key, args.clients)
-            target = Target(model, made, extra=extra, metrics_url=metrics, engine=server)
+            target = Target(
+                model, made, extra=extra, metrics_url=metrics, engine=server, server_pid=server.process.pid
+            )
             trainer_cpu = process_cpu_s(trainer.pid) if trainer else 0.0
             try:
                 yield {"server": target}

@@ -84,7 +84,8 @@
 #     stall-direct-trainer (the same beside the backend's trainer worker, idle, on its GPU); ~6.5 min for the
 #     backend's, ~5 for the direct ones at 1.5B, 4 at once on 4 GPUs (per_gpu.sh); JSON stall-<suite>-<model>.json
 #     (per run: the radix cache's evictions, slow ones too; the trainer's CPU seconds), nvidia-smi pmon of the GPU
-#     in $OUT/<suite>-pmon.txt. After every r39-* and stall-* suite scripts/decode_stalls.py reads its server logs
+#     in $OUT/<suite>-pmon.txt, py-spy samples of the server's processes over the first 1,024-token run in
+#     $OUT/<suite>-profile/. After every r39-* and stall-* suite scripts/decode_stalls.py reads its server logs
 #     ("=== stalls:" lines).
 #     RUNS='KIND-TOKENS:GROUPS[@CLIENT] ...' replaces a suite's runs; ART_SGLANG_COMMIT=<sha> records the commit
 #   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
@@ -182,7 +183,8 @@ tmodel=${BENCH_MODEL:-$rmodel}
 r39=(python3 scripts/bench_rollouts.py --model "$rmodel" --resume --deadline-s "${R39_DEADLINE_S:-470}")
 r39_main="grpo-128:32 grpo-128:16 grpo-1024:16@bare varying-384:32@bare multiturn-64:32@bare"
 r39_split="grpo-128:32@bare grpo-1024:16@bare"
-stall=(--clients bare --ttft-requests 0 --min-seconds 20 --runs grpo-128:32@bare grpo-128:16@bare grpo-1024:16@bare)
+stall=(--clients bare --ttft-requests 0 --min-seconds 20 --runs grpo-128:32@bare grpo-128:16@bare grpo-1024:16@bare
+       --profile-run grpo-1024:16)
 # SGLang 0.5.17's experimental triton LoRA path: each shrink on a second stream beside the base GEMM, down_proj's
 # shrink split; the second variable keeps it right under CUDA graphs.
 exp_opti=(SGLANG_EXPERIMENTAL_LORA_OPTI=1 SGLANG_OPT_LORA_OVERLAP_MAIN_ALLOC=1)
@@ -401,7 +403,9 @@ for name in "$@"; do
                              "${kernels[@]}" "${stall[@]}") ;;
         *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
       esac
-      cmd+=(--workdir "/tmp/work-$name-${rmodel##*/}" --json "$results/$name-${rmodel##*/}.json") ;;
+      # py-spy (SGLang's kit has it) samples the server's processes over the first 1,024-token run's 20 s.
+      cmd=(env PATH="$PATH:/tmp/site/bin" "${cmd[@]}" --profile-dir "$OUT/$name-profile"
+           --workdir "/tmp/work-$name-${rmodel##*/}" --json "$results/$name-${rmodel##*/}.json") ;;
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
     # 512 conversations with CUDA graphs on: at 128 without graphs (the first H200x2 run) one replica was
     # not saturated, so a second could not double the throughput.

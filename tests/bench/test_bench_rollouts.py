@@ -12,11 +12,13 @@ import json
 import math
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import psutil
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -176,6 +178,41 @@ async def test_lone_requests_time_the_first_token_per_setting(tmp_path: Path) ->
     assert gateway.switches == [True, False, False, True, True, False]
     streamed = [c for c in completions.calls if c.get("stream")]
     assert len(streamed) == 6 and all(c["max_tokens"] == 8 for c in streamed)
+
+
+def test_the_profiled_run_samples_every_server_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--profile-run: py-spy records each process of the server's tree over the first repeat of that run
+    (here a stand-in py-spy that writes down its arguments), and nothing else is sampled."""
+    spy = tmp_path / "bin" / "py-spy"
+    spy.parent.mkdir()
+    spy.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\n')
+    spy.chmod(0o755)
+    server = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)"])  # fmt: skip
+    try:
+        time.sleep(1.0)  # its child has started
+        target = rollout_targets.Target("m", {}, server_pid=server.pid)
+        args = argparse.Namespace(
+            profile_run="grpo-1024:16", profile_dir=tmp_path / "profile", min_seconds=20.0
+        )
+        assert bench_rollouts.profile(target, args, "grpo-128:32", 0) == []
+        assert bench_rollouts.profile(target, args, "grpo-1024:16", 1) == []
+        monkeypatch.setenv("PATH", "/nonexistent")
+        assert bench_rollouts.profile(target, args, "grpo-1024:16", 0) == []
+        assert "py-spy is not on PATH" in capsys.readouterr().out
+        monkeypatch.setenv("PATH", f"{spy.parent}:/usr/bin:/bin")
+        for sampler in bench_rollouts.profile(target, args, "grpo-1024:16", 0):
+            sampler.wait(timeout=30)
+        calls = (tmp_path / "calls").read_text().splitlines()
+        pids = {int(call.split(" -p ")[1].split()[0]) for call in calls}
+        assert len(pids) == 2 and server.pid in pids and all(" -d 20 " in call for call in calls)
+    finally:
+        for child in psutil.Process(server.pid).children(recursive=True):
+            child.kill()
+        server.kill()
+        server.wait()
 
 
 def test_a_gateway_without_a_switch_runs_one_setting() -> None:
@@ -381,8 +418,6 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
 def test_a_direct_server_beside_an_idle_trainer_on_cpu(tmp_path: Path, tiny_model_path: Path) -> None:
     """--beside-trainer: the backend's trainer worker starts with the direct server (step 0: a fresh
     adapter), stays idle through the runs (its CPU seconds reported) and is stopped with the server."""
-    import psutil
-
     out = tmp_path / "direct.json"
     bench("--side", "direct", "--engine", "reference", "--model", str(tiny_model_path), "--flags", "backend",
           "--request-form", "gateway", "--beside-trainer", "--group-size", "2", "--prompt-tokens", "32",
