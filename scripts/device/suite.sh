@@ -77,12 +77,13 @@
 #       csgmv-decode-grid)
 #     r39-compare (seconds): every r39-*-<model>.json into bench_rollouts39-<model>.json/.md (docs' table)
 #   Issue 39's decode stalls (the backend's server stalled ~0.5 s about every 1.3 s of 1,024-token decode, SGLang
-#     served directly never did, but never served as long): one workload (bare client, 20 s runs of grpo-128:32,
+#     served directly never did, but never served as long): one workload (bare client, 30 s runs of grpo-128:32,
 #     grpo-128:16, grpo-1024:16: enough to fill the 1.5B's KV pool, which the stalls' onset followed) on
-#     stall-backend (SGLangBackend as r39-backend-a1 runs it), stall-no-watchdog (its watchdog never probes the
-#     server), stall-direct (SGLang launched as the backend launches it, no trainer, no gateway, no watchdog) and
-#     stall-direct-trainer (the same beside the backend's trainer worker, idle, on its GPU); ~6.5 min for the
-#     backend's, ~5 for the direct ones at 1.5B, 4 at once on 4 GPUs (per_gpu.sh); JSON stall-<suite>-<model>.json
+#     stall-backend (SGLangBackend as r39-backend-a1 runs it), stall-evict-gc (the same with the opt-in
+#     evict-without-gc backport), stall-no-watchdog (its watchdog never probes the server), stall-direct (SGLang
+#     launched as the backend launches it, no trainer, no gateway, no watchdog) and stall-direct-trainer (the same
+#     beside the backend's trainer worker, idle, on its GPU); ~7.5 min for the backend's, ~6.5 for the direct ones
+#     at 1.5B, 4 at once on 4 GPUs (per_gpu.sh); JSON stall-<suite>-<model>.json
 #     (per run: the radix cache's evictions, slow ones too; the trainer's CPU seconds), nvidia-smi pmon of the GPU
 #     in $OUT/<suite>-pmon.txt, py-spy samples of the server's processes over the first 1,024-token run in
 #     $OUT/<suite>-profile/. After every r39-* and stall-* suite scripts/decode_stalls.py reads its server logs
@@ -183,7 +184,7 @@ tmodel=${BENCH_MODEL:-$rmodel}
 r39=(python3 scripts/bench_rollouts.py --model "$rmodel" --resume --deadline-s "${R39_DEADLINE_S:-470}")
 r39_main="grpo-128:32 grpo-128:16 grpo-1024:16@bare varying-384:32@bare multiturn-64:32@bare"
 r39_split="grpo-128:32@bare grpo-1024:16@bare"
-stall=(--clients bare --ttft-requests 0 --min-seconds 20 --runs grpo-128:32@bare grpo-128:16@bare grpo-1024:16@bare
+stall=(--clients bare --ttft-requests 0 --min-seconds 30 --runs grpo-128:32@bare grpo-128:16@bare grpo-1024:16@bare
        --profile-run grpo-1024:16)
 # SGLang 0.5.17's experimental triton LoRA path: each shrink on a second stream beside the base GEMM, down_proj's
 # shrink split; the second variable keeps it right under CUDA graphs.
@@ -398,12 +399,14 @@ for name in "$@"; do
       case ${name#stall-} in
         backend) cmd=("${r39[@]}" --side backend --label stall "${kernels[@]}" "${stall[@]}") ;;
         no-watchdog) cmd=("${r39[@]}" --side backend --label stall --no-watchdog "${kernels[@]}" "${stall[@]}") ;;
+        evict-gc) cmd=(env "ART_SGLANG_BACKPORTS=$(backports_with evict-without-gc)" "${r39[@]}" --side backend
+                       --label "evict-without-gc" "${kernels[@]}" "${stall[@]}") ;;
         direct) cmd=("${r39[@]}" --side direct --flags backend --request-form gateway "${kernels[@]}" "${stall[@]}") ;;
         direct-trainer) cmd=("${r39[@]}" --side direct --flags backend --request-form gateway --beside-trainer
                              "${kernels[@]}" "${stall[@]}") ;;
         *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
       esac
-      # py-spy (SGLang's kit has it) samples the server's processes over the first 1,024-token run's 20 s.
+      # py-spy (SGLang's kit has it) samples the server's processes over the first 1,024-token run's 30 s.
       cmd=(env PATH="$PATH:/tmp/site/bin" "${cmd[@]}" --profile-dir "$OUT/$name-profile"
            --workdir "/tmp/work-$name-${rmodel##*/}" --json "$results/$name-${rmodel##*/}.json") ;;
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
