@@ -73,7 +73,7 @@ def fake_target() -> tuple[rollout_targets.Target, FakeGateway, FakeCompletions]
 
 def loop_args(tmp_path: Path, **changes: Any) -> argparse.Namespace:
     values = {"side": "backend", "engine": "sglang", "off_kinds": ["grpo", "multiturn"], "repeats": 3, "min_seconds": 0.0,
-              "clients": ["art"],
+              "clients": ["art"], "profile_run": None, "profile_dir": None,
               "deadline_s": None, "json": tmp_path / "out.json", "group_size": 8, "turns": 3,
               "runs": [bench_rollouts.run_spec("grpo-128:2"), bench_rollouts.run_spec("multiturn-64:1")]}  # fmt: skip
     return argparse.Namespace(**{**values, **changes})
