@@ -73,7 +73,7 @@ DROPS: dict[str, dict[str, Any]] = {
     },
 }
 SECRET_FIELDS = ("api_key", "admin_api_key")
-WATCHDOG_OFF_S = 1e9  # the silenced watchdog's first pause: it never probes while the bench runs
+WATCHDOG_OFF_S = 1e9  # each pause of a silenced watchdog: it never probes while the bench runs
 
 
 class Sender(Protocol):
@@ -215,7 +215,7 @@ class Target:
 
 # SGLang's counters the bench reads: prompt and cached tokens, and its radix cache's evictions (tokens, calls,
 # seconds; calls of `SLOW_EVICTION_S` or more from the histogram's bucket): issue 39's decode stalls began as
-# the KV pool filled, i.e. as every decode step started evicting (scripts/device/suite.sh r39-stall-*).
+# the KV pool filled, i.e. as every decode step started evicting (scripts/device/suite.sh stall-*).
 SGLANG_COUNTERS = {
     "sglang:prompt_tokens_total": "prompt",
     "sglang:cached_tokens_total": "cached",
@@ -385,11 +385,13 @@ async def watchdog_silenced(silent: bool) -> AsyncIterator[None]:
 
 
 def process_cpu_s(pid: int | None) -> float:
-    """CPU seconds (user and system) of the process `pid` and its descendants so far; 0 if it is gone."""
+    """CPU seconds (user and system) of the process `pid` and its descendants so far; 0 if it is not running."""
+    if pid is None:
+        return 0.0
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
-    except (psutil.NoSuchProcess, ValueError):
+    except psutil.NoSuchProcess:
         return 0.0
     total = 0.0
     for proc in procs:
@@ -468,7 +470,7 @@ async def direct_targets(
             target = Target(
                 model, made, extra=extra, metrics_url=metrics, engine=server, server_pid=server.process.pid
             )
-            trainer_cpu = process_cpu_s(trainer.pid) if trainer else 0.0
+            trainer_cpu = process_cpu_s(trainer.pid if trainer else None)
             try:
                 yield {"server": target}
             finally:
