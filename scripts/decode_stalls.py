@@ -4,8 +4,9 @@ SGLang logs a line every 40 decode steps ("Decode batch, #running-req: R, #token
 (token/s): X"). An interval whose batch neither gained nor lost a request (R unchanged, T grown by 40 R)
 generated 40 R tokens in 40 R / X seconds. Such intervals back to back form a stretch; one taking more than
 `STALL_FACTOR` times its stretch's median is a stall, and its time over the median is the stall's length.
-Issue 39 found the backend's server stalling ~0.5 s about every 1.3 s of wall time (H200), where the same
-server launched directly did not stall (`scripts/device/suite.sh` stall-*: which part of it).
+Issue 39 found the backend's server stalling ~0.5 s about every 1.3 s of wall time (H200) once its KV pool
+was full; the same server launched directly, in runs too short to fill it, never stalled
+(`scripts/device/suite.sh` stall-*).
 
     python scripts/decode_stalls.py server.log [more.log ...] [--json stalls.json]
 """
