@@ -42,7 +42,9 @@ below), `all`, `none`, or a comma list of the names below.
   tree's token lists included) far more often: in a CPU model of those heuristics every ~97 evicting steps,
   and never with the tuples kept young. Suspected cause of issue 39's ~0.5 s decode stalls every ~1.3 s,
   which began as the backend's KV pool filled. The call runs with the collector off; its tuples are freed
-  by reference counting as it returns. Not yet measured (scripts/device/suite.sh stall-evict-gc).
+  by reference counting as it returns. Not yet measured (scripts/device/suite.sh stall-evict-gc). The
+  heap's own O(leaves) per call stays; upstream's cure for that is a persistent lazy heap (sglang PR 38454,
+  open; sglang-omni PR 1724 for this RadixCache).
 
 This module imports nothing of art_sglang (the server's venv need not have it) and no SGLang at import time
 (art_sglang reads `selection` when it launches a server).
