@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -64,8 +65,18 @@ from bench_common import (
     write_results,
 )
 from benchmark_inference import converse, percentile, prompt_body, summarize
+from probe_rollout_costs import start_profiles
 from rollout_tables import compare, entry_key, table
-from rollout_targets import CLIENTS, DROPS, ROUTES, ArtSender, Target, backend_targets, direct_targets
+from rollout_targets import (
+    CLIENTS,
+    DROPS,
+    EVICTION_KEYS,
+    ROUTES,
+    ArtSender,
+    Target,
+    backend_targets,
+    direct_targets,
+)
 from rollout_workloads import (
     DEFAULT_RUNS,
     KINDS,
@@ -126,7 +137,20 @@ async def one_run(
     server = _delta(await target.cache_counters(http), cache)
     if server is not None:
         summary["server_cached_share"] = server["cached"] / server["prompt"] if server["prompt"] else 0.0
+        if "evictions" in server:
+            summary["server_evictions"] = {key: server[key] for key in EVICTION_KEYS}
     return summary
+
+
+def profile(target: Target, args: argparse.Namespace, run: str, repeat: int) -> list[Any]:
+    """py-spy samplers of every server process over the first `--min-seconds` of the first repeat of
+    `--profile-run` (raw stacks into `--profile-dir`), none otherwise."""
+    if run != args.profile_run or repeat > 0 or args.profile_dir is None or target.server_pid is None:
+        return []
+    if shutil.which("py-spy") is None:
+        print(f"no profile of {run}: py-spy is not on PATH", flush=True)
+        return []
+    return start_profiles(target.server_pid, args.min_seconds, args.profile_dir)
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -145,7 +169,7 @@ def spread(runs: list[dict[str, Any]]) -> dict[str, float]:
 def variant(args: argparse.Namespace) -> str:
     """The server and request form of this side, in words."""
     if args.side == "backend":
-        return args.weights
+        return args.weights + ("" if args.watchdog else ", no watchdog")
     words = ["lora" if args.lora else "base"]
     if args.flags == "backend":
         words.append("backend flags" + "".join(f" -{name}" for name in args.drop))
@@ -153,6 +177,8 @@ def variant(args: argparse.Namespace) -> str:
         words.append(" ".join(args.sglang_args))
     if args.engine != "vllm" and args.lora and args.request_form == "gateway":
         words.append("gateway form")
+    if args.beside_trainer:
+        words.append("beside an idle trainer")
     return ", ".join(words)
 
 
@@ -191,13 +217,16 @@ async def measure(
                 target = targets[setting.route]
                 target.set_merging(setting.merging)
                 tag = f"[{args.side} {args.engine} {setting} {spec.name} r{repeat} {time.time():.3f}]"
+                profiles = profile(target, args, spec.name, repeat)
                 run = await one_run(target, setting.client, http, spec, args, tag, body, bias)
+                for sampler in profiles:  # each ends after --min-seconds
+                    await asyncio.to_thread(sampler.wait)
                 entries[setting]["runs"].append(run)
                 print(
                     f"{spec.name} {setting.route} merging={setting.merging} {setting.client} "
                     f"repeat {repeat + 1}/{args.repeats}: {run['output_tokens_per_s']:,.0f} tok/s, "
                     f"{run['waves']} waves in {run['wall_s']:.1f} s, cached {100 * run['cached_share']:.1f} %, "
-                    f"prefill sharing {run['merge_counters']}",
+                    f"prefill sharing {run['merge_counters']}, server evictions {run.get('server_evictions')}",
                     flush=True,
                 )
         for setting in todo:
@@ -408,6 +437,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="direct SGLang: the adapter as <base>:<adapter>, or as the gateway forwards it (lora_path, "
         "return_token_ids)",
     )  # fmt: skip
+    parser.add_argument(
+        "--watchdog", action=argparse.BooleanOptionalAction, default=True,
+        help="backend side: --no-watchdog keeps the backend's watchdog from probing its server (GET /health)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--beside-trainer", action="store_true",
+        help="direct side: the backend's trainer worker started beside the server on its GPU, idle",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile-run", default=None, metavar="KIND-TOKENS:GROUPS",
+        help="sample every server process with py-spy during this run's first repeat (into --profile-dir)",
+    )  # fmt: skip
+    parser.add_argument("--profile-dir", type=Path, default=None, help="where --profile-run's samples go")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="tokens of a group's prompt body")
     parser.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
@@ -451,6 +493,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--flags backend and --drop are for --side direct --engine sglang (or reference)")
         if args.drop and args.flags != "backend":
             parser.error("--drop removes from the backend's flags: give --flags backend")
+        if args.side == "backend" and args.beside_trainer:
+            parser.error("--beside-trainer is for --side direct (the backend starts its own trainer)")
+        if args.side != "backend" and not args.watchdog:
+            parser.error("--no-watchdog is for --side backend (a direct server has no watchdog)")
         document = asyncio.run(run(args))
     write_results(args, document, table(document))
 

@@ -21,6 +21,11 @@ Targets:
   LoRA (`--no-lora`: base weights, the stand-in for ART's `rollout_weights_mode="merged"`), or SGLang, with
   the bench's flags or (`--flags backend`) with exactly the flags, keys and request form the backend
   launches and sends, each of `--drop` removed (`DROPS`).
+
+Issue 39's decode stalls (the backend's server stalled ~0.5 s every ~1.3 s, SGLang served directly did not):
+`--no-watchdog` keeps the backend's watchdog from probing its server (`GET /health` every ~2 s), and
+`--beside-trainer` starts the backend's trainer worker, idle after its init as the backend's is, on the
+direct server's GPU. Both sides report the trainer's CPU seconds over the runs (`trainer_cpu_s`).
 """
 
 from __future__ import annotations
@@ -38,9 +43,11 @@ from typing import Any, Protocol
 
 import aiohttp
 import httpx
+import psutil
 from bench_common import art_openai_client, server_config, server_settings, version_in
 from inference_engines import EngineServer
 
+from art_sglang.process_tree import gather_all
 from art_sglang.serving.servers.sglang_site import art_sglang_backports
 
 ADAPTER = "rollouts@0"
@@ -66,6 +73,7 @@ DROPS: dict[str, dict[str, Any]] = {
     },
 }
 SECRET_FIELDS = ("api_key", "admin_api_key")
+WATCHDOG_OFF_S = 1e9  # each pause of a silenced watchdog: it never probes while the bench runs
 
 
 class Sender(Protocol):
@@ -155,6 +163,7 @@ class Target:
         gateway: Any = None,
         metrics_url: str | None = None,
         engine: EngineServer | None = None,
+        server_pid: int | None = None,
     ) -> None:
         self.model = model
         self.senders = senders
@@ -162,6 +171,7 @@ class Target:
         self.gateway = gateway
         self.metrics_url = metrics_url
         self.engine = engine
+        self.server_pid = server_pid  # the root of the server's process tree (--profile-run samples it)
 
     def body(self, messages: list[dict[str, str]], max_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
         """A rollout as ART sends it: non-streamed, temperature 1, logprobs on."""
@@ -203,19 +213,36 @@ class Target:
             await sender.close()
 
 
+# SGLang's counters the bench reads: prompt and cached tokens, and its radix cache's evictions (tokens, calls,
+# seconds; calls of `SLOW_EVICTION_S` or more from the histogram's bucket): issue 39's decode stalls began as
+# the KV pool filled, i.e. as every decode step started evicting (scripts/device/suite.sh stall-*).
+SGLANG_COUNTERS = {
+    "sglang:prompt_tokens_total": "prompt",
+    "sglang:cached_tokens_total": "cached",
+    "sglang:evicted_tokens_total": "evicted_tokens",
+    "sglang:eviction_duration_seconds_count": "evictions",
+    "sglang:eviction_duration_seconds_sum": "eviction_s",
+}
+SLOW_EVICTION_S = "0.1"  # a bucket bound of SGLang 0.5.17's eviction histogram
+EVICTION_KEYS = ("evicted_tokens", "evictions", "eviction_s", "slow_evictions")
+
+
 def parse_sglang_cache_counters(metrics: str) -> dict[str, float] | None:
-    """`{"prompt": tokens, "cached": tokens}` from SGLang's Prometheus text (summed over label sets), or
-    None when it has neither counter."""
+    """`{"prompt": tokens, "cached": tokens}` from SGLang's Prometheus text (summed over label sets), with
+    the eviction counters of `EVICTION_KEYS` where it has them; None when it lacks either token counter."""
     totals: dict[str, float] = {}
+    fast = 0.0  # evictions that took less than SLOW_EVICTION_S
     for line in metrics.splitlines():
         name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
-        for key, metric in (
-            ("prompt", "sglang:prompt_tokens_total"),
-            ("cached", "sglang:cached_tokens_total"),
-        ):
-            if name.strip() == metric:
-                totals[key] = totals.get(key, 0.0) + float(rest.rsplit(" ", 1)[-1])
-    return totals if len(totals) == 2 else None
+        value = rest.rsplit(" ", 1)[-1]
+        key = SGLANG_COUNTERS.get(name.strip())
+        if key is not None:
+            totals[key] = totals.get(key, 0.0) + float(value)
+        elif name.strip() == "sglang:eviction_duration_seconds_bucket" and f'le="{SLOW_EVICTION_S}"' in rest:
+            fast += float(value)
+    if "evictions" in totals:
+        totals["slow_evictions"] = totals["evictions"] - fast
+    return totals if {"prompt", "cached"} <= set(totals) else None
 
 
 def scrubbed(info: Any) -> Any:
@@ -292,9 +319,12 @@ async def backend_targets(
     shutil.copytree(adapter, ModelStore(path, "bench-rollouts", "rollouts").checkpoint_dir(0))
     backend = art.SGLangBackend(path=str(path), **backend_arguments(args))
     model = art.TrainableModel(name="rollouts", project="bench-rollouts", base_model=args.model)
-    async with backend, httpx.AsyncClient(timeout=60, trust_env=False) as http:
+    # The watchdog (started at register) reads its interval before each pause: silenced for the backend's life.
+    silenced = watchdog_silenced(not args.watchdog)
+    async with silenced, backend, httpx.AsyncClient(timeout=60, trust_env=False) as http:
         start = time.perf_counter()
         await model.register(backend)
+        document["watchdog"] = args.watchdog
         document["start_s"] = time.perf_counter() - start
         document["layout"] = backend.layout.describe()
         document["sglang_config"] = backend.sglang_config.model_dump(mode="json", exclude=set(SECRET_FIELDS))
@@ -317,7 +347,9 @@ async def backend_targets(
             if route == "gateway":
                 made = senders(model.inference_base_url, model.inference_api_key, args.clients)
                 gateway = backend.inference.gateway
-                targets[route] = Target(name, made, gateway=gateway, metrics_url=metrics)
+                targets[route] = Target(
+                    name, made, gateway=gateway, metrics_url=metrics, server_pid=process.pid
+                )
             else:  # the backend's own server, as the gateway forwards a rollout on an adapter (or an alias)
                 made = senders(f"{process.base_url}/v1", server_key, args.clients)
                 if args.weights == "merged":
@@ -325,12 +357,48 @@ async def backend_targets(
                     extra: dict[str, Any] = {"return_token_ids": True}
                 else:
                     served, extra = name, {"lora_path": name, "return_token_ids": True}
-                targets[route] = Target(served, made, extra=extra, metrics_url=metrics)
+                targets[route] = Target(
+                    served, made, extra=extra, metrics_url=metrics, server_pid=process.pid
+                )
+        trainer_cpu = process_cpu_s(backend.trainer(model).pid)
         try:
             yield targets
         finally:
+            document["trainer_cpu_s"] = process_cpu_s(backend.trainer(model).pid) - trainer_cpu
             for target in targets.values():
                 await target.close()
+
+
+@contextlib.asynccontextmanager
+async def watchdog_silenced(silent: bool) -> AsyncIterator[None]:
+    """Inside the block (when `silent`) a backend's watchdog that starts or wakes waits `WATCHDOG_OFF_S`
+    before its next probe, i.e. never probes its server during a bench."""
+    from art_sglang.serving.servers import watchdog
+
+    interval = watchdog.WATCHDOG_INTERVAL_S
+    if silent:
+        watchdog.WATCHDOG_INTERVAL_S = WATCHDOG_OFF_S
+    try:
+        yield
+    finally:
+        watchdog.WATCHDOG_INTERVAL_S = interval
+
+
+def process_cpu_s(pid: int | None) -> float:
+    """CPU seconds (user and system) of the process `pid` and its descendants so far; 0 if it is not running."""
+    if pid is None:
+        return 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 async def train_steps(backend: Any, model: Any, steps: int) -> list[dict[str, Any]]:
@@ -374,11 +442,15 @@ async def direct_targets(
     if args.engine != "reference":
         document["versions"][args.engine] = version_in(server.interpreter(), args.engine)
     api_key = keys[0] if keys else None
+    trainer = idle_trainer(args) if args.beside_trainer else None
     async with httpx.AsyncClient(timeout=600, trust_env=False) as http:
         try:
             start = time.perf_counter()
-            await server.start()
+            # Started together, as the backend starts its server and trainer.
+            await gather_all(server.start(), *([trainer.start()] if trainer else []))
             document["start_s"] = time.perf_counter() - start
+            if trainer is not None:
+                document["beside_trainer"] = {"pid": trainer.pid, **trainer.info}
             document["launch"] = launch_record(server.process)
             if args.engine != "vllm":
                 document["server_info"] = await server_info(http, server.base_url, api_key)
@@ -395,10 +467,28 @@ async def direct_targets(
                 await server.load_adapter(http, ADAPTER, adapter)
             metrics = f"{server.base_url}/metrics" if args.engine != "vllm" else None
             made = senders(f"{server.base_url}/v1", api_key, args.clients)
-            target = Target(model, made, extra=extra, metrics_url=metrics, engine=server)
+            target = Target(
+                model, made, extra=extra, metrics_url=metrics, engine=server, server_pid=server.process.pid
+            )
+            trainer_cpu = process_cpu_s(trainer.pid if trainer else None)
             try:
                 yield {"server": target}
             finally:
+                if trainer is not None:
+                    document["trainer_cpu_s"] = process_cpu_s(trainer.pid) - trainer_cpu
                 await target.close()
         finally:
-            await server.stop()
+            await gather_all(server.stop(), *([trainer.stop()] if trainer else []))
+
+
+def idle_trainer(args: argparse.Namespace) -> Any:
+    """The trainer worker the backend would start for these arguments, on this process's GPU (its step 0 a
+    fresh adapter in the workdir); it stays idle once started, as the backend's does until a step."""
+    from art_sglang.training.process import TrainerProcess
+
+    checkpoints = args.workdir / "beside-trainer"
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    config = backend_arguments(args)["trainer_config"]
+    return TrainerProcess(
+        args.model, checkpoints, config, gpu_ids=None, log_path=args.workdir / "trainer.log"
+    )

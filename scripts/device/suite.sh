@@ -76,6 +76,18 @@
 #       (SGLang as released), or without one of them (json-response, gumbel-sampling, chat-template-memo,
 #       csgmv-decode-grid)
 #     r39-compare (seconds): every r39-*-<model>.json into bench_rollouts39-<model>.json/.md (docs' table)
+#   Issue 39's decode stalls (the backend's server stalled ~0.5 s about every 1.3 s of 1,024-token decode, SGLang
+#     served directly never did, but never served as long): one workload (bare client, 30 s runs of grpo-128:32,
+#     grpo-128:16, grpo-1024:16: enough to fill the 1.5B's KV pool, which the stalls' onset followed) on
+#     stall-backend (SGLangBackend as r39-backend-a1 runs it), stall-evict-gc (the same with the opt-in
+#     evict-without-gc backport), stall-no-watchdog (its watchdog never probes the server), stall-direct (SGLang
+#     launched as the backend launches it, no trainer, no gateway, no watchdog) and stall-direct-trainer (the same
+#     beside the backend's trainer worker, idle, on its GPU); ~7.5 min for the backend's, ~6.5 for the direct ones
+#     at 1.5B, 4 at once on 4 GPUs (per_gpu.sh); JSON stall-<suite>-<model>.json
+#     (per run: the radix cache's evictions, slow ones too; the trainer's CPU seconds), nvidia-smi pmon of the GPU
+#     in $OUT/<suite>-pmon.txt, py-spy samples of the server's processes over the first 1,024-token run in
+#     $OUT/<suite>-profile/. After every r39-* and stall-* suite scripts/decode_stalls.py reads its server logs
+#     ("=== stalls:" lines).
 #     RUNS='KIND-TOKENS:GROUPS[@CLIENT] ...' replaces a suite's runs; ART_SGLANG_COMMIT=<sha> records the commit
 #   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
 #     workload and seed, server and trainer co-resident on GPU 0 (CUDA MPS where the driver has it);
@@ -172,6 +184,8 @@ tmodel=${BENCH_MODEL:-$rmodel}
 r39=(python3 scripts/bench_rollouts.py --model "$rmodel" --resume --deadline-s "${R39_DEADLINE_S:-470}")
 r39_main="grpo-128:32 grpo-128:16 grpo-1024:16@bare varying-384:32@bare multiturn-64:32@bare"
 r39_split="grpo-128:32@bare grpo-1024:16@bare"
+stall=(--clients bare --ttft-requests 0 --min-seconds 30 --runs grpo-128:32@bare grpo-128:16@bare grpo-1024:16@bare
+       --profile-run grpo-1024:16)
 # SGLang 0.5.17's experimental triton LoRA path: each shrink on a second stream beside the base GEMM, down_proj's
 # shrink split; the second variable keeps it right under CUDA graphs.
 exp_opti=(SGLANG_EXPERIMENTAL_LORA_OPTI=1 SGLANG_OPT_LORA_OVERLAP_MAIN_ALLOC=1)
@@ -381,6 +395,20 @@ for name in "$@"; do
       [ -z "${RUNS:-}" ] || cmd+=(--runs $RUNS)
       # The model in the folder's name too: the same suite may run on two models at once (RMODEL per GPU).
       cmd+=(--workdir "/tmp/work-$name-${rmodel##*/}" --json "$results/$name-${rmodel##*/}.json") ;;
+    stall-*)
+      case ${name#stall-} in
+        backend) cmd=("${r39[@]}" --side backend --label stall "${kernels[@]}" "${stall[@]}") ;;
+        no-watchdog) cmd=("${r39[@]}" --side backend --label stall --no-watchdog "${kernels[@]}" "${stall[@]}") ;;
+        evict-gc) cmd=(env "ART_SGLANG_BACKPORTS=$(backports_with evict-without-gc)" "${r39[@]}" --side backend
+                       --label "evict-without-gc" "${kernels[@]}" "${stall[@]}") ;;
+        direct) cmd=("${r39[@]}" --side direct --flags backend --request-form gateway "${kernels[@]}" "${stall[@]}") ;;
+        direct-trainer) cmd=("${r39[@]}" --side direct --flags backend --request-form gateway --beside-trainer
+                             "${kernels[@]}" "${stall[@]}") ;;
+        *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
+      esac
+      # py-spy (SGLang's kit has it) samples the server's processes over the first 1,024-token run's 30 s.
+      cmd=(env PATH="$PATH:/tmp/site/bin" "${cmd[@]}" --profile-dir "$OUT/$name-profile"
+           --workdir "/tmp/work-$name-${rmodel##*/}" --json "$results/$name-${rmodel##*/}.json") ;;
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
     # 512 conversations with CUDA graphs on: at 128 without graphs (the first H200x2 run) one replica was
     # not saturated, so a second could not double the throughput.
@@ -448,8 +476,18 @@ for name in "$@"; do
   # the servers' logs can be collected by suite.
   if [[ " ${cmd[*]} " == *" pytest "* ]]; then rm -rf "/tmp/pt-$name"; cmd+=(--basetemp "/tmp/pt-$name"); fi
   echo "=== $name: ${cmd[*]}" | tee "$OUT/$name.log"
+  pmon=
+  if [[ $name == stall-* ]] && command -v nvidia-smi > /dev/null; then  # which processes use the GPU, each second
+    nvidia-smi pmon -i "${CUDA_VISIBLE_DEVICES:-0}" -s u -d 1 > "$OUT/$name-pmon.txt" 2>&1 &
+    pmon=$!
+  fi
   "${cmd[@]}" 2>&1 | tee -a "$OUT/$name.log" | grep -E --line-buffered '^(===|PASSED|FAILED|ERROR|SKIPPED)|passed|failed|error|\| '
   rc=${PIPESTATUS[0]}
+  [ -z "$pmon" ] || kill "$pmon"
+  if [[ $name == r39-* || $name == stall-* ]] && [ -d "/tmp/work-$name-${rmodel##*/}" ]; then
+    find "/tmp/work-$name-${rmodel##*/}" -name 'server*.log' -exec python3 scripts/decode_stalls.py {} + 2>&1 \
+      | sed 's/^/=== stalls: /' | tee -a "$OUT/$name.log"
+  fi
   echo "=== $name: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/$name.log"
   for log in $(find "/tmp/pt-$name" "/tmp/work-$name" "/tmp/work-$name-${rmodel##*/}" \( -name 'server*.log' -o -name 'trainer*.log' \) -size -4M 2>/dev/null); do
     mkdir -p "$OUT/$name-logs" && cp "$log" "$OUT/$name-logs/$(echo "${log#/tmp/}" | tr / _)"

@@ -12,11 +12,13 @@ import json
 import math
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import psutil
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -71,7 +73,7 @@ def fake_target() -> tuple[rollout_targets.Target, FakeGateway, FakeCompletions]
 
 def loop_args(tmp_path: Path, **changes: Any) -> argparse.Namespace:
     values = {"side": "backend", "engine": "sglang", "off_kinds": ["grpo", "multiturn"], "repeats": 3, "min_seconds": 0.0,
-              "clients": ["art"],
+              "clients": ["art"], "profile_run": None, "profile_dir": None,
               "deadline_s": None, "json": tmp_path / "out.json", "group_size": 8, "turns": 3,
               "runs": [bench_rollouts.run_spec("grpo-128:2"), bench_rollouts.run_spec("multiturn-64:1")]}  # fmt: skip
     return argparse.Namespace(**{**values, **changes})
@@ -178,6 +180,41 @@ async def test_lone_requests_time_the_first_token_per_setting(tmp_path: Path) ->
     assert len(streamed) == 6 and all(c["max_tokens"] == 8 for c in streamed)
 
 
+def test_the_profiled_run_samples_every_server_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--profile-run: py-spy records each process of the server's tree over the first repeat of that run
+    (here a stand-in py-spy that writes down its arguments), and nothing else is sampled."""
+    spy = tmp_path / "bin" / "py-spy"
+    spy.parent.mkdir()
+    spy.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\n')
+    spy.chmod(0o755)
+    server = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)"])  # fmt: skip
+    try:
+        time.sleep(1.0)  # its child has started
+        target = rollout_targets.Target("m", {}, server_pid=server.pid)
+        args = argparse.Namespace(
+            profile_run="grpo-1024:16", profile_dir=tmp_path / "profile", min_seconds=20.0
+        )
+        assert bench_rollouts.profile(target, args, "grpo-128:32", 0) == []
+        assert bench_rollouts.profile(target, args, "grpo-1024:16", 1) == []
+        monkeypatch.setenv("PATH", "/nonexistent")
+        assert bench_rollouts.profile(target, args, "grpo-1024:16", 0) == []
+        assert "py-spy is not on PATH" in capsys.readouterr().out
+        monkeypatch.setenv("PATH", f"{spy.parent}:/usr/bin:/bin")
+        for sampler in bench_rollouts.profile(target, args, "grpo-1024:16", 0):
+            sampler.wait(timeout=30)
+        calls = (tmp_path / "calls").read_text().splitlines()
+        pids = {int(call.split(" -p ")[1].split()[0]) for call in calls}
+        assert len(pids) == 2 and server.pid in pids and all(" -d 20 " in call for call in calls)
+    finally:
+        for child in psutil.Process(server.pid).children(recursive=True):
+            child.kill()
+        server.kill()
+        server.wait()
+
+
 def test_a_gateway_without_a_switch_runs_one_setting() -> None:
     target = rollout_targets.Target("m", {}, gateway=object())
     assert target.merge_settings(["on", "off"]) == [None] and target.merge_counters() is None
@@ -223,6 +260,45 @@ def test_sglang_cache_counters_from_prometheus_text() -> None:
     ])  # fmt: skip
     assert rollout_targets.parse_sglang_cache_counters(metrics) == {"prompt": 1500.0, "cached": 900.0}
     assert rollout_targets.parse_sglang_cache_counters("sglang:num_running_reqs 3.0") is None
+    # The radix cache's evictions: 5 calls, 2 of them 0.1 s or longer (the histogram's buckets are cumulative).
+    label = 'cache_type="RadixCache"'
+    evictions = "\n".join([
+        metrics,
+        f"sglang:evicted_tokens_total{{{label}}} 40960.0",
+        f"sglang:evicted_tokens_created{{{label}}} 1764310000.0",
+        f'sglang:eviction_duration_seconds_bucket{{{label},le="0.05"}} 3.0',
+        f'sglang:eviction_duration_seconds_bucket{{{label},le="0.1"}} 3.0',
+        f'sglang:eviction_duration_seconds_bucket{{{label},le="0.5"}} 4.0',
+        f'sglang:eviction_duration_seconds_bucket{{{label},le="+Inf"}} 5.0',
+        f"sglang:eviction_duration_seconds_count{{{label}}} 5.0",
+        f"sglang:eviction_duration_seconds_sum{{{label}}} 1.25",
+    ])  # fmt: skip
+    assert rollout_targets.parse_sglang_cache_counters(evictions) == {
+        "prompt": 1500.0, "cached": 900.0, "evicted_tokens": 40960.0, "evictions": 5.0, "eviction_s": 1.25,
+        "slow_evictions": 2.0,
+    }  # fmt: skip
+
+
+async def test_a_silenced_watchdog_never_probes() -> None:
+    """--no-watchdog: a backend's watchdog started inside `watchdog_silenced` does not probe its server
+    (it calls `recover` once its interval has passed, as it does once the block is left)."""
+    from art_sglang.serving.servers.watchdog import WATCHDOG_INTERVAL_S, ServerWatchdog
+
+    class Servers:
+        probes = 0
+
+        async def recover(self) -> bool:
+            self.probes += 1
+            return False
+
+    for silent in (True, False):
+        servers = Servers()
+        async with rollout_targets.watchdog_silenced(silent):
+            watchdog = ServerWatchdog(servers)  # type: ignore[arg-type]
+            watchdog.ensure_running()
+            await asyncio.sleep(WATCHDOG_INTERVAL_S + 0.5)
+            await watchdog.stop()
+        assert (servers.probes == 0) is silent
 
 
 def test_the_eos_bias_gives_the_mean_length(tiny_model_path: Path) -> None:
@@ -274,6 +350,7 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
     assert "--config" in result["launch"]["command"] and "--api-key" not in result["launch"]["command"]
     assert result["launch"]["environment"]["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
     assert result["server_info"]["api_key"] == "<set>" and result["server_info"]["enable_metrics"] is True
+    assert result["watchdog"] is True and result["trainer_cpu_s"] >= 0
     configurations = {(e["run"], e["route"], e["merging"], e["client"]) for e in result["results"]}
     # Through the gateway grpo runs with prefill sharing on and off (--off-kinds grpo), multi-turn on only.
     gateway = {("grpo-2:2", "gateway", m, c) for m in ("on", "off") for c in ("art", "bare")}
@@ -356,6 +433,23 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
         float(row[f"{name} / vLLM+LoRA, bare"].split("**")[1]) for name in ("backend", "backend triton")
     )
     assert labelled == pytest.approx(3 * default, rel=0.01)
+
+
+def test_a_direct_server_beside_an_idle_trainer_on_cpu(tmp_path: Path, tiny_model_path: Path) -> None:
+    """--beside-trainer: the backend's trainer worker starts with the direct server (step 0: a fresh
+    adapter), stays idle through the runs (its CPU seconds reported) and is stopped with the server."""
+    out = tmp_path / "direct.json"
+    bench("--side", "direct", "--engine", "reference", "--model", str(tiny_model_path), "--flags", "backend",
+          "--request-form", "gateway", "--beside-trainer", "--group-size", "2", "--prompt-tokens", "32",
+          "--min-seconds", "0", "--repeats", "1", "--runs", "grpo-2:2@bare", "--ttft-requests", "0",
+          "--json", str(out), tmp_path=tmp_path)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["variant"] == "lora, backend flags, gateway form, beside an idle trainer"
+    trainer = result["beside_trainer"]
+    assert trainer["step"] == 0 and trainer["resumed"] is False and trainer["device"] == "cpu"
+    assert result["trainer_cpu_s"] >= 0 and not psutil.pid_exists(trainer["pid"])
+    assert (tmp_path / "work" / "beside-trainer" / "0000").is_dir()
+    assert [e["runs"][0]["requests"] for e in result["results"]] == [4]
 
 
 def test_the_backend_in_merged_mode_on_cpu(tmp_path: Path, tiny_model_path: Path) -> None:

@@ -35,6 +35,16 @@ below), `all`, `none`, or a comma list of the names below.
   halved its prefill rate against csgmv's (53k vs 99k tokens/s, H200, 2026-11-28); cut into the 16-row
   segments a batch can have instead (`art_sglang_triton_prefill.py`, beside this one), as 0.5.23's
   `prefill_cuda_graph_sgemm_batch_info` does. Not yet measured.
+- `evict-without-gc` (in no release; not default): once the KV pool is full nearly every decode step evicts,
+  and `RadixCache.evict` builds a (priority, node) tuple for every evictable leaf on each call (~10k with a
+  full 1.5B pool on an H200). CPython's young collections run while the list is built, so the tuples reach
+  the oldest generation, and its 25 % rule then starts a full collection (the whole scheduler heap, the
+  tree's token lists included) far more often: in a CPU model of those heuristics every ~97 evicting steps,
+  and never with the tuples kept young. Suspected cause of issue 39's ~0.5 s decode stalls every ~1.3 s,
+  which began as the backend's KV pool filled. The call runs with the collector off; its tuples are freed
+  by reference counting as it returns. Not yet measured (scripts/device/suite.sh stall-evict-gc). The
+  heap's own O(leaves) per call stays; upstream's cure for that is a persistent lazy heap (sglang PR 38454,
+  open; sglang-omni PR 1724 for this RadixCache).
 
 This module imports nothing of art_sglang (the server's venv need not have it) and no SGLang at import time
 (art_sglang reads `selection` when it launches a server).
@@ -86,6 +96,18 @@ def _gumbel_sample(
     return (probs.float() / noise).argmax(dim=-1).view(-1).to(torch.int32)
 
 
+def _evict_without_gc(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    import gc
+
+    if not gc.isenabled():
+        return original(*args, **kwargs)
+    gc.disable()
+    try:
+        return original(*args, **kwargs)
+    finally:
+        gc.enable()
+
+
 class Backport(NamedTuple):
     """A fix: the first release that has it (None: none yet), the functions it wraps with their wrappers,
     and whether the default choice applies it."""
@@ -132,6 +154,9 @@ BACKPORTS: dict[str, Backport] = {
             (f"{_TRITON}.prepare_lora_batch", _beside("art_sglang_triton_prefill", "cut_prefill_rows")),
         ],
         default=False,
+    ),
+    "evict-without-gc": Backport(
+        None, [("sglang.srt.mem_cache.radix_cache.RadixCache.evict", _evict_without_gc)], default=False
     ),
 }
 
