@@ -432,7 +432,7 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
     default, labelled = (
         float(row[f"{name} / vLLM+LoRA, bare"].split("**")[1]) for name in ("backend", "backend triton")
     )
-    assert labelled == pytest.approx(3 * default, rel=0.01)
+    assert labelled == pytest.approx(3 * default, abs=0.05)  # each shown to 2 decimals
 
 
 def test_a_direct_server_beside_an_idle_trainer_on_cpu(tmp_path: Path, tiny_model_path: Path) -> None:
