@@ -57,7 +57,6 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # environments/ (the trained steps)
 from bench_common import (
-    add_server_args,
     device_name,
     environment,
     gpu_processes,
@@ -66,26 +65,21 @@ from bench_common import (
 )
 from benchmark_inference import converse, percentile, prompt_body, summarize
 from probe_rollout_costs import start_profiles
+from rollout_options import parse_arguments, variant
 from rollout_tables import compare, entry_key, table
 from rollout_targets import (
-    CLIENTS,
-    DROPS,
     EVICTION_KEYS,
-    ROUTES,
     ArtSender,
     Target,
     backend_targets,
     direct_targets,
 )
 from rollout_workloads import (
-    DEFAULT_RUNS,
-    KINDS,
     RunSpec,
     Setting,
     eos_bias,
     rollout,
     run_settings,
-    run_spec,
     wave,
 )
 
@@ -164,22 +158,6 @@ def spread(runs: list[dict[str, Any]]) -> dict[str, float]:
     """The slowest and fastest repeat's output tokens/s."""
     rates = [r["output_tokens_per_s"] for r in runs]
     return {"min": min(rates), "max": max(rates)}
-
-
-def variant(args: argparse.Namespace) -> str:
-    """The server and request form of this side, in words."""
-    if args.side == "backend":
-        return args.weights + ("" if args.watchdog else ", no watchdog")
-    words = ["lora" if args.lora else "base"]
-    if args.flags == "backend":
-        words.append("backend flags" + "".join(f" -{name}" for name in args.drop))
-    if args.sglang_args:  # last on the command line: they win over the flags above (issue 39's r39-lora-*)
-        words.append(" ".join(args.sglang_args))
-    if args.engine != "vllm" and args.lora and args.request_form == "gateway":
-        words.append("gateway form")
-    if args.beside_trainer:
-        words.append("beside an idle trainer")
-    return ", ".join(words)
 
 
 def new_entry(document: dict[str, Any], spec: RunSpec, setting: Setting) -> dict[str, Any]:
@@ -393,110 +371,11 @@ def _without_lists(lone: dict[str, Any]) -> dict[str, Any]:
     return {label: {k: v for k, v in row.items() if not isinstance(v, list)} for label, row in lone.items()}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_server_args(parser, engines=("sglang", "reference", "vllm"))
-    parser.set_defaults(lora_rank=16)
-    parser.add_argument("--side", choices=("backend", "direct"), default="backend")
-    parser.add_argument("--label", default="", help="the pass this side is, e.g. A1 and A2 in an A/B/A order")
-    parser.add_argument(
-        "--runs", type=run_spec, nargs="+", default=[run_spec(r) for r in DEFAULT_RUNS],
-        metavar="KIND-TOKENS:GROUPS[@CLIENT]", help=f"default: {' '.join(DEFAULT_RUNS)}",
-    )  # fmt: skip
-    parser.add_argument("--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS))
-    parser.add_argument(
-        "--routes", nargs="+", choices=ROUTES, default=["gateway"],
-        help="backend side: through its gateway, and/or straight to its own server as the gateway forwards",
-    )  # fmt: skip
-    parser.add_argument(
-        "--off-kinds", nargs="*", choices=KINDS, default=[],
-        help="backend side: the workloads that also run with prefill sharing off",
-    )  # fmt: skip
-    parser.add_argument(
-        "--weights", choices=("lora", "merged"), default="lora",
-        help="backend side: the adapter served by LoRA kernels, or merged into the weights the trainer pushes "
-        "(weight_sync_method='merged', the server without LoRA)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--train-steps", type=int, default=None,
-        help="backend side: steps trained (and served) before measuring; default 1 merged, 0 lora",
-    )  # fmt: skip
-    parser.add_argument(
-        "--lora", action=argparse.BooleanOptionalAction, default=True,
-        help="direct side: --no-lora serves the base weights (vLLM without --enable-lora) and names the base model",
-    )  # fmt: skip
-    parser.add_argument(
-        "--flags", choices=("bench", "backend"), default="bench",
-        help="direct SGLang: 'backend' launches it exactly as SGLangBackend does (its settled flags and keys)",
-    )  # fmt: skip
-    parser.add_argument("--drop", nargs="*", choices=sorted(DROPS), default=[], help="with --flags backend")
-    parser.add_argument(
-        "--request-form", choices=("name", "gateway"), default="name",
-        help="direct SGLang: the adapter as <base>:<adapter>, or as the gateway forwards it (lora_path, "
-        "return_token_ids)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--watchdog", action=argparse.BooleanOptionalAction, default=True,
-        help="backend side: --no-watchdog keeps the backend's watchdog from probing its server (GET /health)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--beside-trainer", action="store_true",
-        help="direct side: the backend's trainer worker started beside the server on its GPU, idle",
-    )  # fmt: skip
-    parser.add_argument(
-        "--profile-run", default=None, metavar="KIND-TOKENS:GROUPS",
-        help="sample every server process with py-spy during this run's first repeat (into --profile-dir)",
-    )  # fmt: skip
-    parser.add_argument("--profile-dir", type=Path, default=None, help="where --profile-run's samples go")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=1024, help="tokens of a group's prompt body")
-    parser.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
-    parser.add_argument(
-        "--varying-mean-fraction", type=float, default=1 / 3,
-        help="varying: mean answer length as a share of the longest run's tokens",
-    )  # fmt: skip
-    parser.add_argument("--min-seconds", type=float, default=10.0, help="a run repeats waves this long")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--ttft-requests", type=int, default=20, help="lone requests per setting (0: none)")
-    parser.add_argument(
-        "--deadline-s", type=float, default=None, help="start no run after this many seconds since the start"
-    )
-    parser.add_argument("--resume", action="store_true", help="skip configurations --json already holds")
-    parser.add_argument(
-        "--compare", type=Path, nargs="+", default=None, metavar="JSON",
-        help="pool these results (no server started) into --json/--markdown",
-    )  # fmt: skip
-    return parser
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    if argv is None:
-        argv = sys.argv[1:]
-    if "--compare" in argv and "--model" not in argv:
-        argv = [*argv, "--model", "-"]  # --compare reads the model from the results
-    args = parser.parse_args(argv)
+    args = parse_arguments(__doc__, sys.argv[1:] if argv is None else argv)
     if args.compare:
         document = compare([json.loads(path.read_text()) for path in args.compare])
     else:
-        if args.side == "backend" and args.engine == "vllm":
-            parser.error("--side backend runs SGLangBackend: --engine sglang or reference")
-        if args.side != "backend" and (args.weights != "lora" or args.train_steps):
-            parser.error("--weights and --train-steps are for --side backend (direct: --no-lora)")
-        if args.train_steps is None:
-            args.train_steps = 1 if args.weights == "merged" else 0
-        if args.weights == "merged" and args.train_steps < 1:
-            parser.error("--weights merged measures weights the trainer pushed: --train-steps 1 or more")
-        if (args.flags == "backend" or args.drop) and (args.side != "direct" or args.engine == "vllm"):
-            parser.error("--flags backend and --drop are for --side direct --engine sglang (or reference)")
-        if args.drop and args.flags != "backend":
-            parser.error("--drop removes from the backend's flags: give --flags backend")
-        if args.side == "backend" and args.beside_trainer:
-            parser.error("--beside-trainer is for --side direct (the backend starts its own trainer)")
-        if args.side != "backend" and not args.watchdog:
-            parser.error("--no-watchdog is for --side backend (a direct server has no watchdog)")
         document = asyncio.run(run(args))
     write_results(args, document, table(document))
 

@@ -24,7 +24,9 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import bench_rollouts  # noqa: E402
+import rollout_options  # noqa: E402
 import rollout_targets  # noqa: E402
+import rollout_workloads  # noqa: E402
 
 
 class FakeGateway:
@@ -75,7 +77,7 @@ def loop_args(tmp_path: Path, **changes: Any) -> argparse.Namespace:
     values = {"side": "backend", "engine": "sglang", "off_kinds": ["grpo", "multiturn"], "repeats": 3, "min_seconds": 0.0,
               "clients": ["art"], "profile_run": None, "profile_dir": None,
               "deadline_s": None, "json": tmp_path / "out.json", "group_size": 8, "turns": 3,
-              "runs": [bench_rollouts.run_spec("grpo-128:2"), bench_rollouts.run_spec("multiturn-64:1")]}  # fmt: skip
+              "runs": [rollout_workloads.run_spec("grpo-128:2"), rollout_workloads.run_spec("multiturn-64:1")]}  # fmt: skip
     return argparse.Namespace(**{**values, **changes})
 
 
@@ -113,12 +115,12 @@ async def test_merging_on_and_off_alternate_on_one_target(tmp_path: Path) -> Non
     calls = len(completions.calls)
     await bench_rollouts.measure({"gateway": target}, None, args, document, "body", 0.0)  # type: ignore[arg-type]
     assert len(completions.calls) == calls
-    late = loop_args(tmp_path, deadline_s=1.0, runs=[bench_rollouts.run_spec("varying-384:1")])
+    late = loop_args(tmp_path, deadline_s=1.0, runs=[rollout_workloads.run_spec("varying-384:1")])
     await bench_rollouts.measure({"gateway": target}, None, late, document, "body", -10.0)  # type: ignore[arg-type]
     assert len(completions.calls) == calls and len(document["results"]) == 4
 
     # varying: no ignore_eos, the end-of-sequence bias of its length instead.
-    varying = loop_args(tmp_path, repeats=1, runs=[bench_rollouts.run_spec("varying-384:1")])
+    varying = loop_args(tmp_path, repeats=1, runs=[rollout_workloads.run_spec("varying-384:1")])
     document["varying_logit_bias"] = {"384": {"2": 3.5}}
     await bench_rollouts.measure({"gateway": target}, None, varying, document, "body", 0.0)  # type: ignore[arg-type]
     assert completions.calls[-1]["extra_body"] == {"logit_bias": {"2": 3.5}} and len(document["results"]) == 5
@@ -222,12 +224,12 @@ def test_a_gateway_without_a_switch_runs_one_setting() -> None:
 
 
 def test_run_specs() -> None:
-    spec = bench_rollouts.run_spec("varying-384:32")
+    spec = rollout_workloads.run_spec("varying-384:32")
     assert (spec.kind, spec.tokens, spec.groups, spec.name) == ("varying", 384, 32, "varying-384:32")
-    assert spec.clients == () and bench_rollouts.run_spec("grpo-1024:16@bare").clients == ("bare",)
+    assert spec.clients == () and rollout_workloads.run_spec("grpo-1024:16@bare").clients == ("bare",)
     for bad in ("grpo:32", "grpo-128", "tree-1:2", "grpo-x:2", "grpo-1:2@curl"):
         with pytest.raises(argparse.ArgumentTypeError):
-            bench_rollouts.run_spec(bad)
+            rollout_workloads.run_spec(bad)
 
 
 def test_a_flag_added_to_the_backends_is_its_own_variant() -> None:
@@ -235,9 +237,9 @@ def test_a_flag_added_to_the_backends_is_its_own_variant() -> None:
     replace) r39-direct-exact's, whose key differs only in the variant."""
     direct = ["--side", "direct", "--engine", "sglang", "--model", "m", "--flags", "backend",
               "--request-form", "gateway"]  # fmt: skip
-    exact = bench_rollouts.variant(bench_rollouts.build_parser().parse_args(direct))
-    changed = bench_rollouts.variant(
-        bench_rollouts.build_parser().parse_args([*direct, "--sglang-args=--lora-backend triton"])
+    exact = rollout_options.variant(rollout_options.parse_arguments(None, direct))
+    changed = rollout_options.variant(
+        rollout_options.parse_arguments(None, [*direct, "--sglang-args=--lora-backend triton"])
     )
     assert exact == "lora, backend flags, gateway form"
     assert changed == "lora, backend flags, --lora-backend triton, gateway form"
