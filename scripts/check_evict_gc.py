@@ -118,11 +118,14 @@ def run(args: argparse.Namespace) -> None:
 
     full: list[float] = []
     started = [0.0]
+    inside = [False]  # within an evict call
+    full_inside = [0]
 
     def watch(phase: str, info: dict[str, int]) -> None:
         if info["generation"] == 2:
             if phase == "start":
                 started[0] = time.perf_counter()
+                full_inside[0] += inside[0]
             else:
                 full.append(time.perf_counter() - started[0])
 
@@ -133,7 +136,11 @@ def run(args: argparse.Namespace) -> None:
     def counted(*call_args: object, **kwargs: object) -> object:
         nonlocal evicts
         evicts += 1
-        return evict(*call_args, **kwargs)
+        inside[0] = True
+        try:
+            return evict(*call_args, **kwargs)
+        finally:
+            inside[0] = False
 
     cache.evict = counted
     step_s: list[float] = []
@@ -158,7 +165,7 @@ def run(args: argparse.Namespace) -> None:
     print(
         f"python {sys.version.split()[0]} {'wrapped' if args.wrapped else 'plain'}: {leaves} leaves, "
         f"heap {args.heap} + {len(gc.get_objects()) - len(heap)} other tracked; {steps} steps, "
-        f"{evicts} evict calls: {len(full)} full collections ({1000 * len(full) / steps:.1f} per 1000 steps, "
+        f"{evicts} evict calls: {len(full)} full collections ({full_inside[0]} started in evict; {1000 * len(full) / steps:.1f} per 1000 steps, "
         f"{mean_full:.3f} s each); step mean {1000 * wall / steps:.2f} ms, "
         f"p50 {1000 * step_s[len(step_s) // 2]:.2f} ms, max {1000 * step_s[-1]:.0f} ms",
         flush=True,
