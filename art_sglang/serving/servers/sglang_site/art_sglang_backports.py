@@ -39,8 +39,9 @@ below), `all`, `none`, or a comma list of the names below.
   and `RadixCache.evict` builds a (priority, node) tuple for every evictable leaf on each call (~10k with a
   full 1.5B pool on an H200). CPython's young collections run while the list is built, so the tuples reach
   the oldest generation, and its 25 % rule then starts a full collection (the whole scheduler heap, the
-  tree's token lists included) far more often: in a CPU model of those heuristics every ~97 evicting steps,
-  and never with the tuples kept young. Suspected cause of issue 39's ~0.5 s decode stalls every ~1.3 s,
+  radix tree included) far more often: with SGLang 0.5.17's own RadixCache on CPU (scripts/check_evict_gc.py,
+  10k leaves, 1.5M long-lived objects) every ~110 decode steps, each starting inside an evict call, and
+  never with this backport. Suspected cause of issue 39's ~0.5 s decode stalls every ~1.3 s,
   which began as the backend's KV pool filled. The call runs with the collector off; its tuples are freed
   by reference counting as it returns. Not yet measured (scripts/device/suite.sh stall-evict-gc). The
   heap's own O(leaves) per call stays; upstream's cure for that is a persistent lazy heap (sglang PR 38454,
