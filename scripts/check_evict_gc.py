@@ -9,9 +9,9 @@ the finished answers are inserted, so the tree stays full. Each decode step also
 short-lived objects. Full (generation 2) collections are counted with `gc.callbacks`; the evict calls
 counted include the prefills'; a step's time includes, at a wave's end, its inserts and the next prefill.
 
-`--wrapped` applies the `evict-without-gc` backport as the server does: `art_sglang_backports.register()`
-with `ART_SGLANG_BACKPORTS=evict-without-gc`, then SGLang's `HookRegistry.apply_hooks()`. Without an
-argument both variants run, each in a fresh interpreter.
+`--backports NAMES` applies art_sglang's backports as the server does: `art_sglang_backports.register()` with
+`ART_SGLANG_BACKPORTS=NAMES`, then SGLang's `HookRegistry.apply_hooks()` (`none`: SGLang as released). Without
+it, SGLang as released, `evict-without-gc` and `evict-ahead` run, each in a fresh interpreter.
 
     PYTHONPATH=/path/to/sglang-0.5.17 python scripts/check_evict_gc.py --groups 1250
 """
@@ -45,7 +45,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--heap", type=int, default=2_000_000, help="long-lived tracked objects")
     parser.add_argument("--garbage", type=int, default=300, help="short-lived objects per decode step")
-    parser.add_argument("--wrapped", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--backports", default=None, help="an ART_SGLANG_BACKPORTS value (none: as released)")
     return parser.parse_args()
 
 
@@ -65,8 +65,8 @@ def run(args: argparse.Namespace) -> None:
     except ImportError as error:
         print(f"skipped: SGLang is not importable here ({error}); put its source on PYTHONPATH")
         return
-    if args.wrapped:
-        os.environ["ART_SGLANG_BACKPORTS"] = "evict-without-gc"
+    if args.backports != "none":
+        os.environ["ART_SGLANG_BACKPORTS"] = args.backports
         sys.path.insert(0, str(SGLANG_SITE))
         import art_sglang_backports
         from sglang.srt.plugins.hook_registry import HookRegistry
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> None:
     step_s.sort()
     mean_full = sum(full) / len(full) if full else 0.0
     print(
-        f"python {sys.version.split()[0]} {'wrapped' if args.wrapped else 'plain'}: {leaves} leaves, "
+        f"python {sys.version.split()[0]} backports {args.backports}: {leaves} leaves, "
         f"heap {args.heap} + {len(gc.get_objects()) - len(heap)} other tracked; {steps} steps, "
         f"{evicts} evict calls: {len(full)} full collections ({full_inside[0]} started in evict; {1000 * len(full) / steps:.1f} per 1000 steps, "
         f"{mean_full:.3f} s each); step mean {1000 * wall / steps:.2f} ms, "
@@ -174,14 +174,14 @@ def run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
-    if args.wrapped is not None:
+    if args.backports is not None:
         run(args)
         return
     if importlib.util.find_spec("sglang") is None:
         print("skipped: SGLang is not importable here; put its source on PYTHONPATH")
         return
-    for flag in ("--no-wrapped", "--wrapped"):
-        subprocess.run([sys.executable, *sys.argv, flag], check=True)
+    for names in ("none", "evict-without-gc", "evict-ahead"):
+        subprocess.run([sys.executable, *sys.argv, "--backports", names], check=True)
 
 
 if __name__ == "__main__":

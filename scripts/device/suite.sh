@@ -79,8 +79,8 @@
 #   Issue 39's decode stalls (the backend's server stalled ~0.5 s about every 1.3 s of 1,024-token decode, SGLang
 #     served directly never did, but never served as long): one workload (bare client, 30 s runs of grpo-128:32,
 #     grpo-128:16, grpo-1024:16: enough to fill the 1.5B's KV pool, which the stalls' onset followed) on
-#     stall-backend (SGLangBackend as r39-backend-a1 runs it), stall-evict-gc (the same with the opt-in
-#     evict-without-gc backport), stall-no-watchdog (its watchdog never probes the server), stall-direct (SGLang
+#     stall-backend (SGLangBackend as r39-backend-a1 runs it), stall-evict-gc and stall-evict-ahead (the same with
+#     the opt-in evict-without-gc or evict-ahead backport), stall-no-watchdog (its watchdog never probes the server), stall-direct (SGLang
 #     launched as the backend launches it, no trainer, no gateway, no watchdog) and stall-direct-trainer (the same
 #     beside the backend's trainer worker, idle, on its GPU); ~7.5 min for the backend's, ~6.5 for the direct ones
 #     at 1.5B, 4 at once on 4 GPUs (per_gpu.sh); JSON stall-<suite>-<model>.json
@@ -401,6 +401,8 @@ for name in "$@"; do
         no-watchdog) cmd=("${r39[@]}" --side backend --label stall --no-watchdog "${kernels[@]}" "${stall[@]}") ;;
         evict-gc) cmd=(env "ART_SGLANG_BACKPORTS=$(backports_with evict-without-gc)" "${r39[@]}" --side backend
                        --label "evict-without-gc" "${kernels[@]}" "${stall[@]}") ;;
+        evict-ahead) cmd=(env "ART_SGLANG_BACKPORTS=$(backports_with evict-ahead)" "${r39[@]}" --side backend
+                          --label "evict-ahead" "${kernels[@]}" "${stall[@]}") ;;
         direct) cmd=("${r39[@]}" --side direct --flags backend --request-form gateway "${kernels[@]}" "${stall[@]}") ;;
         direct-trainer) cmd=("${r39[@]}" --side direct --flags backend --request-form gateway --beside-trainer
                              "${kernels[@]}" "${stall[@]}") ;;
