@@ -332,9 +332,10 @@ async def test_a_backport_of_no_name_fails_before_the_launch(tmp_path: Path) -> 
     [(None, ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid"]),
      ("default", ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid"]),
      ("all", ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid", "triton-prefill-grid",
-              "evict-without-gc"]),
+              "evict-without-gc", "evict-ahead"]),
      ("none", []), (" gumbel-sampling , ", ["gumbel-sampling"]), ("csgmv-decode-grid", ["csgmv-decode-grid"]),
-     ("triton-prefill-grid", ["triton-prefill-grid"]), ("evict-without-gc", ["evict-without-gc"])],
+     ("triton-prefill-grid", ["triton-prefill-grid"]), ("evict-without-gc", ["evict-without-gc"]),
+     ("evict-ahead,evict-without-gc", ["evict-ahead", "evict-without-gc"])],
 )  # fmt: skip
 def test_backport_selection(raw: str | None, chosen: list[str]) -> None:
     assert process_module.backports.selection(raw) == chosen
