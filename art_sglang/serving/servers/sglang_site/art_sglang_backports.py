@@ -63,6 +63,7 @@ This module imports nothing of art_sglang (the server's venv need not have it) a
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import os
 import re
@@ -108,8 +109,6 @@ def _gumbel_sample(
 
 
 def _evict_without_gc(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    import gc
-
     if not gc.isenabled():
         return original(*args, **kwargs)
     gc.disable()
@@ -123,11 +122,7 @@ def _evict_without_gc(original: Callable[..., Any], *args: Any, **kwargs: Any) -
 EVICT_AHEAD_SHARE = 64
 
 
-def _evict_ahead(
-    original: Callable[..., Any], cache: Any, params: Any = None, *args: Any, **kwargs: Any
-) -> Any:
-    if params is None:
-        return original(cache, *args, **kwargs)
+def _evict_ahead(original: Callable[..., Any], cache: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
     floor = cache.token_to_kv_pool_allocator.size // EVICT_AHEAD_SHARE
     if 0 < params.num_tokens < floor:
         params = dataclasses.replace(params, num_tokens=floor)
