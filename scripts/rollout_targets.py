@@ -43,9 +43,9 @@ from typing import Any, Protocol
 
 import aiohttp
 import httpx
-import psutil
 from bench_common import art_openai_client, server_config, server_settings, version_in
 from inference_engines import EngineServer
+from probe_rollout_costs import server_processes
 
 from art_sglang.process_tree import gather_all
 from art_sglang.serving.servers.sglang_site import art_sglang_backports
@@ -386,19 +386,7 @@ async def watchdog_silenced(silent: bool) -> AsyncIterator[None]:
 
 def process_cpu_s(pid: int | None) -> float:
     """CPU seconds (user and system) of the process `pid` and its descendants so far; 0 if it is not running."""
-    if pid is None:
-        return 0.0
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            times = proc.cpu_times()
-            total += times.user + times.system
-    return total
+    return 0.0 if pid is None else sum(seconds for _, seconds in server_processes(pid).values())
 
 
 async def train_steps(backend: Any, model: Any, steps: int) -> list[dict[str, Any]]:
