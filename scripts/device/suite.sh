@@ -79,10 +79,10 @@
 #   Issue 39's decode stalls (the backend's server stalled ~0.5 s about every 1.3 s of 1,024-token decode, SGLang
 #     served directly never did, but never served as long): one workload (bare client, 30 s runs of grpo-128:32,
 #     grpo-128:16, grpo-1024:16: enough to fill the 1.5B's KV pool, which the stalls' onset followed) on
-#     stall-backend (SGLangBackend as r39-backend-a1 runs it), stall-evict-gc and stall-evict-ahead (the same with
-#     the opt-in evict-without-gc or evict-ahead backport), stall-no-watchdog (its watchdog never probes the server), stall-direct (SGLang
-#     launched as the backend launches it, no trainer, no gateway, no watchdog) and stall-direct-trainer (the same
-#     beside the backend's trainer worker, idle, on its GPU); ~7.5 min for the backend's, ~6.5 for the direct ones
+#     stall-backend (SGLangBackend as r39-backend-a1 runs it), stall-evict-without-gc and stall-evict-ahead
+#     (the same with the opt-in backport of that name), stall-no-watchdog (its watchdog never probes the
+#     server), stall-direct (SGLang launched as the backend launches it, no trainer, no gateway, no watchdog)
+#     and stall-direct-trainer (the same beside the backend's trainer worker, idle, on its GPU); ~7.5 min for the backend's, ~6.5 for the direct ones
 #     at 1.5B, 4 at once on 4 GPUs (per_gpu.sh); JSON stall-<suite>-<model>.json
 #     (per run: the radix cache's evictions, slow ones too; the trainer's CPU seconds), nvidia-smi pmon of the GPU
 #     in $OUT/<suite>-pmon.txt, py-spy samples of the server's processes over the first 1,024-token run in
@@ -399,10 +399,10 @@ for name in "$@"; do
       case ${name#stall-} in
         backend) cmd=("${r39[@]}" --side backend --label stall "${kernels[@]}" "${stall[@]}") ;;
         no-watchdog) cmd=("${r39[@]}" --side backend --label stall --no-watchdog "${kernels[@]}" "${stall[@]}") ;;
-        evict-gc) cmd=(env "ART_SGLANG_BACKPORTS=$(backports_with evict-without-gc)" "${r39[@]}" --side backend
-                       --label "evict-without-gc" "${kernels[@]}" "${stall[@]}") ;;
-        evict-ahead) cmd=(env "ART_SGLANG_BACKPORTS=$(backports_with evict-ahead)" "${r39[@]}" --side backend
-                          --label "evict-ahead" "${kernels[@]}" "${stall[@]}") ;;
+        # The backend with the opt-in backport the suite is named after, beside the default ones.
+        evict-without-gc | evict-ahead)
+          cmd=(env "ART_SGLANG_BACKPORTS=$(backports_with "${name#stall-}")" "${r39[@]}" --side backend
+               --label "${name#stall-}" "${kernels[@]}" "${stall[@]}") ;;
         direct) cmd=("${r39[@]}" --side direct --flags backend --request-form gateway "${kernels[@]}" "${stall[@]}") ;;
         direct-trainer) cmd=("${r39[@]}" --side direct --flags backend --request-form gateway --beside-trainer
                              "${kernels[@]}" "${stall[@]}") ;;

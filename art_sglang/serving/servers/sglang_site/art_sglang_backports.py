@@ -43,7 +43,7 @@ below), `all`, `none`, or a comma list of the names below.
   10k leaves, 1.5M long-lived objects) every ~110 decode steps, each starting inside an evict call, and
   never with this backport. Suspected cause of issue 39's ~0.5 s decode stalls every ~1.3 s,
   which began as the backend's KV pool filled. The call runs with the collector off; its tuples are freed
-  by reference counting as it returns. Not yet measured (scripts/device/suite.sh stall-evict-gc). The
+  by reference counting as it returns. Not yet measured (scripts/device/suite.sh stall-evict-without-gc). The
   heap's own O(leaves) per call stays; upstream's cure for that is a persistent lazy heap (sglang PR 38454,
   open; sglang-omni PR 1724 for this RadixCache).
 - `evict-ahead` (in no release; not default): with a full pool, SGLang 0.5.17 evicts only each step's
