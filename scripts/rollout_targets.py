@@ -267,10 +267,15 @@ async def server_info(http: httpx.AsyncClient, base_url: str, api_key: str | Non
 
 
 def launch_record(process: Any) -> dict[str, Any]:
-    """A server process's command line and the environment it adds to this process's (keys are in a file
-    its command names, never on it)."""
-    added = {k: v for k, v in process.environment().items() if os.environ.get(k) != v}
-    return {"command": process.command(), "environment": added}
+    """A server process's command line, the environment it adds to this process's (keys are in a file
+    its command names, never on it) and, for SGLang, the backports its environment chooses (the inherited
+    `ART_SGLANG_BACKPORTS` included)."""
+    environment = process.environment()
+    added = {k: v for k, v in environment.items() if os.environ.get(k) != v}
+    record = {"command": process.command(), "environment": added}
+    if getattr(process, "engine", None) == "sglang":  # what SGLang runs is SGLang plus these backports
+        record["backports"] = art_sglang_backports.selection(environment.get(art_sglang_backports.SELECT_ENV))
+    return record
 
 
 def backend_arguments(args: argparse.Namespace) -> dict[str, Any]:

@@ -88,7 +88,9 @@
 #     in $OUT/<suite>-pmon.txt, py-spy samples of the server's processes over the first 1,024-token run in
 #     $OUT/<suite>-profile/. After every r39-* and stall-* suite scripts/decode_stalls.py reads its server logs
 #     ("=== stalls:" lines).
-#     RUNS='KIND-TOKENS:GROUPS[@CLIENT] ...' replaces a suite's runs; ART_SGLANG_COMMIT=<sha> records the commit
+#     RUNS='KIND-TOKENS:GROUPS[@CLIENT] ...' replaces a suite's runs; ART_SGLANG_COMMIT=<sha> records the commit;
+#     TAG=b keeps a second instance's folder and JSON apart (one suite's workloads split over two GPUs);
+#     BACKPORTS_WITH=evict-without-gc,evict-ahead adds opt-in backports to every server of the call
 #   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
 #     workload and seed, server and trainer co-resident on GPU 0 (CUDA MPS where the driver has it);
 #     bench-pipeline-1gpu-no-mps the same with cuda_mps="off"; bench-pipeline-split: server on GPU 0,
@@ -195,10 +197,17 @@ backports_without() {
 }
 # ... and of the default backports and one opt-in (without() of a name not among them is all of them).
 backports_with() { echo "$(backports_without "$1"),$1"; }
+# BACKPORTS_WITH=NAME[,NAME...]: every server of the call gets the default backports and these opt-in ones
+# (a suite that chooses its own keeps them); the r39/stall JSON names what each server ran (launch.backports).
+[ -z "${BACKPORTS_WITH:-}" ] || export ART_SGLANG_BACKPORTS="$(backports_with "$BACKPORTS_WITH")"
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
 for name in "$@"; do
   start=$(date +%s)
+  # An r39/stall suite's folder and JSON: the model in the name (the same suite on two models at once, RMODEL
+  # per GPU), and TAG where the same suite runs twice at once (per_gpu.sh lists with TAG=b, other RUNS).
+  run_name="$name${TAG:+-$TAG}-${rmodel##*/}"
+  work="/tmp/work-$run_name"
   case $name in
     contract) cmd=("${pytest[@]}" tests/contract --engine sglang --model-path "$tiny") ;;
     # The contract suite in two halves of about equal time, for two GPUs at once (per_gpu.sh).
@@ -393,8 +402,7 @@ for name in "$@"; do
       esac
       # shellcheck disable=SC2206
       [ -z "${RUNS:-}" ] || cmd+=(--runs $RUNS)
-      # The model in the folder's name too: the same suite may run on two models at once (RMODEL per GPU).
-      cmd+=(--workdir "/tmp/work-$name-${rmodel##*/}" --json "$results/$name-${rmodel##*/}.json") ;;
+      cmd+=(--workdir "$work" --json "$results/$run_name.json") ;;
     stall-*)
       case ${name#stall-} in
         backend) cmd=("${r39[@]}" --side backend --label stall "${kernels[@]}" "${stall[@]}") ;;
@@ -410,7 +418,7 @@ for name in "$@"; do
       esac
       # py-spy (SGLang's kit has it) samples the server's processes over the first 1,024-token run's 30 s.
       cmd=(env PATH="$PATH:/tmp/site/bin" "${cmd[@]}" --profile-dir "$OUT/$name-profile"
-           --workdir "/tmp/work-$name-${rmodel##*/}" --json "$results/$name-${rmodel##*/}.json") ;;
+           --workdir "$work" --json "$results/$run_name.json") ;;
     bench-trainer) cmd=(python3 scripts/bench_trainer.py --model "$big" --out "$OUT") ;;
     # 512 conversations with CUDA graphs on: at 128 without graphs (the first H200x2 run) one replica was
     # not saturated, so a second could not double the throughput.
@@ -486,12 +494,12 @@ for name in "$@"; do
   "${cmd[@]}" 2>&1 | tee -a "$OUT/$name.log" | grep -E --line-buffered '^(===|PASSED|FAILED|ERROR|SKIPPED)|passed|failed|error|\| '
   rc=${PIPESTATUS[0]}
   [ -z "$pmon" ] || kill "$pmon"
-  if [[ $name == r39-* || $name == stall-* ]] && [ -d "/tmp/work-$name-${rmodel##*/}" ]; then
-    find "/tmp/work-$name-${rmodel##*/}" -name 'server*.log' -exec python3 scripts/decode_stalls.py {} + 2>&1 \
+  if [[ $name == r39-* || $name == stall-* ]] && [ -d "$work" ]; then
+    find "$work" -name 'server*.log' -exec python3 scripts/decode_stalls.py {} + 2>&1 \
       | sed 's/^/=== stalls: /' | tee -a "$OUT/$name.log"
   fi
   echo "=== $name: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/$name.log"
-  for log in $(find "/tmp/pt-$name" "/tmp/work-$name" "/tmp/work-$name-${rmodel##*/}" \( -name 'server*.log' -o -name 'trainer*.log' \) -size -4M 2>/dev/null); do
+  for log in $(find "/tmp/pt-$name" "/tmp/work-$name" "$work" \( -name 'server*.log' -o -name 'trainer*.log' \) -size -4M 2>/dev/null); do
     mkdir -p "$OUT/$name-logs" && cp "$log" "$OUT/$name-logs/$(echo "${log#/tmp/}" | tr / _)"
   done
   [ "$rc" = 0 ] || failed=$((failed + 1))

@@ -252,6 +252,21 @@ def test_server_info_is_kept_without_its_keys() -> None:
                                               "internal_states": [{"api_key": "<set>", "memory_usage": {"kvcache": 9.5}}]}  # fmt: skip
 
 
+def test_the_launch_record_names_the_backports_sglang_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inherited from the bench's environment (suite.sh's BACKPORTS_WITH) the choice is in no added variable,
+    so the record names it; the reference engine loads no backports."""
+    from art_sglang.config import SGLangConfig
+    from art_sglang.serving.servers.process import ServerProcess
+
+    monkeypatch.setenv("ART_SGLANG_BACKPORTS", "json-response,evict-ahead")
+    sglang = ServerProcess(SGLangConfig(port=30001), "m", engine="sglang", log_path=tmp_path / "s.log")
+    assert rollout_targets.launch_record(sglang)["backports"] == ["json-response", "evict-ahead"]
+    monkeypatch.delenv("ART_SGLANG_BACKPORTS")
+    assert "evict-ahead" not in rollout_targets.launch_record(sglang)["backports"]
+    reference = ServerProcess(SGLangConfig(port=30001), "m", engine="reference", log_path=tmp_path / "r.log")
+    assert "backports" not in rollout_targets.launch_record(reference)
+
+
 def test_sglang_cache_counters_from_prometheus_text() -> None:
     metrics = "\n".join([
         "# TYPE sglang:prompt_tokens_total counter",
