@@ -252,7 +252,9 @@ def test_server_info_is_kept_without_its_keys() -> None:
                                               "internal_states": [{"api_key": "<set>", "memory_usage": {"kvcache": 9.5}}]}  # fmt: skip
 
 
-def test_the_launch_record_names_the_backports_sglang_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_launch_record_names_the_backports_sglang_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Inherited from the bench's environment (suite.sh's BACKPORTS_WITH) the choice is in no added variable,
     so the record names it; the reference engine loads no backports."""
     from art_sglang.config import SGLangConfig
