@@ -329,8 +329,10 @@ async def test_a_backport_of_no_name_fails_before_the_launch(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     ("raw", "chosen"),
-    [(None, ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid"]),
-     ("default", ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid"]),
+    [(None, ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid", "evict-without-gc",
+             "evict-ahead"]),
+     ("default", ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid", "evict-without-gc",
+                  "evict-ahead"]),
      ("all", ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid", "triton-prefill-grid",
               "evict-without-gc", "evict-ahead"]),
      ("none", []), (" gumbel-sampling , ", ["gumbel-sampling"]), ("csgmv-decode-grid", ["csgmv-decode-grid"]),
@@ -348,6 +350,9 @@ def test_all_default_backports_but_one() -> None:
             other for other in everyone if other != name
         ]
     assert process_module.backports.without("json-response").split(",")[0] == "gumbel-sampling"
+    assert process_module.backports.selection(process_module.backports.without("evict-without-gc, evict-ahead")) == [
+        name for name in everyone if not name.startswith("evict-")
+    ]
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,7 @@ def test_evict_ahead_frees_a_share_of_the_pool_per_call() -> None:
     the next few hundred decode steps); larger calls, and calls for nothing, go through as they are."""
     [(target, hook)] = backports.BACKPORTS["evict-ahead"].hooks
     assert target == "sglang.srt.mem_cache.radix_cache.RadixCache.evict"
-    assert not backports.BACKPORTS["evict-ahead"].default
+    assert backports.BACKPORTS["evict-ahead"].default
     cache = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(size=2_400_000))
     asked: list[EvictParams] = []
 

@@ -74,13 +74,14 @@
 #       no keys, against r39-drop-keys) and admission prefills (--enable-mixed-chunk)
 #     r39-drop-backports, r39-drop-<backport> (~3 each): r39-direct-exact without art_sglang's backports
 #       (SGLang as released), or without one of them (json-response, gumbel-sampling, chat-template-memo,
-#       csgmv-decode-grid)
+#       csgmv-decode-grid, evict-without-gc, evict-ahead)
 #     r39-compare (seconds): every r39-*-<model>.json into bench_rollouts39-<model>.json/.md (docs' table)
-#   Issue 39's decode stalls (the backend's server stalled ~0.5 s about every 1.3 s of 1,024-token decode, SGLang
-#     served directly never did, but never served as long): one workload (bare client, 30 s runs of grpo-128:32,
-#     grpo-128:16, grpo-1024:16: enough to fill the 1.5B's KV pool, which the stalls' onset followed) on
-#     stall-backend (SGLangBackend as r39-backend-a1 runs it), stall-evict-without-gc and stall-evict-ahead
-#     (the same with the opt-in backport of that name), stall-no-watchdog (its watchdog never probes the
+#   Issue 39's decode stalls (once its KV pool was full, SGLang 0.5.17 stalled ~0.5 s about every 1.3 s: its
+#     radix cache's eviction and Python's collector; the default backports evict-without-gc and evict-ahead
+#     remove them): one workload (bare client, 30 s runs of grpo-128:32, grpo-128:16, grpo-1024:16: enough to
+#     fill the 1.5B's KV pool, which the stalls' onset followed) on stall-backend (SGLangBackend as
+#     r39-backend-a1 runs it), stall-released-eviction (both eviction backports off), stall-only-evict-without-gc
+#     and stall-only-evict-ahead (one of them), stall-no-watchdog (its watchdog never probes the
 #     server), stall-direct (SGLang launched as the backend launches it, no trainer, no gateway, no watchdog)
 #     and stall-direct-trainer (the same beside the backend's trainer worker, idle, on its GPU); ~7.5 min for the backend's, ~6.5 for the direct ones
 #     at 1.5B, 4 at once on 4 GPUs (per_gpu.sh); JSON stall-<suite>-<model>.json
@@ -90,7 +91,7 @@
 #     ("=== stalls:" lines).
 #     RUNS='KIND-TOKENS:GROUPS[@CLIENT] ...' replaces a suite's runs; ART_SGLANG_COMMIT=<sha> records the commit;
 #     TAG=b keeps a second instance's folder and JSON apart (one suite's workloads split over two GPUs);
-#     BACKPORTS_WITH=evict-without-gc,evict-ahead adds opt-in backports to every server of the call
+#     BACKPORTS_WITH=triton-prefill-grid adds opt-in backports (NAME[,NAME]) to every server of the call
 #   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
 #     workload and seed, server and trainer co-resident on GPU 0 (CUDA MPS where the driver has it);
 #     bench-pipeline-1gpu-no-mps the same with cuda_mps="off"; bench-pipeline-split: server on GPU 0,
@@ -191,11 +192,12 @@ stall=(--clients bare --ttft-requests 0 --min-seconds 30 --runs grpo-128:32@bare
 # SGLang 0.5.17's experimental triton LoRA path: each shrink on a second stream beside the base GEMM, down_proj's
 # shrink split; the second variable keeps it right under CUDA graphs.
 exp_opti=(SGLANG_EXPERIMENTAL_LORA_OPTI=1 SGLANG_OPT_LORA_OVERLAP_MAIN_ALLOC=1)
-# The ART_SGLANG_BACKPORTS value of the default backports but one.
+# The ART_SGLANG_BACKPORTS value of the default backports but one (or a comma list).
 backports_without() {
   python3 -c "from art_sglang.serving.servers.sglang_site import art_sglang_backports as b; print(b.without('$1'))"
 }
-# ... and of the default backports and one opt-in (without() of a name not among them is all of them).
+# ... and of the default backports and opt-in ones (NAME or a comma list; without() of names not among the
+# defaults is all of them).
 backports_with() { echo "$(backports_without "$1"),$1"; }
 # BACKPORTS_WITH=NAME[,NAME...]: every server of the call gets the default backports and these opt-in ones
 # (a suite that chooses its own keeps them); the r39/stall JSON names what each server ran (launch.backports).
@@ -407,9 +409,15 @@ for name in "$@"; do
       case ${name#stall-} in
         backend) cmd=("${r39[@]}" --side backend --label stall "${kernels[@]}" "${stall[@]}") ;;
         no-watchdog) cmd=("${r39[@]}" --side backend --label stall --no-watchdog "${kernels[@]}" "${stall[@]}") ;;
-        # The backend with the opt-in backport the suite is named after, beside the default ones.
-        evict-without-gc | evict-ahead)
-          cmd=(env "ART_SGLANG_BACKPORTS=$(backports_with "${name#stall-}")" "${r39[@]}" --side backend
+        # The backend with its eviction as SGLang 0.5.17 released it (both eviction backports off), or with one
+        # of the two only: what each does alone.
+        released-eviction | only-evict-without-gc | only-evict-ahead)
+          case ${name#stall-} in
+            released-eviction) off=evict-without-gc,evict-ahead ;;
+            only-evict-without-gc) off=evict-ahead ;;
+            *) off=evict-without-gc ;;
+          esac
+          cmd=(env "ART_SGLANG_BACKPORTS=$(backports_without "$off")" "${r39[@]}" --side backend
                --label "${name#stall-}" "${kernels[@]}" "${stall[@]}") ;;
         direct) cmd=("${r39[@]}" --side direct --flags backend --request-form gateway "${kernels[@]}" "${stall[@]}") ;;
         direct-trainer) cmd=("${r39[@]}" --side direct --flags backend --request-form gateway --beside-trainer
