@@ -260,11 +260,13 @@ def test_the_launch_record_names_the_backports_sglang_runs(
     from art_sglang.config import SGLangConfig
     from art_sglang.serving.servers.process import ServerProcess
 
-    monkeypatch.setenv("ART_SGLANG_BACKPORTS", "json-response,evict-ahead")
+    monkeypatch.setenv("ART_SGLANG_BACKPORTS", "json-response,triton-prefill-grid")
     sglang = ServerProcess(SGLangConfig(port=30001), "m", engine="sglang", log_path=tmp_path / "s.log")
-    assert rollout_targets.launch_record(sglang)["backports"] == ["json-response", "evict-ahead"]
+    assert rollout_targets.launch_record(sglang)["backports"] == ["json-response", "triton-prefill-grid"]
     monkeypatch.delenv("ART_SGLANG_BACKPORTS")
-    assert "evict-ahead" not in rollout_targets.launch_record(sglang)["backports"]
+    defaults = rollout_targets.art_sglang_backports.selection(None)
+    assert rollout_targets.launch_record(sglang)["backports"] == defaults
+    assert "triton-prefill-grid" not in defaults
     reference = ServerProcess(SGLangConfig(port=30001), "m", engine="reference", log_path=tmp_path / "r.log")
     assert "backports" not in rollout_targets.launch_record(reference)
 
