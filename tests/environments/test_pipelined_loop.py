@@ -109,3 +109,26 @@ async def test_every_step_trains_within_the_bound_and_nothing_is_discarded_as_st
     assert [d for d in discarded if d is not None] == [0.0] * 8
     # The next step's rollouts ran while the trainer trained.
     assert any(start < t < end for start, end in backend.trains[1:] for t in task.starts)
+
+
+async def test_more_workers_than_the_bound_holds_are_discarded_never_trained(
+    openpipe_art: Any, tmp_path: Path
+) -> None:
+    # Three batches of workers against a bound of one: rollouts run further ahead than the bound allows.
+    backend, task = PacedBackend(), PacedTask()
+    model = openpipe_art.TrainableModel(name="paced", project="p", base_model="none", base_path=str(tmp_path))
+    await model.register(backend)
+    reports = await asyncio.wait_for(
+        pipelined_loop(
+            backend, model, task, steps=6, groups_per_step=4, group_size=2, learning_rate=1e-5,
+            max_steps_off_policy=1, rollout_workers=12,
+        ),
+        timeout=60,
+    )  # fmt: skip
+    assert len(reports) == 6
+    assert max(b for r in reports for b in r.steps_behind) <= 1
+    # ... because PipelineTrainer discarded the groups that fell further behind.
+    history = [
+        json.loads(line) for line in (tmp_path / "p/models/paced/history.jsonl").read_text().splitlines()
+    ]
+    assert max(row.get("train/discarded_stale_groups", 0.0) for row in history) > 0
