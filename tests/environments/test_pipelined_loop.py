@@ -25,6 +25,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # environments/ is a top-level folder of the checkout
 
 import art_sglang as art  # noqa: E402
+from environments.environment import StepReport  # noqa: E402
 from environments.pipelined import pipelined_loop  # noqa: E402
 
 TRAIN_S = 0.3
@@ -84,29 +85,36 @@ class PacedTask:
         return art.Trajectory(messages_and_choices=messages, reward=random.Random(seed).random())
 
 
+async def paced_run(
+    ART: Any, path: Path, steps: int, **options: Any
+) -> tuple[list[StepReport], PacedBackend, PacedTask, list[float]]:
+    """`steps` steps of 4 groups of 2 on the paced backend: the reports, the backend, the task, and each
+    step's count of groups PipelineTrainer discarded as stale so far (from its history.jsonl)."""
+    backend, task = PacedBackend(), PacedTask()
+    model = ART.TrainableModel(name="paced", project="p", base_model="none", base_path=str(path))
+    await model.register(backend)
+    loop = pipelined_loop(
+        backend, model, task, steps=steps, groups_per_step=4, group_size=2, learning_rate=1e-5, **options
+    )
+    reports = await asyncio.wait_for(loop, timeout=60)
+    rows = map(json.loads, (path / "p/models/paced/history.jsonl").read_text().splitlines())
+    discarded = [row["train/discarded_stale_groups"] for row in rows if "train/discarded_stale_groups" in row]
+    return reports, backend, task, discarded
+
+
 @pytest.mark.parametrize("max_steps_off_policy", [1, 2])
 async def test_every_step_trains_within_the_bound_and_nothing_is_discarded_as_stale(
     openpipe_art: Any, tmp_path: Path, max_steps_off_policy: int
 ) -> None:
-    backend, task = PacedBackend(), PacedTask()
-    model = openpipe_art.TrainableModel(name="paced", project="p", base_model="none", base_path=str(tmp_path))
-    await model.register(backend)
-    reports = await asyncio.wait_for(
-        pipelined_loop(
-            backend, model, task, steps=8, groups_per_step=4, group_size=2, learning_rate=1e-5,
-            max_steps_off_policy=max_steps_off_policy,
-        ),
-        timeout=60,
-    )  # fmt: skip
-
+    reports, backend, task, discarded = await paced_run(
+        openpipe_art, tmp_path, 8, max_steps_off_policy=max_steps_off_policy
+    )
     assert [r.step for r in reports] == list(range(8)) and backend.step == 8
     assert all(len(r.rewards) == 4 * 2 for r in reports)
     # Steps behind: the policy a batch trains from less the policy that sampled each of its groups.
     assert all(len(r.steps_behind) == 4 for r in reports)
     assert max(b for r in reports for b in r.steps_behind) <= max_steps_off_policy
-    history = (tmp_path / "p/models/paced/history.jsonl").read_text().splitlines()
-    discarded = [row.get("train/discarded_stale_groups") for row in map(json.loads, history)]
-    assert [d for d in discarded if d is not None] == [0.0] * 8
+    assert discarded == [0.0] * 8
     # The next step's rollouts ran while the trainer trained.
     assert any(start < t < end for start, end in backend.trains[1:] for t in task.starts)
 
@@ -115,20 +123,10 @@ async def test_more_workers_than_the_bound_holds_are_discarded_never_trained(
     openpipe_art: Any, tmp_path: Path
 ) -> None:
     # Three batches of workers against a bound of one: rollouts run further ahead than the bound allows.
-    backend, task = PacedBackend(), PacedTask()
-    model = openpipe_art.TrainableModel(name="paced", project="p", base_model="none", base_path=str(tmp_path))
-    await model.register(backend)
-    reports = await asyncio.wait_for(
-        pipelined_loop(
-            backend, model, task, steps=6, groups_per_step=4, group_size=2, learning_rate=1e-5,
-            max_steps_off_policy=1, rollout_workers=12,
-        ),
-        timeout=60,
-    )  # fmt: skip
+    reports, _, _, discarded = await paced_run(
+        openpipe_art, tmp_path, 6, max_steps_off_policy=1, rollout_workers=12
+    )
     assert len(reports) == 6
     assert max(b for r in reports for b in r.steps_behind) <= 1
     # ... because PipelineTrainer discarded the groups that fell further behind.
-    history = [
-        json.loads(line) for line in (tmp_path / "p/models/paced/history.jsonl").read_text().splitlines()
-    ]
-    assert max(row.get("train/discarded_stale_groups", 0.0) for row in history) > 0
+    assert discarded[-1] > 0
