@@ -36,6 +36,8 @@ class StepReport:
     metrics: dict[str, float] = field(default_factory=dict)  # means of the trajectories' metrics
     train_metrics: dict[str, float] = field(default_factory=dict)  # the step's TrainResult metrics
     solved: bool = False  # every rollout scored the task's ceiling: not trained, the run ends here
+    # Pipelined loop: per group, how many steps the policy that sampled it is behind the one it trains.
+    steps_behind: list[int] = field(default_factory=list)
 
     @property
     def mean_reward(self) -> float:

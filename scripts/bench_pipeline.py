@@ -6,9 +6,15 @@ backend (one server start for both). Per loop: steps per minute, over the whole 
 the end of its last `train()`) and in steady state (from the end of its first step on: a loop's first step
 carries one-off costs, the trainer compiling its kernels, that a run of hundreds of steps pays once and
 that would hide the rate in a few-step run), trajectories trained per minute in steady state (the
-headline ratio: PipelineTrainer's last step trains only what is left), the mean reward of every step's
-batch, the seconds each step took, and for the pipelined loop how far its batches were off policy
-(PipelineTrainer's `train/steps_off_policy`).
+headline ratio; it is given only when both loops trained the same trajectories), the mean reward of every
+step's batch, the seconds each step took, how long each waited for its batch (the synchronous loop: its
+rollouts; the pipelined loop: what training did not cover), each step's trainer metrics (`train_metrics`:
+the phases of the step, on the slowest and the fastest rank, its rows, micro-batches and padded tokens,
+the weight sync and the probe: what tells a slow step's cause), and for the pipelined loop how far its
+batches were off policy: `steps_behind_max`/`steps_behind_mean`, the policy each batch trains from less the
+policy that sampled its groups, what `max_steps_off_policy` bounds, and PipelineTrainer's own
+`train/steps_off_policy` (`art_steps_off_policy`: counted from the step the batch produces, so an
+on-policy batch is 1 and the bound's largest is K + 1), with the groups it discarded as stale.
 
 Layouts: `co_resident` (server and trainer on GPU 0, no handoff), `split` (server on GPU 0, trainer on
 GPU 1), `replicas` (two servers on GPUs 0-1 behind SGLang's router, a two-rank trainer on GPUs 2-3),
@@ -100,35 +106,49 @@ async def run_loop(backend: SGLangBackend, model: Any, loop: str, args: argparse
         reports = await pipelined_loop(
             backend, model, task, max_steps_off_policy=args.max_steps_off_policy, **options
         )
-    return {
+    result = {
         **loop_rates(started, ends, [len(r.rewards) for r in reports]),
         "mean_reward": [r.mean_reward for r in reports],
         "train_s": [r.train_metrics.get("time/train_s") for r in reports],
+        "batch_wait_s": [r.rollout_s for r in reports],
+        "train_metrics": [r.train_metrics for r in reports],
     }
+    if loop == "pipelined":
+        result["steps_behind_max"] = [max(r.steps_behind) for r in reports]
+        result["steps_behind_mean"] = [statistics.fmean(r.steps_behind) for r in reports]
+    return result
 
 
 def loop_rates(started: float, ends: list[float], trajectories: list[int]) -> dict[str, Any]:
     """A loop's rates from its start, the end of each step and the trajectories each step trained.
-    Steady: from the end of the first step on. Trajectories per minute is the fair one: PipelineTrainer's
-    last step trains only the groups left when the run stops (16 of 64 in one run), which makes its
-    steps per minute look better than the work done."""
+    Steady: from the end of the first step on. Trajectories per minute is the fair one: a loop whose
+    last step trained only the groups left (PipelineTrainer's, before its scenario stream was endless: 16
+    of 64 in one run) has steps per minute that look better than the work done. `median_step_s`: the
+    median step after the first, which one slow step (a recompile) does not move."""
     wall = ends[-1] - started
     steady = ends[-1] - ends[0]
+    step_s = [b - a for a, b in itertools.pairwise([started, *ends])]
     return {
         "steps": len(ends),
         "wall_s": wall,
         "steps_per_minute": 60.0 * len(ends) / wall,
         "steady_steps_per_minute": 60.0 * (len(ends) - 1) / steady if len(ends) > 1 else None,
         "steady_trajectories_per_minute": 60.0 * sum(trajectories[1:]) / steady if len(ends) > 1 else None,
-        "step_s": [b - a for a, b in itertools.pairwise([started, *ends])],
+        "step_s": step_s,
+        "median_step_s": statistics.median(step_s[1:]) if len(ends) > 1 else None,
         "trajectories": trajectories,
     }
 
 
-def steps_off_policy(history: Path) -> list[float]:
-    """PipelineTrainer's staleness of each step's batch, from the run's history.jsonl."""
+def pipeline_history(history: Path) -> dict[str, Any]:
+    """PipelineTrainer's own record of a run, from its history.jsonl: each step's `steps_off_policy` and
+    the groups it discarded as stale (a cumulative count)."""
     rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()]
-    return [row["train/steps_off_policy"] for row in rows if "train/steps_off_policy" in row]
+    trained = [row for row in rows if "train/steps_off_policy" in row]
+    return {
+        "art_steps_off_policy": [row["train/steps_off_policy"] for row in trained],
+        "discarded_stale_groups": int(trained[-1].get("train/discarded_stale_groups", 0)) if trained else 0,
+    }
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -150,9 +170,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for loop, model in models.items():
             loops[loop] = await run_loop(backend, model, loop, args)
         history = path / "bench-pipeline" / "models" / "bench-pipelined" / "history.jsonl"
-        loops["pipelined"]["steps_off_policy"] = steps_off_policy(history)
+        loops["pipelined"].update(pipeline_history(history))
         layout, config = backend.layout.describe(), backend.sglang_config.model_dump()
         cuda_mps = backend.uses_cuda_mps
+    step_ratio = ratio(loops, "median_step_s")
     result: dict[str, Any] = {
         "device": device_name(env),
         "date": env["date"],
@@ -173,6 +194,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "speedup": ratio(loops, "steady_trajectories_per_minute"),
         "speedup_steady_steps": ratio(loops, "steady_steps_per_minute"),
         "speedup_whole_loop": ratio(loops, "steps_per_minute"),
+        # Sync's median step over pipelined's: the steady rate's ratio without each loop's slowest steps.
+        "speedup_median_step": 1 / step_ratio if step_ratio else None,
         "sglang_config": config,
     }
     if result["engine"] == "sglang":
@@ -181,24 +204,28 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def ratio(loops: dict[str, Any], key: str) -> float | None:
-    """Pipelined over synchronous `key` (None where a loop has no such rate: a one-step run)."""
-    pipelined, sync = loops["pipelined"][key], loops["sync"][key]
-    return pipelined / sync if pipelined and sync else None
+    """Pipelined over synchronous `key`; None where a loop has no such rate (a one-step run) or the loops
+    trained different work (a loop that stopped early is no comparison)."""
+    pipelined, sync = loops["pipelined"], loops["sync"]
+    if pipelined["trajectories"] != sync["trajectories"] or not pipelined[key] or not sync[key]:
+        return None
+    return pipelined[key] / sync[key]
 
 
 def table(result: dict[str, Any]) -> str:
     headers = ["loop", "steps", "wall s", "steps/min", "steps/min after step 1",
-               "trajectories/min after step 1", "s/step (median)", "mean reward per step",
-               "steps off policy (mean)"]  # fmt: skip
+               "trajectories/min after step 1", "s/step (median)", "batch wait s (median)",
+               "mean reward per step", "steps behind (mean, max)", "stale groups discarded"]  # fmt: skip
     rows = []
     for name, loop in result["loops"].items():
-        stale = loop.get("steps_off_policy")
+        behind = loop.get("steps_behind_mean")
         rows.append([
             name, loop["steps"], loop["wall_s"], loop["steps_per_minute"],
             loop["steady_steps_per_minute"] or "-", loop["steady_trajectories_per_minute"] or "-",
-            statistics.median(loop["step_s"]),
+            statistics.median(loop["step_s"]), statistics.median(loop["batch_wait_s"]),
             " ".join(f"{r:.3f}" for r in loop["mean_reward"]),
-            statistics.fmean(stale) if stale else "-",
+            f"{statistics.fmean(behind):.2f}, {max(loop['steps_behind_max'])}" if behind else "-",
+            loop.get("discarded_stale_groups", "-"),
         ])  # fmt: skip
     w = result["workload"]
     head = (
@@ -208,7 +235,8 @@ def table(result: dict[str, Any]) -> str:
         f"seed {w['seed']}; "
         f"pipelined / synchronous trajectories trained per minute after the first step: "
         f"{times(result['speedup'])} (steps per minute: {times(result['speedup_steady_steps'])} after the "
-        f"first step, {times(result['speedup_whole_loop'])} over the whole loop)"
+        f"first step, {times(result['speedup_whole_loop'])} over the whole loop; by the median step after the "
+        f"first: {times(result['speedup_median_step'])})"
     )
     return head + "\n\n" + markdown_table(headers, rows)
 

@@ -24,7 +24,7 @@ from ..storage import checkpoints as ckpt
 from .loss import ROW_MEAN_EPS, TokenInputs, sampled_token_logprobs, token_loss
 from .options import TrainOptions
 from .packing import plan_micro_batches
-from .phase_times import PhaseTimes
+from .phase_times import CompileWatch, PhaseTimes
 from .tokenize import TokenizedSequence, sampled_constraints
 from .train_state import TrainState, all_finite
 
@@ -69,6 +69,7 @@ class RowOptimizer:
         times: PhaseTimes,
     ) -> dict[str, float]:
         started = time.perf_counter()
+        compiles = CompileWatch()
         cuda = self._state.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -81,9 +82,11 @@ class RowOptimizer:
                 self._precalculate([s for share in shares for s in share])
         max_norm = options.max_grad_norm or self._state.config.max_grad_norm or math.inf
         sums = _Sums()
-        total = sum(len(plan_micro_batches(share, budget)) for share in shares)  # this rank's
-        for row_index, (row, share) in enumerate(zip(rows, shares, strict=True)):
-            batches = plan_micro_batches(share, budget)
+        planned = [plan_micro_batches(share, budget) for share in shares]  # this rank's
+        total = sum(map(len, planned))
+        # A rank without micro-batches counts as the whole batch (it compiles nothing).
+        smallest = min((len(b) for batches in planned for b in batches), default=len(selected))
+        for row_index, (row, batches) in enumerate(zip(rows, planned, strict=True)):
             row_tokens = sum(s.num_sampled for s in row)
             row_kl = 0.0
             kl = None
@@ -128,10 +131,13 @@ class RowOptimizer:
                 ]
             )
             # The slowest and the fastest rank's forward/backward (the step waits for the slowest),
-            # tokenize (every rank tokenizes the whole batch) and the rows' all-reduces, and the fullest
-            # rank's memory, in one collective.
+            # tokenize (every rank tokenizes the whole batch) and the rows' all-reduces, the fullest
+            # rank's memory, the most any rank compiled and the smallest micro-batch, in one collective.
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-            *extremes, peak = ranks.reduce([*own, *(-s for s in own), peak], "max")
+            own_graphs, own_compile_s = compiles.since()
+            *extremes, peak, graphs, compile_s, least = ranks.reduce(
+                [*own, *(-s for s in own), peak, own_graphs, own_compile_s, -smallest], "max"
+            )
             slowest, fastest = extremes[: len(own)], [-s for s in extremes[len(own) :]]
         seconds = time.perf_counter() - started
         return {
@@ -148,6 +154,9 @@ class RowOptimizer:
             "micro_batches": micro_batches,
             "num_tokens_forwarded": forwarded,
             "num_tokens_padded": padded,
+            "micro_batch_sequences_min": -least,
+            "compiled_graphs": graphs,
+            "time/trainer_compile_slowest_rank_s": compile_s,
             "tokens_per_second": forwarded / seconds if seconds > 0 else 0.0,
             **{f"time/trainer_{name}_slowest_rank_s": s for name, s in zip(_SPREAD, slowest, strict=True)},
             **{f"time/trainer_{name}_fastest_rank_s": s for name, s in zip(_SPREAD, fastest, strict=True)},

@@ -168,7 +168,10 @@ inference=(python3 scripts/benchmark_inference.py --model "$big")
 # Completions of up to 384 tokens: with 96 (the first H200 run) rollouts were ~1.5 s of a ~5 s step, too
 # little to overlap for pipelining to show.
 # 8 steps: the first of each loop (the trainer compiling) is left out of the steady-state rate.
-pipeline=(python3 scripts/bench_pipeline.py --model "$big" "${kernels[@]}" --steps 8 --max-tokens 384)
+# TORCH_LOGS=recompiles: the trainer logs (kept below, from /tmp/work-<suite>) say whether a slow step in the
+# middle of a run (22 s against 4, bench-pipeline-replicas 2026-11-28) compiled a new shape.
+pipeline=(env TORCH_LOGS=recompiles python3 scripts/bench_pipeline.py --model "$big" "${kernels[@]}" --steps 8
+          --max-tokens 384)
 # 470 s: the last run to start (10-35 s at 7B) and the server's stop end before the call's 10 minutes.
 probe=(python3 scripts/probe_rollout_costs.py --model "$big" --lora-rank 16 --seconds 10 --repeats 3 --workdir /tmp/work-probe)
 # Issue 26's runs as they were measured: ART's client only, prefill sharing off too for varying and multiturn.
@@ -493,6 +496,8 @@ for name in "$@"; do
   # Each pytest suite keeps its own temporary folder, so several suites can run at once (device/per_gpu.sh) and
   # the servers' logs can be collected by suite.
   if [[ " ${cmd[*]} " == *" pytest "* ]]; then rm -rf "/tmp/pt-$name"; cmd+=(--basetemp "/tmp/pt-$name"); fi
+  # ... and each pipeline bench its own work folder, so its trainer and server logs are collected too.
+  if [[ $name == bench-pipeline-* ]]; then cmd+=(--workdir "/tmp/work-$name"); fi
   echo "=== $name: ${cmd[*]}" | tee "$OUT/$name.log"
   pmon=
   if [[ $name == stall-* ]] && command -v nvidia-smi > /dev/null; then  # which processes use the GPU, each second

@@ -3,13 +3,14 @@ themselves run through the backend in tests/test_pipelining.py and on the GPU)."
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from bench_pipeline import loop_rates, ratio
+from bench_pipeline import loop_rates, pipeline_history, ratio
 
 
 def test_steady_rates_leave_out_the_first_step_and_count_trained_trajectories() -> None:
@@ -24,12 +25,30 @@ def test_steady_rates_leave_out_the_first_step_and_count_trained_trajectories() 
     assert one_step["steady_steps_per_minute"] is None and one_step["steady_trajectories_per_minute"] is None
 
 
-def test_a_short_last_step_does_not_count_as_a_full_one() -> None:
+def test_the_loops_compare_only_at_equal_trained_work() -> None:
     sync = loop_rates(0.0, [40.0, 50.0, 60.0, 70.0], [64, 64, 64, 64])
-    pipelined = loop_rates(0.0, [40.0, 49.0, 58.0, 61.0], [64, 64, 64, 16])
+    pipelined = loop_rates(0.0, [40.0, 48.0, 56.0, 70.0], [64, 64, 64, 64])
     loops = {"sync": sync, "pipelined": pipelined}
-    # By steps, the short last step makes the pipelined loop look 1.43x faster; by work, it is 0.95x.
-    assert ratio(loops, "steady_steps_per_minute") == pytest.approx(30 / 21)
-    assert ratio(loops, "steady_trajectories_per_minute") == pytest.approx((144 / 21) / (192 / 30))
+    assert ratio(loops, "steady_trajectories_per_minute") == pytest.approx(30 / 30)
+    # The median step leaves out the slow one (14 s: a recompile).
+    assert pipelined["median_step_s"] == 8.0 and ratio(loops, "median_step_s") == pytest.approx(0.8)
+    # A loop that stopped early (7 steps of 8, or a short last step) is no comparison: by steps it would
+    # look faster than the work it did.
+    short = loop_rates(0.0, [40.0, 49.0, 58.0, 61.0], [64, 64, 64, 16])
+    assert ratio({"sync": sync, "pipelined": short}, "steady_trajectories_per_minute") is None
+    fewer = loop_rates(0.0, [40.0, 49.0, 58.0], [64, 64, 64])
+    assert ratio({"sync": sync, "pipelined": fewer}, "steady_steps_per_minute") is None
     one = loop_rates(0.0, [1.0], [8])
     assert ratio({"sync": one, "pipelined": one}, "steady_steps_per_minute") is None
+
+
+def test_pipeline_history_reads_arts_staleness_and_discards(tmp_path: Path) -> None:
+    # As PipelineTrainer writes history.jsonl: a train row per step (the cumulative discards), other rows.
+    rows = [
+        {"step": 1, "train/steps_off_policy": 1.0, "train/discarded_stale_groups": 0.0},
+        {"step": 1, "checkpoint/saved": 1.0},
+        {"step": 2, "train/steps_off_policy": 3.0, "train/discarded_stale_groups": 5.0},
+    ]
+    history = tmp_path / "history.jsonl"
+    history.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert pipeline_history(history) == {"art_steps_off_policy": [1.0, 3.0], "discarded_stale_groups": 5}

@@ -80,6 +80,9 @@ def test_micro_batches_accumulate_to_the_full_batch_step(
         results.append((outcome, lora_weights(trainer)))
     (one, w_one), (many, w_many) = results
     assert one.metrics["micro_batches"] == 1 and many.metrics["micro_batches"] == 8
+    # The smallest micro-batch (a batch of one is a new compiled shape on a GPU); peft on CPU compiles nothing.
+    assert (one.metrics["micro_batch_sequences_min"], many.metrics["micro_batch_sequences_min"]) == (8, 1)
+    assert one.metrics["compiled_graphs"] == many.metrics["compiled_graphs"] == 0
     # Only the sampled answers and their end-of-turn tokens are trained (2 groups of the same answers).
     sampled = 2 * sum(len(tokenizer.encode(a, add_special_tokens=False)) + 1 for a, _ in ANSWERS)
     assert one.metrics["num_tokens"] == sampled
