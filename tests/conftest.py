@@ -60,6 +60,13 @@ def openpipe_art(monkeypatch: pytest.MonkeyPatch):
         masking_utils._preprocess_mask_arguments = original
 
 
+def _is_resource_tracker(process: psutil.Process) -> bool:
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(process.cmdline())
+    except psutil.Error:
+        return False
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _no_leftover_processes():
     """Fail a test module that leaves a child process alive, after killing the whole tree.
@@ -69,16 +76,20 @@ def _no_leftover_processes():
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     yield
-    leftovers = [p for p in me.children(recursive=True) if p.pid not in before]
+    # Python's multiprocessing resource tracker is the interpreter's own helper, started at the first
+    # semaphore or shared memory whichever test that is, and kept until the interpreter exits: not a test's.
+    leftovers = [
+        p for p in me.children(recursive=True) if p.pid not in before and not _is_resource_tracker(p)
+    ]
+    names = []  # read before the kill: a killed process has no command line left to name it by
+    for p in leftovers:
+        try:
+            names.append(f"{p.pid} (parent {p.ppid()}): {' '.join(p.cmdline())[:120]}")
+        except psutil.Error:
+            names.append(str(p.pid))
     for proc in leftovers:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
     psutil.wait_procs(leftovers, timeout=10)
     alive = [p for p in leftovers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    names = []
-    for p in leftovers:
-        try:
-            names.append(" ".join(p.cmdline())[:120])
-        except psutil.Error:
-            names.append(str(p.pid))
     assert not leftovers, f"test left processes running (killed now, alive={len(alive)}): {names}"
