@@ -184,6 +184,11 @@ BACKPORTS: dict[str, Backport] = {
         None, [("sglang.srt.mem_cache.radix_cache.RadixCache.evict", _evict_without_gc)]
     ),
     "evict-ahead": Backport(None, [("sglang.srt.mem_cache.radix_cache.RadixCache.evict", _evict_ahead)]),
+    "logprob-json": Backport(
+        None,
+        [(f"{_CHAT}._build_chat_response", _beside("art_sglang_logprob_json", "build_in_one_pass"))],
+        default=False,
+    ),
 }
 
 
