@@ -26,18 +26,8 @@ from types import SimpleNamespace
 from typing import Any
 
 SGLANG_SITE = Path(__file__).resolve().parent.parent / "art_sglang" / "serving" / "servers" / "sglang_site"
-ODD_TEXTS = [
-    "",
-    "\n",
-    '\t"\\',
-    "\x00\x1f\x7f",
-    "é",
-    "😀",
-    "\ufffd",
-    "\u2028",
-    '"logprobs":{"content":[]}',
-    "<t9>",
-]
+# Beside every single-id text of the first 300 ids (byte-level pieces: control characters, U+FFFD, ...).
+ODD_TEXTS = ['"logprobs":{"content":[]}', '\t"\\', "\u2028", "😀", "é", ""]  # fmt: skip
 ODD_LOGPROBS = [-0.0, 0.0, -math.inf, math.nan, 5e-324, -1e-7, -123456789.123, -1 / 3, -1e300, -2.5]
 
 
@@ -100,9 +90,10 @@ def cases(
     }  # fmt: skip
 
     def odd(ids: list[int]) -> list[str]:
-        return [ODD_TEXTS[i % len(ODD_TEXTS)] for i in range(len(ids))]
+        made = texts(list(range(300))) + ODD_TEXTS
+        return [made[n % len(made)] for n in range(len(ids))]
 
-    oddities = answer(rng, odd, 40)
+    oddities = answer(rng, odd, 306)
     meta = oddities["meta_info"]
     meta["output_token_logprobs"] = [
         (ODD_LOGPROBS[n % len(ODD_LOGPROBS)], i, w)
