@@ -61,12 +61,14 @@ below), `all`, `none`, or a comma list of the names below.
   answers (8,787 the session before, with the stalls).
 - `logprob-json` (in no release; not default): a non-streamed chat answer with logprobs is built with one
   validated pydantic entry per output token, and serialising it turns every entry into Python dicts again
-  (the response's wrap serializers): ~4.4 ms of CPU per 1,024-token answer (build 2.1 + JSON 2.3, SGLang
-  0.5.17's own classes, this project's CPU box), for each of a wave's 128 answers in turn on the HTTP
-  process's one event loop. Built without the entries instead, and their JSON written by pydantic-core from
-  plain dicts into the body (`art_sglang_logprob_json.py`): the same bytes as `json-response` sends
-  (scripts/check_logprob_json.py), ~1.1 ms. Answers with top logprobs or meta_info, and 0.5.23 (which takes
-  `bytes` from the token id), keep SGLang's path. Not yet measured on a GPU.
+  (the response's wrap serializers): ~4.4 ms of CPU per 1,024-token answer (SGLang 0.5.17's own classes, a
+  CPU box), for each of a wave's 128 answers in turn on the HTTP process's one event loop, and the objects
+  kept alive meanwhile start 4-5 full garbage collections of that process per wave (~0.5 s each). Built
+  without the entries instead, their JSON written by pydantic-core from plain dicts into the body
+  (`art_sglang_logprob_json.py`): the same bytes as `json-response` sends (scripts/check_logprob_json.py),
+  ~1.1 ms. Over real HTTP on CPU a wave's last answer left 0.26-0.94 s after the first instead of 2.6-3.9 s.
+  Answers with top logprobs or meta_info, and 0.5.23 (which takes `bytes` from the token id), keep SGLang's
+  path. Not yet measured on a GPU.
 
 This module imports nothing of art_sglang (the server's venv need not have it) and no SGLang at import time
 (art_sglang reads `selection` when it launches a server).
