@@ -334,7 +334,7 @@ async def test_a_backport_of_no_name_fails_before_the_launch(tmp_path: Path) -> 
      ("default", ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid", "evict-without-gc",
                   "evict-ahead"]),
      ("all", ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid", "triton-prefill-grid",
-              "evict-without-gc", "evict-ahead"]),
+              "evict-without-gc", "evict-ahead", "logprob-json"]),
      ("none", []), (" gumbel-sampling , ", ["gumbel-sampling"]), ("csgmv-decode-grid", ["csgmv-decode-grid"]),
      ("triton-prefill-grid", ["triton-prefill-grid"]), ("evict-without-gc", ["evict-without-gc"]),
      ("evict-ahead,evict-without-gc", ["evict-ahead", "evict-without-gc"])],

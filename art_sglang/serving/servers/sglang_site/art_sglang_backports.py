@@ -59,6 +59,16 @@ below), `all`, `none`, or a comma list of the names below.
   ~800 calls taking 13-14 s of each 30-s run as released; no decode stall in 146 log intervals against 39
   stalls of 0.52 s (35 % of decode time); output tokens/s 10,416 against 5,988, and 14,400 at 1,024-token
   answers (8,787 the session before, with the stalls).
+- `logprob-json` (in no release; not default): a non-streamed chat answer with logprobs is built with one
+  validated pydantic entry per output token, and serialising it turns every entry into Python dicts again
+  (the response's wrap serializers): ~4.4 ms of CPU per 1,024-token answer (SGLang 0.5.17's own classes, a
+  CPU box), for each of a wave's 128 answers in turn on the HTTP process's one event loop, and the objects
+  kept alive meanwhile start 4-5 full garbage collections of that process per wave (~0.5 s each). Built
+  without the entries instead, their JSON written by pydantic-core from plain dicts into the body
+  (`art_sglang_logprob_json.py`): the same bytes as `json-response` sends (scripts/check_logprob_json.py),
+  ~1.1 ms. Over real HTTP on CPU a wave's last answer left 0.26-0.94 s after the first instead of 2.6-3.9 s.
+  Answers with top logprobs or meta_info, and 0.5.23 (which takes `bytes` from the token id), keep SGLang's
+  path. Not yet measured on a GPU.
 
 This module imports nothing of art_sglang (the server's venv need not have it) and no SGLang at import time
 (art_sglang reads `selection` when it launches a server).
@@ -184,6 +194,11 @@ BACKPORTS: dict[str, Backport] = {
         None, [("sglang.srt.mem_cache.radix_cache.RadixCache.evict", _evict_without_gc)]
     ),
     "evict-ahead": Backport(None, [("sglang.srt.mem_cache.radix_cache.RadixCache.evict", _evict_ahead)]),
+    "logprob-json": Backport(
+        None,
+        [(f"{_CHAT}._build_chat_response", _beside("art_sglang_logprob_json", "build_in_one_pass"))],
+        default=False,
+    ),
 }
 
 
