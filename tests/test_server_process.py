@@ -350,9 +350,9 @@ def test_all_default_backports_but_one() -> None:
             other for other in everyone if other != name
         ]
     assert process_module.backports.without("json-response").split(",")[0] == "gumbel-sampling"
-    assert process_module.backports.selection(process_module.backports.without("evict-without-gc, evict-ahead")) == [
-        name for name in everyone if not name.startswith("evict-")
-    ]
+    assert process_module.backports.selection(
+        process_module.backports.without("evict-without-gc, evict-ahead")
+    ) == [name for name in everyone if not name.startswith("evict-")]
 
 
 @pytest.mark.parametrize(
