@@ -1,0 +1,83 @@
+"""A wave of GRPO groups sent all at once, each request on its own new connection (as the bench's client and
+ART's send them, the gateway closing every connection), while the gateway's loop is busy: every prompt is
+computed once, by its one prefill-only request, before any of its group's requests.
+
+The gateway listened with aiohttp's backlog of 128: connections beyond it were dropped by the kernel and
+resent by the client 1 s later, so a group whose first request got in and the rest did not was split: the
+first went alone after the lead, the rest started a prefill-only request 1 s later, and the prompt was
+computed twice (issue 39: 4 of 16 waves on an H200; reproduced on CPU with `nstat`'s ListenOverflows)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+
+import aiohttp
+import pytest
+from aiohttp import web
+from backend_helpers import StandIn
+
+from art_sglang.serving.gateway import app as gateway_app
+from art_sglang.serving.gateway.app import AdapterGateway
+from art_sglang.serving.gateway.rules import Forward
+
+GROUPS = 32
+GROUP_SIZE = 8
+STALL_S = 0.5  # the gateway's loop busy while the wave's connections come in
+STALL = "stall"
+
+
+async def test_a_wave_of_groups_computes_each_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    arrivals: dict[str, list[tuple[float, int]]] = defaultdict(list)  # prompt -> (time, max_tokens)
+
+    async def chat(request: web.Request) -> web.Response:
+        payload = await request.json()
+        arrivals[payload["messages"][0]["content"]].append((time.monotonic(), payload["max_tokens"]))
+        await asyncio.sleep(0.05)
+        usage = {"prompt_tokens": 1100, "completion_tokens": payload["max_tokens"]}
+        message = {"role": "assistant", "content": "1,1"}
+        choice = {"index": 0, "message": message, "finish_reason": "length"}
+        return web.json_response({"choices": [choice], "usage": usage})
+
+    key = gateway_app.prompt_key
+
+    # The stall request keeps the gateway's loop busy while the wave connects, as a burst's own work does.
+    def slow_key(decision: Forward) -> str | None:
+        if decision.payload is not None and decision.payload["messages"][0]["content"] == STALL:
+            time.sleep(STALL_S)
+        return key(decision)
+
+    monkeypatch.setattr(gateway_app, "prompt_key", slow_key)
+    upstream = StandIn([web.post("/v1/chat/completions", chat)])
+    await upstream.start()
+    gateway = AdapterGateway(upstream.url, share_lead=0.003)
+    gateway.start()
+    gateway.set_served(["agent@1"], ["base"])
+    prompts = [f"group {g}. " + "Play tic-tac-toe and answer with one move. " * 100 for g in range(GROUPS)]
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as http:
+
+            async def post(system: str) -> None:
+                body = {"model": "agent@1", "max_tokens": 4, "temperature": 1.0,
+                        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "move?"}]}  # fmt: skip
+                async with http.post(f"{gateway.base_url}/v1/chat/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+
+            stall = asyncio.create_task(post(STALL))
+            await asyncio.sleep(0.1)  # the gateway's loop is now stalled in the stall request
+            await asyncio.gather(*(post(p) for p in prompts for _ in range(GROUP_SIZE)))
+            await stall
+    finally:
+        gateway.close()
+        await upstream.close()
+    # Each prompt: one prefill-only request, before any of its requests; then the group's eight.
+    computed_twice = []
+    for prompt in prompts:
+        got = sorted(arrivals[prompt])
+        assert [tokens for _, tokens in got].count(0) == 1, got
+        if got[0][1] != 0:
+            computed_twice.append(prompt[:9])
+        assert len(got) == 1 + GROUP_SIZE
+    assert computed_twice == []
+    assert gateway.prefill_counters()["prefill_requests"] == GROUPS
