@@ -5,7 +5,8 @@ computed once, by its one prefill-only request, before any of its group's reques
 The gateway listened with aiohttp's backlog of 128: connections beyond it were dropped by the kernel and
 resent by the client 1 s later, so a group whose first request got in and the rest did not was split: the
 first went alone after the lead, the rest started a prefill-only request 1 s later, and the prompt was
-computed twice (issue 39: 4 of 16 waves on an H200; reproduced on CPU with `nstat`'s ListenOverflows)."""
+computed twice (issue 39: 4 of 16 waves on an H200; reproduced on CPU with `nstat`'s ListenOverflows). And a
+first request whose lead ran out while the loop was busy still waits for a partner taken in meanwhile."""
 
 from __future__ import annotations
 
@@ -81,3 +82,54 @@ async def test_a_wave_of_groups_computes_each_prompt_once(monkeypatch: pytest.Mo
         assert len(got) == 1 + GROUP_SIZE
     assert computed_twice == []
     assert gateway.prefill_counters()["prefill_requests"] == GROUPS
+
+
+async def test_a_partner_that_came_while_the_loop_was_busy_past_the_lead_is_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first request's lead runs out while the gateway's loop is busy (another request's work, or the
+    gateway thread waiting for the GIL its process's other threads hold): its partner, whose connection
+    came in the meantime, still finds it waiting, and the prompt is computed once."""
+    arrivals: list[int] = []  # max_tokens of each request of the prompt upstream, in order
+
+    async def chat(request: web.Request) -> web.Response:
+        payload = await request.json()
+        if payload["messages"][0]["content"] != STALL:
+            arrivals.append(payload["max_tokens"])
+        usage = {"prompt_tokens": 40, "completion_tokens": payload["max_tokens"]}
+        choice = {"index": 0, "message": {"role": "assistant", "content": "1,1"}, "finish_reason": "length"}
+        return web.json_response({"choices": [choice], "usage": usage})
+
+    key = gateway_app.prompt_key
+
+    def slow_key(decision: Forward) -> str | None:
+        if decision.payload is not None and decision.payload["messages"][0]["content"] == STALL:
+            time.sleep(STALL_S)
+        return key(decision)
+
+    monkeypatch.setattr(gateway_app, "prompt_key", slow_key)
+    upstream = StandIn([web.post("/v1/chat/completions", chat)])
+    await upstream.start()
+    gateway = AdapterGateway(upstream.url, share_lead=0.05)
+    gateway.start()
+    gateway.set_served(["agent@1"], ["base"])
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as http:
+
+            async def post(system: str) -> None:
+                body = {"model": "agent@1", "max_tokens": 4, "temperature": 1.0,
+                        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "move?"}]}  # fmt: skip
+                async with http.post(f"{gateway.base_url}/v1/chat/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+
+            first = asyncio.create_task(post("group 0."))
+            await asyncio.sleep(0.01)  # the first waits for company (the lead is 50 ms)
+            stall = asyncio.create_task(post(STALL))  # the loop is busy from now until past the lead
+            await asyncio.sleep(0.1)
+            await asyncio.gather(first, stall, post("group 0."))  # the partner, sent while the loop is busy
+    finally:
+        gateway.close()
+        await upstream.close()
+    # One prefill-only request, then both requests of the prompt: not the first alone before it.
+    assert arrivals == [0, 4, 4], arrivals
+    assert gateway.prefill_counters()["requests_held"] == 2
