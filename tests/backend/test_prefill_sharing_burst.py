@@ -11,8 +11,10 @@ first request whose lead ran out while the loop was busy still waits for a partn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
@@ -25,77 +27,25 @@ from art_sglang.serving.gateway.rules import Forward
 
 GROUPS = 32
 GROUP_SIZE = 8
-STALL_S = 0.5  # the gateway's loop busy while the wave's connections come in
-STALL = "stall"
+STALL_S = 0.5  # how long the stall request keeps the gateway's loop busy
+STALL = "stall"  # the system prompt of the stall request
+
+Post = Callable[[str], Awaitable[None]]
 
 
-async def test_a_wave_of_groups_computes_each_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    arrivals: dict[str, list[tuple[float, int]]] = defaultdict(list)  # prompt -> (time, max_tokens)
+@contextlib.asynccontextmanager
+async def _gateway(
+    monkeypatch: pytest.MonkeyPatch, lead: float, arrivals: dict[str, list[int]]
+) -> AsyncIterator[tuple[AdapterGateway, Post]]:
+    """A gateway with prefill sharing in front of a stand-in server that records the max_tokens of each
+    request by system prompt, and `post(system)`: a chat request on a new connection. The request with the
+    system prompt STALL keeps the gateway's loop busy for STALL_S, as a burst's own work (or a thread
+    waiting for the GIL) does."""
 
     async def chat(request: web.Request) -> web.Response:
         payload = await request.json()
-        arrivals[payload["messages"][0]["content"]].append((time.monotonic(), payload["max_tokens"]))
+        arrivals[payload["messages"][0]["content"]].append(payload["max_tokens"])
         await asyncio.sleep(0.05)
-        usage = {"prompt_tokens": 1100, "completion_tokens": payload["max_tokens"]}
-        message = {"role": "assistant", "content": "1,1"}
-        choice = {"index": 0, "message": message, "finish_reason": "length"}
-        return web.json_response({"choices": [choice], "usage": usage})
-
-    key = gateway_app.prompt_key
-
-    # The stall request keeps the gateway's loop busy while the wave connects, as a burst's own work does.
-    def slow_key(decision: Forward) -> str | None:
-        if decision.payload is not None and decision.payload["messages"][0]["content"] == STALL:
-            time.sleep(STALL_S)
-        return key(decision)
-
-    monkeypatch.setattr(gateway_app, "prompt_key", slow_key)
-    upstream = StandIn([web.post("/v1/chat/completions", chat)])
-    await upstream.start()
-    gateway = AdapterGateway(upstream.url, share_lead=0.003)
-    gateway.start()
-    gateway.set_served(["agent@1"], ["base"])
-    prompts = [f"group {g}. " + "Play tic-tac-toe and answer with one move. " * 100 for g in range(GROUPS)]
-    try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as http:
-
-            async def post(system: str) -> None:
-                body = {"model": "agent@1", "max_tokens": 4, "temperature": 1.0,
-                        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "move?"}]}  # fmt: skip
-                async with http.post(f"{gateway.base_url}/v1/chat/completions", json=body) as response:
-                    assert response.status == 200, await response.text()
-
-            stall = asyncio.create_task(post(STALL))
-            await asyncio.sleep(0.1)  # the gateway's loop is now stalled in the stall request
-            await asyncio.gather(*(post(p) for p in prompts for _ in range(GROUP_SIZE)))
-            await stall
-    finally:
-        gateway.close()
-        await upstream.close()
-    # Each prompt: one prefill-only request, before any of its requests; then the group's eight.
-    computed_twice = []
-    for prompt in prompts:
-        got = sorted(arrivals[prompt])
-        assert [tokens for _, tokens in got].count(0) == 1, got
-        if got[0][1] != 0:
-            computed_twice.append(prompt[:9])
-        assert len(got) == 1 + GROUP_SIZE
-    assert computed_twice == []
-    assert gateway.prefill_counters()["prefill_requests"] == GROUPS
-
-
-async def test_a_partner_that_came_while_the_loop_was_busy_past_the_lead_is_waited_for(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The first request's lead runs out while the gateway's loop is busy (another request's work, or the
-    gateway thread waiting for the GIL its process's other threads hold): its partner, whose connection
-    came in the meantime, still finds it waiting, and the prompt is computed once."""
-    arrivals: list[int] = []  # max_tokens of each request of the prompt upstream, in order
-
-    async def chat(request: web.Request) -> web.Response:
-        payload = await request.json()
-        if payload["messages"][0]["content"] != STALL:
-            arrivals.append(payload["max_tokens"])
         usage = {"prompt_tokens": 40, "completion_tokens": payload["max_tokens"]}
         choice = {"index": 0, "message": {"role": "assistant", "content": "1,1"}, "finish_reason": "length"}
         return web.json_response({"choices": [choice], "usage": usage})
@@ -110,7 +60,7 @@ async def test_a_partner_that_came_while_the_loop_was_busy_past_the_lead_is_wait
     monkeypatch.setattr(gateway_app, "prompt_key", slow_key)
     upstream = StandIn([web.post("/v1/chat/completions", chat)])
     await upstream.start()
-    gateway = AdapterGateway(upstream.url, share_lead=0.05)
+    gateway = AdapterGateway(upstream.url, share_lead=lead)
     gateway.start()
     gateway.set_served(["agent@1"], ["base"])
     try:
@@ -122,14 +72,40 @@ async def test_a_partner_that_came_while_the_loop_was_busy_past_the_lead_is_wait
                 async with http.post(f"{gateway.base_url}/v1/chat/completions", json=body) as response:
                     assert response.status == 200, await response.text()
 
-            first = asyncio.create_task(post("group 0."))
-            await asyncio.sleep(0.01)  # the first waits for company (the lead is 50 ms)
-            stall = asyncio.create_task(post(STALL))  # the loop is busy from now until past the lead
-            await asyncio.sleep(0.1)
-            await asyncio.gather(first, stall, post("group 0."))  # the partner, sent while the loop is busy
+            yield gateway, post
     finally:
         gateway.close()
         await upstream.close()
+
+
+async def test_a_wave_of_groups_computes_each_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    arrivals: dict[str, list[int]] = defaultdict(list)
+    prompts = [f"group {g}. " + "Play tic-tac-toe and answer with one move. " * 100 for g in range(GROUPS)]
+    async with _gateway(monkeypatch, 0.003, arrivals) as (gateway, post):
+        stall = asyncio.create_task(post(STALL))
+        await asyncio.sleep(0.1)  # the gateway's loop is now busy with the stall request
+        await asyncio.gather(*(post(p) for p in prompts for _ in range(GROUP_SIZE)))  # all connect now
+        await stall
+    # Each prompt: one prefill-only request, before any of its requests; then the group's eight.
+    computed_twice = [prompt[:9] for prompt in prompts if arrivals[prompt][0] != 0]
+    assert computed_twice == []
+    assert all(arrivals[prompt] == [0] + [4] * GROUP_SIZE for prompt in prompts)
+    assert gateway.prefill_counters()["prefill_requests"] == GROUPS
+
+
+async def test_a_partner_that_came_while_the_loop_was_busy_past_the_lead_is_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first request's lead runs out while the gateway's loop is busy (another request's work, or the
+    gateway thread waiting for the GIL its process's other threads hold): its partner, whose connection
+    came in the meantime, still finds it waiting, and the prompt is computed once."""
+    arrivals: dict[str, list[int]] = defaultdict(list)
+    async with _gateway(monkeypatch, 0.05, arrivals) as (gateway, post):
+        first = asyncio.create_task(post("group 0."))
+        await asyncio.sleep(0.01)  # the first waits for company (the lead is 50 ms)
+        stall = asyncio.create_task(post(STALL))  # the loop is busy from now until past the lead
+        await asyncio.sleep(0.1)
+        await asyncio.gather(first, stall, post("group 0."))  # the partner, sent while the loop is busy
     # One prefill-only request, then both requests of the prompt: not the first alone before it.
-    assert arrivals == [0, 4, 4], arrivals
+    assert arrivals["group 0."] == [0, 4, 4]
     assert gateway.prefill_counters()["requests_held"] == 2
