@@ -90,7 +90,8 @@ async def test_a_wave_of_groups_computes_each_prompt_once(monkeypatch: pytest.Mo
     computed_twice = [prompt[:9] for prompt in prompts if arrivals[prompt][0] != 0]
     assert computed_twice == []
     assert all(arrivals[prompt] == [0] + [4] * GROUP_SIZE for prompt in prompts)
-    assert gateway.prefill_counters()["prefill_requests"] == GROUPS
+    counters = gateway.prefill_counters()
+    assert counters["prefill_requests"] == GROUPS and counters["requests_alone"] == 1  # the stall request
 
 
 async def test_a_partner_that_came_while_the_loop_was_busy_past_the_lead_is_waited_for(
@@ -108,4 +109,5 @@ async def test_a_partner_that_came_while_the_loop_was_busy_past_the_lead_is_wait
         await asyncio.gather(first, stall, post("group 0."))  # the partner, sent while the loop is busy
     # One prefill-only request, then both requests of the prompt: not the first alone before it.
     assert arrivals["group 0."] == [0, 4, 4]
-    assert gateway.prefill_counters()["requests_held"] == 2
+    counters = gateway.prefill_counters()
+    assert counters["requests_held"] == 2 and counters["requests_alone"] == 1  # the stall request

@@ -76,16 +76,19 @@ async def test_a_group_waits_for_one_prefill_and_later_requests_go_at_once() -> 
         "prefill_requests": 1,
         "prefill_tokens_saved": 3 * 40,
         "prefill_failures": 0,
+        "requests_alone": 0,
     }
 
 
 async def test_a_lone_request_waits_the_lead_and_no_prefill_is_sent() -> None:
     upstream = Upstream()
     started = asyncio.get_running_loop().time()
-    await asyncio.wait_for(_turn(PrefillSharing(upstream, lead=0.2)), 5)
-    assert asyncio.get_running_loop().time() - started >= 0.19
-    await asyncio.wait_for(_turn(PrefillSharing(upstream, lead=0.0)), 0.1)
-    assert upstream.bodies == []
+    waited = PrefillSharing(upstream, lead=0.2)
+    await asyncio.wait_for(_turn(waited), 5)
+    assert asyncio.get_running_loop().time() - started >= 0.19 and waited.counters.requests_alone == 1
+    sharing = PrefillSharing(upstream, lead=0.0)
+    await asyncio.wait_for(_turn(sharing), 0.1)
+    assert upstream.bodies == [] and sharing.counters.requests_alone == 0  # it never waited
 
 
 async def test_a_partner_taken_in_as_the_lead_ran_out_finds_the_first_waiting() -> None:
@@ -106,7 +109,7 @@ async def test_a_partner_taken_in_as_the_lead_ran_out_finds_the_first_waiting() 
     assert not first.done() and len(upstream.bodies) == 1  # the first did not go alone
     upstream.answer.set()
     await asyncio.wait_for(asyncio.gather(first, second), 5)
-    assert sharing.counters.requests_held == 2
+    assert sharing.counters.requests_held == 2 and sharing.counters.requests_alone == 0
 
 
 async def test_with_no_lead_the_first_goes_at_once_and_the_rest_wait_for_the_prefill() -> None:

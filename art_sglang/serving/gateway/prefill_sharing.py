@@ -135,13 +135,15 @@ def bad_gateway(message: str) -> Answer:
 @dataclass
 class PrefillCounters:
     """What prefill sharing did since the gateway started: requests held for a shared prefill,
-    prefill-only requests answered, prompt tokens the held requests found computed, and prefill-only
-    requests that failed (their prompts' requests went on without a shared prefill)."""
+    prefill-only requests answered, prompt tokens the held requests found computed, prefill-only
+    requests that failed (their prompts' requests went on without a shared prefill), and first requests
+    that waited their lead in vain and went alone (a later one of their prompt computes it again)."""
 
     requests_held: int = 0
     prefill_requests: int = 0
     prefill_tokens_saved: int = 0
     prefill_failures: int = 0
+    requests_alone: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -182,6 +184,7 @@ class PrefillSharing:
             if self._lead == 0:
                 return
             if not await self._company_within_lead(prompt):
+                self.counters.requests_alone += 1
                 return  # alone so far: a later request of this prompt starts the prefill-only one
         elif prompt.computed is None:
             prompt.computed = asyncio.ensure_future(self._prefill(prompt, decision, headers))
