@@ -7,18 +7,22 @@ prefill has run, so identical prompts admitted into the same (or the next) batch
 prompt: on an H200 only 32-42 % of such prompt tokens were found cached, against vLLM's 87 %.
 
 So the first request of a prompt waits up to `lead` seconds for another with the same prompt (any
-sampling parameters). If none comes it goes alone; a request that shares nothing is delayed by `lead` at
-most, and `GRACE_TURNS` turns of the event loop: the lead is measured on the clock, but the loop may get to
-its deadline late (busy with a wave's other requests, or its thread waiting for the GIL while the process's
-other threads run: 5-ms turns by default, longer than the lead). A partner whose bytes came in meanwhile is
-then taken in the same loop turn as the expired deadline, but reaches `wait_turn` only 3 turns later
-(accepted, read, routed: aiohttp 3.14, Python 3.11), while the deadline wakes the first in one; without
-those turns the first went alone and its group's prompt was computed twice (issue 39, inferred from the
-counters: a wave on an H200 held 123 of its 128 requests, 3.8 % of prompt tokens uncached, with the bench's
-client in the gateway's process). Turns, not time: a loop that runs on time spends microseconds on them. Once a second one comes, one prefill-only request (`max_tokens: 0`) computes the prompt, and every
-request of the prompt that is waiting or comes while it runs goes as it came once it returns, finding the
-prompt cached; those that come later (within `PROMPT_MEMORY_S` of the first) go at once. With `lead` 0 the
-first request never waits, and the prompt is computed at most twice (by it and by the prefill-only one).
+sampling parameters). If none comes it goes alone; a request that shares nothing is delayed by `lead`, and
+`GRACE_TURNS` turns of the event loop, at most. Once a second one comes, one prefill-only request
+(`max_tokens: 0`) computes the prompt, and every request of the prompt that is waiting or comes while it
+runs goes as it came once it returns, finding the prompt cached; those that come later (within
+`PROMPT_MEMORY_S` of the first) go at once. With `lead` 0 the first request never waits, and the prompt is
+computed at most twice (by it and by the prefill-only one).
+
+Why the turns: the lead is measured on the clock, but the loop may get to the deadline late (busy with a
+wave's other requests, or its thread waiting for the GIL while the process's other threads run, in turns of
+5 ms by default, longer than the lead). A partner whose bytes came in meanwhile is taken in the same loop
+turn as the expired deadline, but reaches `wait_turn` 3 turns later (accepted, read, routed: aiohttp 3.14,
+Python 3.11), while the deadline wakes the first in one: without the turns the first went alone and the
+group's prompt was computed twice. Turns, not time: a loop that runs on time spends microseconds on them, and
+a lone request of a multi-turn rollout amid steady traffic is not held longer (as it would be by a wait
+extended while requests keep arriving). Issue 39 saw groups split on an H200 (a wave held 123 of its 128
+requests, 3.8 % of its prompt tokens uncached); `requests_alone` counts the first requests that went alone.
 
 Why not one request with `n=k` for identical requests, which SGLang prefills once: SGLang 0.5.17 counts
 an `n` request's use of an adapter once per choice but releases it once per choice and once more for its
