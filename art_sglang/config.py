@@ -222,8 +222,8 @@ class SGLangConfig(BaseModel):
         ge=0,
         le=100,
         description="With share_prefill: how long the first request of a prompt waits for another with the "
-        "same prompt (a request that shares nothing is delayed this much at most). 0: the first never "
-        "waits, and a group's prompt is computed twice (by it and by the prefill-only request).",
+        "same prompt (a request that shares nothing is delayed this much and a few event-loop turns at most). "
+        "0: the first never waits, and a group's prompt is computed twice (by it and the prefill-only request).",
     )
 
     router_policy: RouterPolicy = Field(

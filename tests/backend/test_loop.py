@@ -140,6 +140,7 @@ async def test_three_steps_hot_load_and_keep_the_newest_adapters(loop: Loop) -> 
             "rollout/prefill_requests",
             "rollout/prefill_tokens_saved",
             "rollout/prefill_failures",
+            "rollout/requests_alone",
         }
         assert all(isinstance(value, int) and value >= 0 for value in shared.values())
         on_server = {

@@ -1,12 +1,14 @@
 """The order in which prefill sharing lets a prompt's requests go, with the upstream replaced by a function
-the test answers when it wants: the first waits for company up to the lead; the second starts exactly one
-prefill-only request; everyone waiting goes once it returns, whatever it returned; later ones go at once;
+the test answers when it wants: the first waits for company up to the lead (a partner the loop took in as
+the lead ran out still finds it); the second starts exactly one prefill-only request; everyone waiting goes
+once it returns, whatever it returned; later ones go at once;
 a caller that leaves takes nobody with it; the prompt is forgotten after a while."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -74,16 +76,40 @@ async def test_a_group_waits_for_one_prefill_and_later_requests_go_at_once() -> 
         "prefill_requests": 1,
         "prefill_tokens_saved": 3 * 40,
         "prefill_failures": 0,
+        "requests_alone": 0,
     }
 
 
 async def test_a_lone_request_waits_the_lead_and_no_prefill_is_sent() -> None:
     upstream = Upstream()
     started = asyncio.get_running_loop().time()
-    await asyncio.wait_for(_turn(PrefillSharing(upstream, lead=0.2)), 5)
-    assert asyncio.get_running_loop().time() - started >= 0.19
-    await asyncio.wait_for(_turn(PrefillSharing(upstream, lead=0.0)), 0.1)
-    assert upstream.bodies == []
+    waited = PrefillSharing(upstream, lead=0.2)
+    await asyncio.wait_for(_turn(waited), 5)
+    assert asyncio.get_running_loop().time() - started >= 0.19 and waited.counters.requests_alone == 1
+    sharing = PrefillSharing(upstream, lead=0.0)
+    await asyncio.wait_for(_turn(sharing), 0.1)
+    assert upstream.bodies == [] and sharing.counters.requests_alone == 0  # it never waited
+
+
+async def test_a_partner_taken_in_as_the_lead_ran_out_finds_the_first_waiting() -> None:
+    upstream = Upstream()
+    sharing = PrefillSharing(upstream, lead=0.01)
+    first = _turn(sharing)
+    await _settle()
+
+    async def partner(turns: int) -> None:  # a request the gateway took in, a few loop turns from wait_turn
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        await sharing.wait_turn(*_request(), {})
+
+    time.sleep(0.05)  # the loop is busy past the first's deadline (its thread held up, say)
+    second = asyncio.create_task(partner(prefill_sharing.GRACE_TURNS - 2))
+    for _ in range(prefill_sharing.GRACE_TURNS + 2):
+        await asyncio.sleep(0)
+    assert not first.done() and len(upstream.bodies) == 1  # the first did not go alone
+    upstream.answer.set()
+    await asyncio.wait_for(asyncio.gather(first, second), 5)
+    assert sharing.counters.requests_held == 2 and sharing.counters.requests_alone == 0
 
 
 async def test_with_no_lead_the_first_goes_at_once_and_the_rest_wait_for_the_prefill() -> None:

@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 ANY = "*"  # wait_idle() on every name
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+LISTEN_BACKLOG = 4096  # connections the kernel queues for the gateway (capped by net.core.somaxconn)
 
 Loader = Callable[[str], Awaitable[bool]]
 
@@ -258,7 +259,9 @@ class AdapterGateway:
         await runner.setup()
         await self.upstream.open(self._open)
         try:
-            site = web.TCPSite(runner, self.host, self.port)
+            # A wave of rollouts opens a connection per request at once (every answer closes its own): with
+            # aiohttp's backlog of 128 a wave of 256 lost some, resent 1 s later, splitting GRPO groups.
+            site = web.TCPSite(runner, self.host, self.port, backlog=LISTEN_BACKLOG)
             try:
                 await site.start()
             except OSError as exc:

@@ -7,11 +7,22 @@ prefill has run, so identical prompts admitted into the same (or the next) batch
 prompt: on an H200 only 32-42 % of such prompt tokens were found cached, against vLLM's 87 %.
 
 So the first request of a prompt waits up to `lead` seconds for another with the same prompt (any
-sampling parameters). If none comes it goes alone; a request that shares nothing is delayed by `lead` at
-most. Once a second one comes, one prefill-only request (`max_tokens: 0`) computes the prompt, and every
-request of the prompt that is waiting or comes while it runs goes as it came once it returns, finding the
-prompt cached; those that come later (within `PROMPT_MEMORY_S` of the first) go at once. With `lead` 0 the
-first request never waits, and the prompt is computed at most twice (by it and by the prefill-only one).
+sampling parameters). If none comes it goes alone; a request that shares nothing is delayed by `lead`, and
+`GRACE_TURNS` turns of the event loop, at most. Once a second one comes, one prefill-only request
+(`max_tokens: 0`) computes the prompt, and every request of the prompt that is waiting or comes while it
+runs goes as it came once it returns, finding the prompt cached; those that come later (within
+`PROMPT_MEMORY_S` of the first) go at once. With `lead` 0 the first request never waits, and the prompt is
+computed at most twice (by it and by the prefill-only one).
+
+Why the turns: the lead is measured on the clock, but the loop may get to the deadline late (busy with a
+wave's other requests, or its thread waiting for the GIL while the process's other threads run, in turns of
+5 ms by default, longer than the lead). A partner whose bytes came in meanwhile is taken in the same loop
+turn as the expired deadline, but reaches `wait_turn` 3 turns later (accepted, read, routed: aiohttp 3.14,
+Python 3.11), while the deadline wakes the first in one: without the turns the first went alone and the
+group's prompt was computed twice. Turns, not time: a loop that runs on time spends microseconds on them, and
+a lone request of a multi-turn rollout amid steady traffic is not held longer (as it would be by a wait
+extended while requests keep arriving). Issue 39 saw groups split on an H200 (a wave held 123 of its 128
+requests, 3.8 % of its prompt tokens uncached); `requests_alone` counts the first requests that went alone.
 
 Why not one request with `n=k` for identical requests, which SGLang prefills once: SGLang 0.5.17 counts
 an `n` request's use of an adapter once per choice but releases it once per choice and once more for its
@@ -36,6 +47,8 @@ SHARED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # A request with the prompt of one that came this long before it follows that one (a GRPO group's requests
 # arrive within milliseconds of each other); later, the prompt is no longer taken to be in the cache.
 PROMPT_MEMORY_S = 2.0
+# Loop turns the first request of a prompt still waits once its lead ran out (see the module's text).
+GRACE_TURNS = 8
 
 # Fields that steer sampling or the answer's form, never the prompt's tokens: requests differing only in
 # these still share their prompt. Any other field counts as shaping the prompt (a field missing here only
@@ -126,13 +139,15 @@ def bad_gateway(message: str) -> Answer:
 @dataclass
 class PrefillCounters:
     """What prefill sharing did since the gateway started: requests held for a shared prefill,
-    prefill-only requests answered, prompt tokens the held requests found computed, and prefill-only
-    requests that failed (their prompts' requests went on without a shared prefill)."""
+    prefill-only requests answered, prompt tokens the held requests found computed, prefill-only
+    requests that failed (their prompts' requests went on without a shared prefill), and first requests
+    that waited their lead in vain and went alone (a later one of their prompt computes it again)."""
 
     requests_held: int = 0
     prefill_requests: int = 0
     prefill_tokens_saved: int = 0
     prefill_failures: int = 0
+    requests_alone: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -172,9 +187,8 @@ class PrefillSharing:
             prompt = self._prompts[key] = _Prompt(loop.time(), loop.create_future())
             if self._lead == 0:
                 return
-            try:
-                await asyncio.wait_for(asyncio.shield(prompt.company), self._lead)
-            except asyncio.TimeoutError:
+            if not await self._company_within_lead(prompt):
+                self.counters.requests_alone += 1
                 return  # alone so far: a later request of this prompt starts the prefill-only one
         elif prompt.computed is None:
             prompt.computed = asyncio.ensure_future(self._prefill(prompt, decision, headers))
@@ -188,6 +202,20 @@ class PrefillSharing:
             # wait(), not await: a caller that leaves does not cancel the others' prefill, and the
             # requests go on (and meet any error themselves) whatever became of it.
             await asyncio.wait({prompt.computed})
+
+    async def _company_within_lead(self, prompt: _Prompt) -> bool:
+        try:
+            await asyncio.wait_for(asyncio.shield(prompt.company), self._lead)
+            return True
+        except asyncio.TimeoutError:
+            pass
+        # The loop may have run late past the deadline: a partner it took in by then reaches wait_turn only
+        # a few loop turns later (accepted, read, parsed, routed), while the timeout woke this one in one.
+        for _ in range(GRACE_TURNS):
+            if prompt.company.done():
+                return True
+            await asyncio.sleep(0)  # one loop turn, which also polls the sockets
+        return prompt.company.done()
 
     def _forget_before(self, horizon: float) -> None:
         while self._prompts:
