@@ -155,7 +155,10 @@ def _pipeline_depth(batch: int, max_steps_off_policy: int, workers: int | None) 
     most `max_steps_off_policy` batches, with at most one batch of workers. A group sampled on step v that
     no later group overtakes has at most workers - 1 + queue groups ahead of it, so the trainer takes it
     by its batch from step v + (those // batch) + 1: within the bound when those < bound * batch. (ART's
-    default queue alone is bound * batch, so any worker overran it.)"""
+    default queue alone is bound * batch, so any worker overran it.) With a bound of 0 the workers wait for
+    each new policy themselves: one batch of them, and ART's own queue of one."""
+    if max_steps_off_policy == 0:
+        return workers or batch, 1
     depth = max(max_steps_off_policy * batch, 2)
     workers = workers or max(1, min(batch, depth - 1))
     return workers, max(1, depth - workers)

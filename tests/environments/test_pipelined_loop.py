@@ -130,3 +130,13 @@ async def test_more_workers_than_the_bound_holds_are_discarded_never_trained(
     assert max(b for r in reports for b in r.steps_behind) <= 1
     # ... because PipelineTrainer discarded the groups that fell further behind.
     assert discarded[-1] > 0
+
+
+async def test_on_policy_the_groups_of_a_step_are_sampled_at_once(openpipe_art: Any, tmp_path: Path) -> None:
+    """`max_steps_off_policy=0`: ART's workers wait for each new policy themselves, so the loop still gives
+    them one batch of workers and a step's groups are sampled side by side, not one after another."""
+    reports, backend, task, _ = await paced_run(openpipe_art, tmp_path, 3, max_steps_off_policy=0)
+    assert [r.step for r in reports] == [0, 1, 2] and backend.step == 3
+    assert all(len(r.rewards) == 4 * 2 and max(r.steps_behind) == 0 for r in reports)
+    first_step = sorted(task.starts)[: 4 * 2]  # the first batch: 4 groups of 2
+    assert first_step[-1] - first_step[0] < ROLLOUT_S / 2
