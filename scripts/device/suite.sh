@@ -352,9 +352,10 @@ for name in "$@"; do
           cmd=(env "ART_SGLANG_BACKPORTS=$(backports_without chat-template-memo)" "${r39[@]}" --side backend
                --weights merged --label "no memo" "${kernels[@]}" --runs grpo-128:32 grpo-128:16 grpo-1024:16@bare) ;;
         # The backend itself on the triton kernels with 0.5.17's experimental path and the prefill-grid fix
-        # (the direct side's r39-lora-exp-opti-prefill-grid), the bench's pool rank equal to the adapter's.
+        # (the direct side's r39-lora-exp-opti-prefill-grid), the bench's pool rank equal to the adapter's;
+        # BACKPORTS_WITH adds to the prefill-grid fix here rather than replacing it.
         backend-exp-opti)
-          cmd=(env "${exp_opti[@]}" "ART_SGLANG_BACKPORTS=$(backports_with triton-prefill-grid)"
+          cmd=(env "${exp_opti[@]}" "ART_SGLANG_BACKPORTS=$(backports_with "triton-prefill-grid${BACKPORTS_WITH:+,$BACKPORTS_WITH}")"
                "${r39[@]}" --side backend --label "triton exp-opti" "${kernels[@]}" --sglang-args="--lora-backend triton"
                --runs grpo-128:32 grpo-128:16@bare grpo-1024:16@bare) ;;
         backend-a2) cmd=("${r39[@]}" --side backend --label A2 "${kernels[@]}" --routes gateway server
