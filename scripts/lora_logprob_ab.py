@@ -179,7 +179,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_server_args(parser)
-    parser.set_defaults(lora_rank=16, workdir=Path("/tmp/lora-logprob-ab"))
+    parser.set_defaults(lora_rank=16, workdir=Path("/tmp/lora-logprob-ab"), beside_trainer=False)
     parser.add_argument("--variant-args", type=shlex.split, default=[], help="SGLang flags of the variant")
     parser.add_argument(
         "--baseline-env", nargs="*", default=[], metavar="KEY=VALUE", help="the baseline's env"
