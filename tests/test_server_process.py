@@ -18,11 +18,12 @@ import httpx
 import psutil
 import pytest
 
-from art_sglang.config import SGLANG_ENV_DEFAULTS, SGLangConfig
+from art_sglang.config import SGLangConfig
 from art_sglang.errors import ServerStartError
 from art_sglang.serving.servers import process as process_module
 from art_sglang.serving.servers.client import ServerClient
 from art_sglang.serving.servers.process import ServerProcess
+from art_sglang.sglang_env import SGLANG_ENV_DEFAULTS
 
 # A minimal HTTP server: GET /health -> 200 once it is up. It writes its environment to the log and says
 # when SIGTERM arrives; with `--stubborn` it ignores SIGTERM and first starts a grandchild that ignores

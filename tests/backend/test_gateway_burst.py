@@ -19,11 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from art_sglang.config import KEEP_ALIVE_ENV, SGLangConfig, TrainerConfig
+from art_sglang.config import SGLangConfig, TrainerConfig
 from art_sglang.planning.devices import DeviceLayout, detect_gpus
 from art_sglang.planning.make_plan import make_plan
 from art_sglang.planning.request import BackendRequest
 from art_sglang.serving.adapters import InferenceService
+from art_sglang.sglang_env import KEEP_ALIVE_ENV
 
 KEEP_ALIVE_S = 1  # the server's: short, so the test's pauses are short too
 WAVES = 5

@@ -26,10 +26,11 @@ from typing import Literal
 
 import httpx
 
-from art_sglang.config import KEEP_ALIVE_ENV, SGLANG_ENV_DEFAULTS, SGLangConfig
+from art_sglang.config import SGLangConfig
 from art_sglang.errors import ServerStartError
 from art_sglang.process_tree import EXIT_GRACE_SECONDS, ManagedProcess, display_command, peek_exit_code
 from art_sglang.serving.servers.sglang_site import art_sglang_backports as backports
+from art_sglang.sglang_env import KEEP_ALIVE_ENV, SGLANG_ENV_DEFAULTS
 
 Engine = Literal["sglang", "reference"]
 
