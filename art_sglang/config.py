@@ -34,6 +34,7 @@ HANG_FLOOR_S = 10.0
 
 # The linear layers SGLang can serve LoRA on for Llama/Qwen-style models.
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DEFAULT_LORA_RANK = 8
 
 
 def _default_server_timeout() -> float:
@@ -121,8 +122,11 @@ class SGLangConfig(BaseModel):
     # --- launch flags the backend relies on ----------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address the server binds to.")
     port: int | None = Field(None, ge=1, le=65535, description="Server port; None picks a free one.")
-    max_lora_rank: Annotated[int, LaunchFlag()] = Field(
-        64, ge=1, description="Largest adapter rank the server accepts."
+    max_lora_rank: Annotated[int | None, LaunchFlag()] = Field(
+        None,
+        ge=1,
+        description="Largest adapter rank the server's LoRA pool holds. None = the trainer's lora_rank: a pool "
+        "no wider than the adapters, so less memory and cheaper LoRA kernels.",
     )
     lora_target_modules: Annotated[list[str] | None, LaunchFlag()] = Field(
         None,
@@ -290,17 +294,16 @@ class SGLangConfig(BaseModel):
         lora = self.weight_sync_method != "merged"  # merged weights: no LoRA kernels at all
         args = ["--model-path", model_path, "--host", self.host, "--port", str(port)]
         args += ["--enable-lora"] if lora else []
+        # Unset outside a backend (whose plan puts the trainer's here): the default trainer's.
+        trained = {"lora_target_modules": DEFAULT_LORA_TARGETS, "max_lora_rank": DEFAULT_LORA_RANK}
         for field, flag in LAUNCH_FLAGS.items():
-            value = getattr(self, field)
+            value = trained.get(field) if getattr(self, field) is None else getattr(self, field)
             if field in LORA_FLAGS and not lora:
                 continue
             if isinstance(value, bool):
                 args.extend([flag] if value else [])
             elif isinstance(value, list):
                 args.extend([flag, *value])
-            elif field == "lora_target_modules":
-                # Unset outside a backend (whose plan puts the trainer's here): the trainer's default.
-                args.extend([flag, *DEFAULT_LORA_TARGETS])
             elif value is not None:
                 args.extend([flag, str(value)])
         return [*args, *self.extra_args]
@@ -391,7 +394,9 @@ class TrainerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    lora_rank: int = Field(8, ge=1, description="LoRA rank (must not exceed SGLangConfig.max_lora_rank).")
+    lora_rank: int = Field(
+        DEFAULT_LORA_RANK, ge=1, description="LoRA rank (at most SGLangConfig.max_lora_rank, if set)."
+    )
     lora_alpha: int = Field(16, ge=1, description="LoRA alpha.")
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
     target_modules: list[str] = Field(

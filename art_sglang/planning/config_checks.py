@@ -63,11 +63,12 @@ def check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
             "weight_sync_method='merged' serves the bf16 base plus the adapter, merged by the trainer; a "
             "4-bit trainer base is not the server's base: set load_in_4bit=False or weight_sync_method='lora'"
         )
-    if trainer.lora_rank > sglang.max_lora_rank:
+    # Unset, the pool takes the (first) trainer's rank (`serve_trained`).
+    if sglang.max_lora_rank is not None and trainer.lora_rank > sglang.max_lora_rank:
         raise ConfigError(
             f"TrainerConfig(lora_rank={trainer.lora_rank}) exceeds SGLangConfig(max_lora_rank="
             f"{sglang.max_lora_rank}): the server could not load the adapters; raise max_lora_rank to "
-            f"{trainer.lora_rank} or lower lora_rank"
+            f"{trainer.lora_rank} (unset, it is the first model's lora_rank) or lower lora_rank"
         )
     if sglang.lora_target_modules is None:  # the server will serve the trainer's modules (`serve_trained`)
         return

@@ -218,10 +218,14 @@ def fit_replicas(config: SGLangConfig, layout: DeviceLayout) -> SGLangConfig:
 def serve_trained(config: SGLangConfig, trainer: TrainerConfig) -> SGLangConfig:
     """Unless `lora_target_modules` was given, the server adapts exactly the modules the trainer trains: a
     LoRA kernel on a module no adapter has weights for (lm_head, embed_tokens under 'all') costs every
-    decode step and changes nothing."""
-    if config.lora_target_modules is not None:
-        return config
-    return config.model_copy(update={"lora_target_modules": list(trainer.target_modules)})
+    decode step and changes nothing. Likewise its LoRA pool holds the trainer's rank unless `max_lora_rank`
+    was given: a wider pool takes memory, and every LoRA kernel computes over its width."""
+    updates: dict[str, Any] = {}
+    if config.lora_target_modules is None:
+        updates["lora_target_modules"] = list(trainer.target_modules)
+    if config.max_lora_rank is None:
+        updates["max_lora_rank"] = trainer.lora_rank
+    return config.model_copy(update=updates)
 
 
 def with_memory_saver(config: SGLangConfig) -> SGLangConfig:

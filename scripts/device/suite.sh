@@ -54,8 +54,8 @@
 #     r39-lora-<variant> (~4, < 7 each; 4 at once on 4 GPUs: per_gpu.sh; variants triton, triton-loras-1,
 #       exp-opti, exp-cublas, rank-64, no-prefill-graph, loras-2, exp-opti-prefill-grid, exp-opti-eager-prefill):
 #       the same with one LoRA serving flag changed: triton (--lora-backend triton), rank-64 (--max-lora-rank 64,
-#       SGLangConfig's default, against the bench's 16), no-prefill-graph (--disable-prefill-cuda-graph), loras-2
-#       (--max-loras-per-batch 2), exp-opti-prefill-grid (exp-opti with the opt-in triton-prefill-grid fix:
+#       SGLangConfig's default before it took the trainer's rank, against the bench's 16), no-prefill-graph
+#       (--disable-prefill-cuda-graph), loras-2 (--max-loras-per-batch 2), exp-opti-prefill-grid (exp-opti with the opt-in triton-prefill-grid fix:
 #       triton's prefill graphs launched for 16-row segments), exp-opti-eager-prefill (exp-opti with
 #       --disable-prefill-cuda-graph)
 #     lora-logprob-ab (~4): scripts/lora_logprob_ab.py, a LoRA variant's logprobs against a baseline's (greedy

@@ -67,7 +67,8 @@ def test_the_server_adapts_the_trained_modules_unless_told(tmp_path):
     assert backend.sglang_config.lora_target_modules == ["q_proj", "v_proj"]
     assert "--lora-target-modules q_proj v_proj" in " ".join(backend.sglang_config.server_args("m", 1))
     told = SGLangConfig(lora_target_modules=["all"])
-    assert SGLangBackend(engine="reference", sglang_config=told, trainer_config=trainer).sglang_config == told
+    backend = SGLangBackend(engine="reference", sglang_config=told, trainer_config=trainer)
+    assert backend.sglang_config.lora_target_modules == ["all"]
     # The first model's own LoRA (ART's peft_args) decides what the server adapts.
     request = BackendRequest(SGLangConfig(), TrainerConfig(), layout=CPU_SHARED, shared_strategy="restart")
     first = model_settings({"peft_args": {"target_modules": ["o_proj"]}}, request.trainer)
@@ -81,6 +82,32 @@ def test_the_server_adapts_the_trained_modules_unless_told(tmp_path):
     assert f"--lora-target-modules {' '.join(DEFAULT_LORA_TARGETS)}" in " ".join(
         SGLangConfig().server_args("m", 1)
     )
+
+
+def test_the_lora_pool_holds_the_trained_rank_unless_told(tmp_path):
+    """Unset, max_lora_rank is the trainer's lora_rank (the first model's, ART's peft_args r); a second model
+    of a higher rank is refused, naming the setting; a given max_lora_rank stays."""
+    assert SGLangBackend(engine="reference").sglang_config.max_lora_rank == 8
+    trainer = TrainerConfig(lora_rank=16)
+    backend = SGLangBackend(engine="reference", trainer_config=trainer)
+    assert "--max-lora-rank 16" in " ".join(backend.sglang_config.server_args("m", 1))
+    told = SGLangConfig(max_lora_rank=64)
+    assert (
+        SGLangBackend(
+            engine="reference", sglang_config=told, trainer_config=trainer
+        ).sglang_config.max_lora_rank
+        == 64
+    )
+    request = BackendRequest(SGLangConfig(), TrainerConfig(), layout=CPU_SHARED, shared_strategy="restart")
+    first = model_settings({"peft_args": {"r": 32}}, request.trainer)
+    template = str(ModelStore(tmp_path, "p", "m").chat_template_file)
+    plan = make_plan(request, first, detect_gpus(), template_file=template)
+    assert plan.server_config.max_lora_rank == plan.requested_config.max_lora_rank == 32
+    with pytest.raises(
+        ConfigError, match=r"lora_rank=64\) exceeds.*max_lora_rank=32.*first model's lora_rank"
+    ):
+        check_compatible(plan.server_config, TrainerConfig(lora_rank=64))
+    check_compatible(plan.server_config, TrainerConfig(lora_rank=16))
 
 
 def test_bad_strategy_and_engine_names():
