@@ -19,3 +19,7 @@ SGLANG_ENV_DEFAULTS = {
     KEEP_ALIVE_ENV: "5",
     ORIGINAL_LOGPROB_ENV: "1",
 }
+# SGLang 0.5.17's experimental LoRA path (SGLangConfig.lora_experimental_path): the first variable switches it
+# on; the second allocates the second stream's outputs from the main stream, which keeps it right under CUDA
+# graphs.
+EXPERIMENTAL_LORA_ENV = {"SGLANG_EXPERIMENTAL_LORA_OPTI": "1", "SGLANG_OPT_LORA_OVERLAP_MAIN_ALLOC": "1"}

@@ -207,22 +207,23 @@ def test_adapter_directories_are_checked_locally_before_loading(tmp_path):
     from art_sglang.errors import AdapterLoadError
     from art_sglang.storage.model_store import check_adapter
 
+    pool = SGLangConfig(max_lora_rank=64)
     missing = tmp_path / "missing"
     with pytest.raises(AdapterLoadError, match=f"{missing} is not a directory"):
-        check_adapter(missing, 64)
+        check_adapter(missing, pool)
     folder = tmp_path / "adapter"
     folder.mkdir()
     with pytest.raises(AdapterLoadError, match=r"has no adapter_config\.json"):
-        check_adapter(folder, 64)
+        check_adapter(folder, pool)
     (folder / "adapter_config.json").write_text('{"r": 128}')
     with pytest.raises(AdapterLoadError, match=r"has no adapter_model\.safetensors or adapter_model\.bin"):
-        check_adapter(folder, 64)
+        check_adapter(folder, pool)
     (folder / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(
         AdapterLoadError, match=r"rank 128, above the server's max_lora_rank=64.*at least 128"
     ):
-        check_adapter(folder, 64)
-    check_adapter(folder, 128)
+        check_adapter(folder, pool)
+    check_adapter(folder, SGLangConfig(max_lora_rank=128))
 
 
 def test_gpu_uuids_reach_the_children_unchanged(tmp_path):
