@@ -136,12 +136,12 @@ class SGLangConfig(BaseModel):
         "weights (faster decoding than 'all', docs/benchmarks.md).",
     )
     lora_backend: Annotated[str | None, LaunchFlag()] = Field(
-        None,
-        description="SGLang --lora-backend, the kernels that apply adapters ('csgmv', 'triton'); None = its "
-        "default (csgmv in 0.5.17).",
+        "triton",
+        description="SGLang --lora-backend, the kernels that apply adapters: 'triton' (with lora_experimental_path "
+        "the fastest decode in 0.5.17), 'csgmv' (also None: SGLang's own default).",
     )
     lora_experimental_path: bool = Field(
-        False,
+        True,
         description="SGLang 0.5.17's experimental triton LoRA path (its SGLANG_EXPERIMENTAL_LORA_OPTI): each LoRA "
         "shrink on a second CUDA stream beside the base GEMM. Needs lora_backend='triton' and adapters of rank "
         "max_lora_rank only (the trainer's lora_rank; another rank computes NaN), refused otherwise.",

@@ -16,13 +16,13 @@ def test_defaults_render_the_flags_the_backend_relies_on() -> None:
     assert "--max-lora-rank 8" in joined  # unset outside a backend: the default trainer's rank
     assert "--lora-target-modules all" in joined
     assert "--max-loras-per-batch 4" in joined
+    assert "--lora-backend triton" in joined  # with the experimental path (in the environment, not a flag)
     assert "--enable-cache-report" in args
     absent = (
         "--disable-radix-cache",
         "--enable-memory-saver",
         "--api-key",
         "--context-length",
-        "--lora-backend",
     )
     assert not set(absent) & set(args)
 

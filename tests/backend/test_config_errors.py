@@ -86,19 +86,17 @@ def test_the_server_adapts_the_trained_modules_unless_told(tmp_path):
 
 def test_the_lora_pool_holds_the_trained_rank_unless_told(tmp_path):
     """Unset, max_lora_rank is the trainer's lora_rank (the first model's, ART's peft_args r); a second model
-    of a higher rank is refused, naming the setting; a given max_lora_rank stays."""
+    of a higher rank is refused, naming the setting; a given max_lora_rank stays (a pool for several ranks:
+    without the experimental LoRA path, which serves the pool's rank only)."""
     assert SGLangBackend(engine="reference").sglang_config.max_lora_rank == 8
     trainer = TrainerConfig(lora_rank=16)
     backend = SGLangBackend(engine="reference", trainer_config=trainer)
     assert "--max-lora-rank 16" in " ".join(backend.sglang_config.server_args("m", 1))
-    told = SGLangConfig(max_lora_rank=64)
-    assert (
-        SGLangBackend(
-            engine="reference", sglang_config=told, trainer_config=trainer
-        ).sglang_config.max_lora_rank
-        == 64
-    )
-    request = BackendRequest(SGLangConfig(), TrainerConfig(), layout=CPU_SHARED, shared_strategy="restart")
+    told = SGLangConfig(max_lora_rank=64, lora_experimental_path=False)
+    backend = SGLangBackend(engine="reference", sglang_config=told, trainer_config=trainer)
+    assert backend.sglang_config.max_lora_rank == 64
+    several = SGLangConfig(lora_experimental_path=False)
+    request = BackendRequest(several, TrainerConfig(), layout=CPU_SHARED, shared_strategy="restart")
     first = model_settings({"peft_args": {"r": 32}}, request.trainer)
     template = str(ModelStore(tmp_path, "p", "m").chat_template_file)
     plan = make_plan(request, first, detect_gpus(), template_file=template)

@@ -32,12 +32,17 @@ ROLLOUTS = 100  # concurrent, per wave
 TURNS = 4  # requests per rollout, with an environment's pause between them
 
 
+ADAPTER_RANK = 4  # the trainer's too: the default LoRA path serves adapters of the pool's rank only
+
+
 def _adapter(base: Path, out: Path) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base)
-    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(out)
+    get_peft_model(model, LoraConfig(r=ADAPTER_RANK, target_modules=["q_proj", "v_proj"])).save_pretrained(
+        out
+    )
     return out
 
 
@@ -73,7 +78,9 @@ async def test_bursts_with_hot_loads_between_lose_no_request(
         cuda_ids = tuple(g.cuda_id for g in detect_gpus().gpus)
         layout = DeviceLayout("split", "sglang", (0,), (), "burst test: one GPU", cuda_ids=cuda_ids)
     plan = make_plan(
-        BackendRequest(config, TrainerConfig(), engine=engine, layout=layout), None, detect_gpus()
+        BackendRequest(config, TrainerConfig(lora_rank=ADAPTER_RANK), engine=engine, layout=layout),
+        None,
+        detect_gpus(),
     )
     service = InferenceService(plan, str(tiny_model_path), log_path=tmp_path / "server.log")
     outcomes: Counter[str] = Counter()

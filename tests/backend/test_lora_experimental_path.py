@@ -52,6 +52,8 @@ async def test_the_variables_reach_the_launched_server(tmp_path: Path, tiny_mode
         assert _experimental(psutil.Process(server.pid).environ()) == EXPERIMENTAL_LORA_ENV
     finally:
         await server.stop()
+    default = ServerProcess(SGLangConfig(), "m", engine="sglang", log_path=tmp_path / "s.log")
+    assert _experimental(default.environment()) == EXPERIMENTAL_LORA_ENV  # the default path
     for config in (
         SGLangConfig(lora_experimental_path=False),
         SGLangConfig(**EXPERIMENTAL, weight_sync_method="merged"),
