@@ -144,7 +144,8 @@ class SGLangConfig(BaseModel):
         True,
         description="SGLang 0.5.17's experimental triton LoRA path (its SGLANG_EXPERIMENTAL_LORA_OPTI): each LoRA "
         "shrink on a second CUDA stream beside the base GEMM. Needs lora_backend='triton' and adapters of rank "
-        "max_lora_rank only (the trainer's lora_rank; another rank computes NaN), refused otherwise.",
+        "max_lora_rank only (the trainer's lora_rank; another rank computes NaN). Left unset it is on where both "
+        "hold and off elsewhere; set True, a config that breaks either is an error.",
     )
     attention_backend: Annotated[str | None, LaunchFlag()] = Field(
         None, description="SGLang --attention-backend; None = its default."

@@ -88,6 +88,21 @@ def test_the_path_needs_the_triton_backend_and_the_trainers_rank(tmp_path: Path)
     check_compatible(merged, TrainerConfig(lora_rank=16))
 
 
+def test_left_unset_the_path_runs_only_where_it_can() -> None:
+    def settled(sglang: SGLangConfig) -> SGLangConfig:
+        return SGLangBackend(
+            engine="reference", sglang_config=sglang, trainer_config=TrainerConfig(lora_rank=16)
+        ).sglang_config
+
+    assert settled(SGLangConfig()).lora_experimental_path is True
+    for other in (SGLangConfig(lora_backend="csgmv"), SGLangConfig(max_lora_rank=64)):  # no error: off
+        assert settled(other).lora_experimental_path is False
+    # Settled on, it refuses a later model of another rank at its registration.
+    with pytest.raises(ConfigError, match=r"lora_rank=8\) is not max_lora_rank=16"):
+        check_compatible(settled(SGLangConfig()), TrainerConfig(lora_rank=8))
+    check_compatible(settled(SGLangConfig(max_lora_rank=64)), TrainerConfig(lora_rank=8))
+
+
 async def test_an_adapter_of_another_rank_is_refused_before_any_server_sees_it(tmp_path: Path) -> None:
     request = BackendRequest(SGLangConfig(**EXPERIMENTAL), TrainerConfig(lora_rank=16), layout=CPU_SHARED)
     service = InferenceService(make_plan(request, None, detect_gpus()), "m", log_path=tmp_path / "server.log")
