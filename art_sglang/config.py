@@ -26,22 +26,6 @@ RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "random"]
 SERVER_PYTHON_ENV = "ART_SGLANG_SERVER_PYTHON"
 SERVER_TIMEOUT_ENV = "ART_SERVER_TIMEOUT"
 SERVER_VENV_DIR = ".venv-sglang-server"
-# SGLang checks that TP ranks see balanced free memory; a trainer sharing the host makes that check fail
-# spuriously, so the backend always disables it (the user's description of the product names it).
-# How long a server keeps an idle connection open (SGLang reads the variable, so does the reference engine;
-# 5 s is both engines' default). Set explicitly: the gateway's pool must drop its own idle connections
-# well before the server closes them, or a burst reuses connections the server is closing.
-KEEP_ALIVE_ENV = "SGLANG_TIMEOUT_KEEP_ALIVE"
-# SGLang reports a sampled token's logprob after dividing the logits by the temperature; the trainer (as
-# ART's) scores tokens at temperature 1, and vLLM, which ART's LocalBackend runs, reports raw logprobs.
-# With this variable set SGLang reports them before the temperature (still after a logit bias or grammar
-# mask), so a rollout sampled at any temperature gives the trainer the logprobs it recomputes.
-ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
-SGLANG_ENV_DEFAULTS = {
-    "SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK": "True",
-    KEEP_ALIVE_ENV: "5",
-    ORIGINAL_LOGPROB_ENV: "1",
-}
 
 # A training step counts as hung once the trainer sends nothing (no progress event, no result) for
 # HANG_FACTOR times its longest step so far, at least HANG_FLOOR_S (TrainerConfig.step_timeout: the ceiling).
@@ -50,6 +34,7 @@ HANG_FLOOR_S = 10.0
 
 # The linear layers SGLang can serve LoRA on for Llama/Qwen-style models.
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DEFAULT_LORA_RANK = 8
 
 
 def _default_server_timeout() -> float:
@@ -137,8 +122,11 @@ class SGLangConfig(BaseModel):
     # --- launch flags the backend relies on ----------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address the server binds to.")
     port: int | None = Field(None, ge=1, le=65535, description="Server port; None picks a free one.")
-    max_lora_rank: Annotated[int, LaunchFlag()] = Field(
-        64, ge=1, description="Largest adapter rank the server accepts."
+    max_lora_rank: Annotated[int | None, LaunchFlag()] = Field(
+        None,
+        ge=1,
+        description="Largest adapter rank the server's LoRA pool holds. None = the trainer's lora_rank: a pool "
+        "no wider than the adapters, so less memory and cheaper LoRA kernels.",
     )
     lora_target_modules: Annotated[list[str] | None, LaunchFlag()] = Field(
         None,
@@ -148,9 +136,16 @@ class SGLangConfig(BaseModel):
         "weights (faster decoding than 'all', docs/benchmarks.md).",
     )
     lora_backend: Annotated[str | None, LaunchFlag()] = Field(
-        None,
-        description="SGLang --lora-backend, the kernels that apply adapters ('csgmv', 'triton'); None = its "
-        "default (csgmv in 0.5.17).",
+        "triton",
+        description="SGLang --lora-backend, the kernels that apply adapters: 'triton' (with lora_experimental_path "
+        "the fastest decode in 0.5.17), 'csgmv' (also None: SGLang's own default).",
+    )
+    lora_experimental_path: bool = Field(
+        True,
+        description="SGLang 0.5.17's experimental triton LoRA path (its SGLANG_EXPERIMENTAL_LORA_OPTI): each LoRA "
+        "shrink on a second CUDA stream beside the base GEMM. Needs lora_backend='triton' and adapters of rank "
+        "max_lora_rank only (the trainer's lora_rank; another rank computes NaN). Left unset it is on where both "
+        "hold and off elsewhere; set True, a config that breaks either is an error.",
     )
     attention_backend: Annotated[str | None, LaunchFlag()] = Field(
         None, description="SGLang --attention-backend; None = its default."
@@ -306,17 +301,16 @@ class SGLangConfig(BaseModel):
         lora = self.weight_sync_method != "merged"  # merged weights: no LoRA kernels at all
         args = ["--model-path", model_path, "--host", self.host, "--port", str(port)]
         args += ["--enable-lora"] if lora else []
+        # Unset outside a backend (whose plan puts the trainer's here): the default trainer's.
+        trained = {"lora_target_modules": DEFAULT_LORA_TARGETS, "max_lora_rank": DEFAULT_LORA_RANK}
         for field, flag in LAUNCH_FLAGS.items():
-            value = getattr(self, field)
+            value = trained.get(field) if getattr(self, field) is None else getattr(self, field)
             if field in LORA_FLAGS and not lora:
                 continue
             if isinstance(value, bool):
                 args.extend([flag] if value else [])
             elif isinstance(value, list):
                 args.extend([flag, *value])
-            elif field == "lora_target_modules":
-                # Unset outside a backend (whose plan puts the trainer's here): the trainer's default.
-                args.extend([flag, *DEFAULT_LORA_TARGETS])
             elif value is not None:
                 args.extend([flag, str(value)])
         return [*args, *self.extra_args]
@@ -407,7 +401,9 @@ class TrainerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    lora_rank: int = Field(8, ge=1, description="LoRA rank (must not exceed SGLangConfig.max_lora_rank).")
+    lora_rank: int = Field(
+        DEFAULT_LORA_RANK, ge=1, description="LoRA rank (at most SGLangConfig.max_lora_rank, if set)."
+    )
     lora_alpha: int = Field(16, ge=1, description="LoRA alpha.")
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
     target_modules: list[str] = Field(

@@ -9,7 +9,7 @@ import signal
 import sys
 from types import FrameType
 
-from art_sglang.config import KEEP_ALIVE_ENV
+from art_sglang.sglang_env import KEEP_ALIVE_ENV
 
 from .cli import log_ignored, parse_args
 

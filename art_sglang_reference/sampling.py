@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from art_sglang.config import ORIGINAL_LOGPROB_ENV
+from art_sglang.sglang_env import ORIGINAL_LOGPROB_ENV
 
 if sys.version_info >= (3, 11):
     from re import _parser as sre_parse

@@ -23,6 +23,9 @@ from openai import AsyncOpenAI
 from art_sglang.config import DEFAULT_LORA_TARGETS, SGLangConfig
 
 COMMIT_ENV = "ART_SGLANG_COMMIT"
+# SGLang's LoRA kernels as SGLangConfig chooses them by default (the benches' default too).
+DEFAULT_LORA_BACKEND = SGLangConfig.model_fields["lora_backend"].default
+DEFAULT_LORA_EXPERIMENTAL_PATH = SGLangConfig.model_fields["lora_experimental_path"].default
 
 
 def add_server_args(
@@ -62,6 +65,18 @@ def add_server_args(
         default=[],
         help="SGLang only: further launch flags as one string, written --sglang-args='--schedule-policy lpm' "
         "(the = keeps a lone flag from being read as this script's own), e.g. '--tokenizer-worker-num 4'",
+    )
+    parser.add_argument(
+        "--lora-backend",
+        default=DEFAULT_LORA_BACKEND,
+        help=f"SGLang only: SGLangConfig.lora_backend (default {DEFAULT_LORA_BACKEND}; csgmv: SGLang's own)",
+    )
+    parser.add_argument(
+        "--lora-experimental-path",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_LORA_EXPERIMENTAL_PATH,
+        help="SGLang only: SGLangConfig.lora_experimental_path, 0.5.17's experimental triton LoRA path (off: "
+        "--no-lora-experimental-path, which another --lora-backend needs)",
     )
     parser.add_argument("--lora-rank", type=int, default=8, help="rank of the random adapter served")
     parser.add_argument(
@@ -132,6 +147,8 @@ class ServerSettings:
     sampling_backend: str | None = None  # SGLang only
     sglang_args: tuple[str, ...] = ()  # SGLang only: further launch flags as given
     lora_target_modules: tuple[str, ...] = tuple(DEFAULT_LORA_TARGETS)  # SGLang only
+    lora_backend: str | None = DEFAULT_LORA_BACKEND  # SGLang only
+    lora_experimental_path: bool = DEFAULT_LORA_EXPERIMENTAL_PATH  # SGLang only
     lora: bool = True  # vLLM only: False serves the base weights without --enable-lora
 
 
@@ -147,6 +164,8 @@ def server_settings(args: argparse.Namespace, **changes: Any) -> ServerSettings:
         sampling_backend=args.sampling_backend,
         sglang_args=tuple(args.sglang_args),
         lora_target_modules=tuple(args.lora_target_modules),
+        lora_backend=args.lora_backend,
+        lora_experimental_path=args.lora_experimental_path,
         **changes,
     )
 
@@ -163,6 +182,8 @@ def sglang_config(settings: ServerSettings, **overrides: Any) -> SGLangConfig:
         "max_lora_rank": settings.max_lora_rank,
         "max_loras_per_batch": settings.max_loras_per_batch,
         "lora_target_modules": list(settings.lora_target_modules),
+        "lora_backend": settings.lora_backend,
+        "lora_experimental_path": settings.lora_experimental_path,
     }
     if settings.sglang_args:
         fields["extra_args"] = list(settings.sglang_args)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
-from bench_common import ServerSettings, sglang_config
+from bench_common import DEFAULT_LORA_BACKEND, DEFAULT_LORA_EXPERIMENTAL_PATH, ServerSettings, sglang_config
 
 from art_sglang.config import DEFAULT_LORA_TARGETS, SGLangConfig
 from art_sglang.serving.servers.process import ServerProcess
@@ -46,6 +46,11 @@ def vllm_args(settings: ServerSettings, *, host: str, port: int) -> list[str]:
         raise ValueError("--sglang-args are SGLang's flags: leave them unset for --engine vllm")
     if settings.lora_target_modules != tuple(DEFAULT_LORA_TARGETS):
         raise ValueError("--lora-target-modules is SGLang's flag (vLLM adapts what each adapter names)")
+    sglang_lora = (settings.lora_backend, settings.lora_experimental_path)
+    if sglang_lora != (DEFAULT_LORA_BACKEND, DEFAULT_LORA_EXPERIMENTAL_PATH):
+        raise ValueError(
+            "--lora-backend and --lora-experimental-path are SGLang's: leave them unset for vLLM"
+        )
     if settings.lora and settings.max_lora_rank not in VLLM_LORA_RANKS:
         raise ValueError(f"vLLM takes --max-lora-rank in {VLLM_LORA_RANKS}, not {settings.max_lora_rank}")
     args = [

@@ -2,7 +2,9 @@
 twice by SGLang launched as SGLangBackend launches it (`--flags backend`, no keys): the baseline
 (`--baseline-env`: its environment, e.g. ART_SGLANG_BACKPORTS naming all default backports but one), then the
 variant (`--variant-args`: SGLang flags added last; `--variant-env`: the server's environment);
-`--baseline-args` adds flags to the baseline too (e.g. the variant without the one change under test). Both
+`--baseline-args` adds flags to the baseline too (e.g. the variant without the one change under test), and
+`--baseline-lora-backend` / `--(no-)baseline-lora-experimental-path` give it other LoRA kernels than the
+variant's (`--lora-backend`, `--(no-)lora-experimental-path`, SGLangConfig's by default). Both
 get the same requests, all at once so that decode runs in the CUDA graphs of ~`--requests` rows:
 
 - decode: greedy answers of `--answer-tokens` to fixed prompt ids, with the logprob of every token chosen;
@@ -17,6 +19,8 @@ plugin applied. SGLang 0.5.17's triton LoRA backend keeps prefills of more than 
 graphs: `--prompt-tokens 256` makes the 8,192-token chunks hold fewer.
   python scripts/lora_logprob_ab.py --model /root/models/qwen2.5-1.5b-random --sampling-backend pytorch \
       --baseline-env ART_SGLANG_BACKPORTS=json-response,gumbel-sampling,chat-template-memo
+  python scripts/lora_logprob_ab.py --model /root/models/qwen2.5-1.5b-random --sampling-backend pytorch \
+      --baseline-lora-backend csgmv --no-baseline-lora-experimental-path   # the default against csgmv
 """
 
 from __future__ import annotations
@@ -98,11 +102,14 @@ def server_environment(added: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-async def serve_and_ask(args: argparse.Namespace, side: str, flags: list[str], env: dict[str, str]) -> dict:
+async def serve_and_ask(
+    args: argparse.Namespace, side: str, flags: list[str], env: dict[str, str], lora: dict[str, Any]
+) -> dict:
+    """One side's answers; `lora`: its LoRA kernel settings where they differ from `args`."""
     adapter = make_random_adapter(
         args.model, args.workdir / f"adapter-r{args.lora_rank}", rank=args.lora_rank
     )
-    side_args = argparse.Namespace(**{**vars(args), "sglang_args": [*args.sglang_args, *flags],
+    side_args = argparse.Namespace(**{**vars(args), **lora, "sglang_args": [*args.sglang_args, *flags],
                                       "workdir": args.workdir / side})  # fmt: skip
     side_args.workdir.mkdir(parents=True, exist_ok=True)
     document: dict[str, Any] = {"versions": {}}
@@ -152,11 +159,15 @@ def differences(a: list[float], b: list[float]) -> dict[str, Any]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     baseline_env = dict(item.split("=", 1) for item in args.baseline_env)
     variant_env = dict(item.split("=", 1) for item in args.variant_env)
-    base = await serve_and_ask(args, "baseline", args.baseline_args, baseline_env)
-    variant = await serve_and_ask(args, "variant", args.variant_args, variant_env)
+    asked = {"lora_backend": args.baseline_lora_backend,
+             "lora_experimental_path": args.baseline_lora_experimental_path}  # fmt: skip
+    baseline_lora = {key: value for key, value in asked.items() if value is not None}
+    base = await serve_and_ask(args, "baseline", args.baseline_args, baseline_env, baseline_lora)
+    variant = await serve_and_ask(args, "variant", args.variant_args, variant_env, {})
     return {
         "model": args.model, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
-        "answer_tokens": args.answer_tokens, "baseline": {"args": args.baseline_args, "env": baseline_env},
+        "answer_tokens": args.answer_tokens,
+        "baseline": {"args": args.baseline_args, "env": baseline_env, "lora": baseline_lora},
         "variant": {"args": args.variant_args, "env": variant_env},
         **compare(base, variant),
         "server_log": {"baseline": base["server_log"], "variant": variant["server_log"]},
@@ -186,6 +197,13 @@ def main() -> None:
     )
     parser.add_argument("--variant-env", nargs="*", default=[], metavar="KEY=VALUE", help="the variant's env")
     parser.add_argument("--baseline-args", type=shlex.split, default=[], help="SGLang flags of the baseline")
+    parser.add_argument("--baseline-lora-backend", default=None, help="the baseline's; unset: --lora-backend")
+    parser.add_argument(
+        "--baseline-lora-experimental-path",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the baseline's; unset: --(no-)lora-experimental-path",
+    )
     parser.add_argument("--requests", type=int, default=200, help="sent at once: the decode graphs' batch")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--answer-tokens", type=int, default=64)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench_common import add_server_args
+from bench_common import DEFAULT_LORA_BACKEND, DEFAULT_LORA_EXPERIMENTAL_PATH, add_server_args
 from rollout_targets import CLIENTS, DROPS, ROUTES
 from rollout_workloads import DEFAULT_RUNS, KINDS, run_spec
 
@@ -119,11 +119,17 @@ def parse_arguments(description: str | None, argv: list[str]) -> argparse.Namesp
 
 def variant(args: argparse.Namespace) -> str:
     """The server and request form of this side, in words."""
+    kernels: list[str] = []  # SGLang's LoRA kernels where they are not SGLangConfig's
+    lora_kernels = (args.lora_backend, args.lora_experimental_path)
+    if args.engine != "vllm" and lora_kernels != (DEFAULT_LORA_BACKEND, DEFAULT_LORA_EXPERIMENTAL_PATH):
+        path = "experimental path" if args.lora_experimental_path else "no experimental path"
+        kernels.append(f"--lora-backend {args.lora_backend} {path}")
     if args.side == "backend":
-        return args.weights + ("" if args.watchdog else ", no watchdog")
+        return ", ".join([args.weights, *kernels]) + ("" if args.watchdog else ", no watchdog")
     words = ["lora" if args.lora else "base"]
     if args.flags == "backend":
         words.append("backend flags" + "".join(f" -{name}" for name in args.drop))
+    words += kernels if args.lora else []
     if args.sglang_args:  # last on the command line: they win over the flags above (issue 39's r39-lora-*)
         words.append(" ".join(args.sglang_args))
     if args.engine != "vllm" and args.lora and args.request_form == "gateway":

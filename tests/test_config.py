@@ -13,16 +13,16 @@ def test_defaults_render_the_flags_the_backend_relies_on() -> None:
     joined = " ".join(args)
     assert args[:6] == ["--model-path", "/models/m", "--host", "127.0.0.1", "--port", "30001"]
     assert "--enable-lora" in args
-    assert "--max-lora-rank 64" in joined
+    assert "--max-lora-rank 8" in joined  # unset outside a backend: the default trainer's rank
     assert "--lora-target-modules all" in joined
     assert "--max-loras-per-batch 4" in joined
+    assert "--lora-backend triton" in joined  # with the experimental path (in the environment, not a flag)
     assert "--enable-cache-report" in args
     absent = (
         "--disable-radix-cache",
         "--enable-memory-saver",
         "--api-key",
         "--context-length",
-        "--lora-backend",
     )
     assert not set(absent) & set(args)
 
@@ -123,7 +123,7 @@ def test_device_config_validation() -> None:
 
 def test_trainer_config_defaults() -> None:
     config = TrainerConfig()
-    assert config.lora_rank <= SGLangConfig().max_lora_rank
+    assert config.lora_rank == 8 and SGLangConfig().max_lora_rank is None  # the plan sets the trainer's
     assert "down_proj" in config.target_modules
 
 

@@ -87,7 +87,8 @@ def test_keys_without_an_equivalent_are_refused(internal: dict, match: str) -> N
 
 
 async def test_register_refuses_before_starting_anything(tmp_path: Path, tiny_model_path: Path) -> None:
-    async with art.SGLangBackend(path=str(tmp_path / ".art")) as backend:
+    pool = art.SGLangConfig(max_lora_rank=64, lora_experimental_path=False)  # a pool for several ranks
+    async with art.SGLangBackend(path=str(tmp_path / ".art"), sglang_config=pool) as backend:
         model = art.TrainableModel(
             name="m",
             project="p",

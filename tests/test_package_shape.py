@@ -19,6 +19,7 @@ HELPERS = (
     "errors",
     "types",
     "process_tree",
+    "sglang_env",
     "chat_format",
     "token_bounds",
     "cpu_threads",

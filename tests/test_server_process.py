@@ -18,11 +18,12 @@ import httpx
 import psutil
 import pytest
 
-from art_sglang.config import SGLANG_ENV_DEFAULTS, SGLangConfig
+from art_sglang.config import SGLangConfig
 from art_sglang.errors import ServerStartError
 from art_sglang.serving.servers import process as process_module
 from art_sglang.serving.servers.client import ServerClient
 from art_sglang.serving.servers.process import ServerProcess
+from art_sglang.sglang_env import SGLANG_ENV_DEFAULTS
 
 # A minimal HTTP server: GET /health -> 200 once it is up. It writes its environment to the log and says
 # when SIGTERM arrives; with `--stubborn` it ignores SIGTERM and first starts a grandchild that ignores
@@ -329,10 +330,10 @@ async def test_a_backport_of_no_name_fails_before_the_launch(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     ("raw", "chosen"),
-    [(None, ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid", "evict-without-gc",
-             "evict-ahead"]),
-     ("default", ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid", "evict-without-gc",
-                  "evict-ahead"]),
+    [(None, ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid", "triton-prefill-grid",
+             "evict-without-gc", "evict-ahead", "logprob-json"]),
+     ("default", ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid",
+                  "triton-prefill-grid", "evict-without-gc", "evict-ahead", "logprob-json"]),
      ("all", ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid", "triton-prefill-grid",
               "evict-without-gc", "evict-ahead", "logprob-json"]),
      ("none", []), (" gumbel-sampling , ", ["gumbel-sampling"]), ("csgmv-decode-grid", ["csgmv-decode-grid"]),

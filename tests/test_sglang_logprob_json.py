@@ -282,10 +282,10 @@ def test_an_error_response_is_sglangs() -> None:
     assert sent.status_code == 400 and bytes(sent.body) == b'{"error":"decode"}'
 
 
-def test_the_entry_is_opt_in() -> None:
+def test_the_entry_is_default_and_can_be_left_out() -> None:
     assert backports.BACKPORTS["logprob-json"].fixed_in is None
-    assert "logprob-json" not in backports.selection(None)
-    assert "logprob-json" in backports.selection("all")
+    assert "logprob-json" in backports.selection(None)
+    assert "logprob-json" not in backports.selection(backports.without("logprob-json"))
     assert backports.selection("json-response,logprob-json") == ["json-response", "logprob-json"]
 
 

@@ -16,10 +16,11 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
-from ..config import KEEP_ALIVE_ENV, SGLANG_ENV_DEFAULTS, ClusterConfig, SGLangConfig
+from ..config import ClusterConfig, SGLangConfig
 from ..errors import AdapterLoadError, ServerStartError
 from ..process_tree import EXIT_GRACE_SECONDS, LOG_TAIL_LINES
 from ..serving.servers.process import Engine
+from ..sglang_env import KEEP_ALIVE_ENV, SGLANG_ENV_DEFAULTS
 from .files import adapter_version, checksum, read_adapter
 from .host import ReplicaHost
 

@@ -63,12 +63,14 @@ def check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
             "weight_sync_method='merged' serves the bf16 base plus the adapter, merged by the trainer; a "
             "4-bit trainer base is not the server's base: set load_in_4bit=False or weight_sync_method='lora'"
         )
-    if trainer.lora_rank > sglang.max_lora_rank:
+    # Unset, the pool takes the (first) trainer's rank (`serve_trained`).
+    if sglang.max_lora_rank is not None and trainer.lora_rank > sglang.max_lora_rank:
         raise ConfigError(
             f"TrainerConfig(lora_rank={trainer.lora_rank}) exceeds SGLangConfig(max_lora_rank="
             f"{sglang.max_lora_rank}): the server could not load the adapters; raise max_lora_rank to "
-            f"{trainer.lora_rank} or lower lora_rank"
+            f"{trainer.lora_rank} (unset, it is the first model's lora_rank) or lower lora_rank"
         )
+    check_experimental_lora(sglang, trainer)
     if sglang.lora_target_modules is None:  # the server will serve the trainer's modules (`serve_trained`)
         return
     served = set(sglang.lora_target_modules)
@@ -83,6 +85,29 @@ def check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
                 f"TrainerConfig(target_modules) trains {missing}, which SGLangConfig(lora_target_modules="
                 f"{sglang.lora_target_modules}) does not serve: add them, or use lora_target_modules=['all']"
             )
+
+
+def check_experimental_lora(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
+    """SGLang 0.5.17's experimental LoRA path runs the triton backend's kernels, and computes garbage (NaN) for
+    an adapter of a rank below the pool's: its shrink writes the adapter's rank of columns, its expand reads
+    max_lora_rank of them. Left at its default, the path is on only where it can be (`serve_trained`); asked for
+    (or settled on by a plan, for the models that come later), a config it cannot serve is an error."""
+    if "lora_experimental_path" not in sglang.model_fields_set:
+        return
+    if not sglang.lora_experimental_path or sglang.weight_sync_method == "merged":  # merged: no LoRA served
+        return
+    if sglang.lora_backend != "triton":
+        raise ConfigError(
+            f"SGLangConfig(lora_experimental_path=True) runs SGLang 0.5.17's experimental triton LoRA kernels, "
+            f"not lora_backend={sglang.lora_backend!r}: set lora_backend='triton', or lora_experimental_path=False"
+        )
+    if sglang.max_lora_rank is not None and sglang.max_lora_rank != trainer.lora_rank:
+        raise ConfigError(
+            f"SGLangConfig(lora_experimental_path=True) serves adapters of the LoRA pool's rank only (SGLang "
+            f"0.5.17's experimental path computes NaN for another), and TrainerConfig(lora_rank="
+            f"{trainer.lora_rank}) is not max_lora_rank={sglang.max_lora_rank}: leave max_lora_rank unset (the "
+            "first model's lora_rank) and give every model that rank, or set lora_experimental_path=False"
+        )
 
 
 def check_new_model(model: Any, registered: list[tuple[str, str]]) -> None:

@@ -260,7 +260,7 @@ class InferenceService:
                 self._stranded.pop(name)
                 await gather_all(*(self._load_if_missing(s, name, path) for s in self._servers.up()))
             elif name not in self._unloading:  # else still on the servers: routing it again is enough
-                check_adapter(path, self._config.max_lora_rank)
+                check_adapter(path, self._config)
                 await gather_all(*(self._load_on_server(s, name, path) for s in self._servers.up()))
             self._adapters[name] = path
             self._publish()
@@ -352,7 +352,7 @@ class InferenceService:
             for old in [n for n in self._adapters if n.startswith(prefix)]:
                 del self._adapters[old]
             self._adapters[name] = path
-            check_adapter(path, self._config.max_lora_rank)
+            check_adapter(path, self._config)
             await self._servers.restart_all()
 
     def _strands(self, name: str) -> bool:
@@ -363,7 +363,7 @@ class InferenceService:
             await self._load_on_server(server, name, path)
 
     async def _load_on_server(self, server: Server, name: str, path: Path) -> None:
-        check_adapter(path, self._config.max_lora_rank)
+        check_adapter(path, self._config)
         try:
             await server.client.load_lora_adapter(name, await server.files.stage(name, path))
         except AdapterLoadError as exc:

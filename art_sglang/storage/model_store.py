@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..config import DEFAULT_LORA_RANK, SGLangConfig
 from ..errors import AdapterLoadError
 from .checkpoints import list_checkpoints
 
@@ -157,8 +158,9 @@ def adapter_problem(path: Path) -> str | None:
     return None
 
 
-def check_adapter(path: Path, max_lora_rank: int) -> None:
-    """Raise `AdapterLoadError` unless `path` is a local adapter the server can load.
+def check_adapter(path: Path, server: SGLangConfig) -> None:
+    """Raise `AdapterLoadError` unless `path` is a local adapter a server of the settings `server` (as a plan
+    settled them: max_lora_rank set) can load.
 
     SGLang treats a path it cannot open as a model-hub repo id and answers "Repo id must be in the form
     ...", which hides the real cause; checking here gives a message that names the directory.
@@ -167,10 +169,19 @@ def check_adapter(path: Path, max_lora_rank: int) -> None:
     if problem is not None:
         raise AdapterLoadError(f"cannot load adapter: {problem}")
     rank = int(json.loads((path / ADAPTER_CONFIG).read_text()).get("r", 0))
+    max_lora_rank = server.max_lora_rank or DEFAULT_LORA_RANK  # unset: the rank server_args renders
     if rank > max_lora_rank:
         raise AdapterLoadError(
             f"adapter {path} has LoRA rank {rank}, above the server's max_lora_rank={max_lora_rank}: "
             f"raise SGLangConfig(max_lora_rank=...) to at least {rank}"
+        )
+    if server.lora_experimental_path and rank != max_lora_rank:
+        # Its shrink writes `rank` columns of the pool, its expand reads `max_lora_rank` (39f section 5).
+        raise AdapterLoadError(
+            f"adapter {path} has LoRA rank {rank}, and the server runs SGLang 0.5.17's experimental LoRA path "
+            f"(SGLangConfig.lora_experimental_path), which computes NaN for an adapter whose rank is not the "
+            f"pool's max_lora_rank={max_lora_rank}: serve adapters of rank {max_lora_rank}, or set "
+            "lora_experimental_path=False"
         )
 
 

@@ -43,9 +43,11 @@
 #     models-random (~1 min, once; models-random-7b ~2 min): builds qwen2.5-1.5b-random (-7b-random), which
 #       RMODEL=/root/models/qwen2.5-7b-random then points these suites at
 #     r39-backend-a1 (~7), r39-vllm (~7.5): bare client on grpo-128:32 grpo-128:16 grpo-1024:16 varying-384:32
-#       multiturn-64:32, ART's client too on the 128-token ones; lone-request TTFT
-#     r39-backend-exp-opti (~6): r39-backend-a1's 128-token and 1,024-token runs with the backend on the triton
-#       LoRA kernels, 0.5.17's experimental path and the opt-in triton-prefill-grid fix (label "triton exp-opti")
+#       multiturn-64:32, ART's client too on the 128-token ones; lone-request TTFT. The backend with its defaults:
+#       the triton LoRA kernels on 0.5.17's experimental path, every default backport
+#     r39-backend-csgmv (~7): r39-backend-a1 on the LoRA path the backend served before that default (label
+#       "csgmv"): --lora-backend csgmv, no experimental path, without the triton-prefill-grid and logprob-json
+#       backports
 #     r39-backend-a2 (~5): the backend again, bare, grpo-128:32 and grpo-1024:16, through its gateway and
 #       straight to its own server (the gateway's share of the backend's cost, on the same live server)
 #     r39-direct-exact (~3): SGLang launched exactly as the backend launches it (flags, keys, the gateway's
@@ -53,16 +55,18 @@
 #       (memory-saver, weights-backup, metrics, keys, token-ids, original-logprob, tool-parser)
 #     r39-lora-<variant> (~4, < 7 each; 4 at once on 4 GPUs: per_gpu.sh; variants triton, triton-loras-1,
 #       exp-opti, exp-cublas, rank-64, no-prefill-graph, loras-2, exp-opti-prefill-grid, exp-opti-eager-prefill):
-#       the same with one LoRA serving flag changed: triton (--lora-backend triton), rank-64 (--max-lora-rank 64,
-#       SGLangConfig's default, against the bench's 16), no-prefill-graph (--disable-prefill-cuda-graph), loras-2
-#       (--max-loras-per-batch 2), exp-opti-prefill-grid (exp-opti with the opt-in triton-prefill-grid fix:
-#       triton's prefill graphs launched for 16-row segments), exp-opti-eager-prefill (exp-opti with
+#       the same on r39-backend-csgmv's LoRA path (the one they were measured against) with one change: triton
+#       (--lora-backend triton), rank-64 (--max-lora-rank 64, SGLangConfig's default before it took the
+#       trainer's rank, against the bench's 16), no-prefill-graph (--disable-prefill-cuda-graph), loras-2
+#       (--max-loras-per-batch 2), exp-opti-prefill-grid (exp-opti with the triton-prefill-grid fix: triton's
+#       prefill graphs launched for 16-row segments), exp-opti-eager-prefill (exp-opti with
 #       --disable-prefill-cuda-graph)
 #     lora-logprob-ab (~4): scripts/lora_logprob_ab.py, a LoRA variant's logprobs against a baseline's (greedy
 #       decode of 200 requests at once and teacher-forced prefill; max/mean |diff|); BASELINE_ENV, VARIANT_ENV
-#       ('K=V ...') and VARIANT_ARGS ('--flag ...') name them (default: the default backports without
-#       csgmv-decode-grid against all of them); BASELINE_ARGS changes the baseline's flags, PROMPT_TOKENS the
-#       prompts' length (default 64)
+#       ('K=V ...') and VARIANT_ARGS ('--flag ...') name them (default: the backend's LoRA path and backports
+#       against r39-backend-csgmv's); BASELINE_ARGS changes the baseline's flags, BASELINE_LORA its LoRA kernels
+#       (default '--baseline-lora-backend csgmv --no-baseline-lora-experimental-path'; empty: the variant's),
+#       PROMPT_TOKENS the prompts' length (default 64)
 #     r39-vllm-base (~4.5): vLLM serving the base weights, no LoRA (ART's merged mode's stand-in), bare
 #     r39-backend-merged (~6.5): issue 40's merged mode (weight_sync_method='merged': the server without LoRA,
 #       measured after one trained step whose merged weights the trainer pushed), bare client on grpo-128:32
@@ -91,7 +95,7 @@
 #     ("=== stalls:" lines).
 #     RUNS='KIND-TOKENS:GROUPS[@CLIENT] ...' replaces a suite's runs; ART_SGLANG_COMMIT=<sha> records the commit;
 #     TAG=b keeps a second instance's folder and JSON apart (one suite's workloads split over two GPUs);
-#     BACKPORTS_WITH=triton-prefill-grid adds opt-in backports (NAME[,NAME]) to every server of the call
+#     BACKPORTS_WITH=NAME[,NAME] adds opt-in backports (none at present) to every server of the call
 #   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
 #     workload and seed, server and trainer co-resident on GPU 0 (CUDA MPS where the driver has it);
 #     bench-pipeline-1gpu-no-mps the same with cuda_mps="off"; bench-pipeline-split: server on GPU 0,
@@ -205,6 +209,10 @@ backports_with() { echo "$(backports_without "$1"),$1"; }
 # BACKPORTS_WITH=NAME[,NAME...]: every server of the call gets the default backports and these opt-in ones
 # (a suite that chooses its own keeps them); the r39/stall JSON names what each server ran (launch.backports).
 [ -z "${BACKPORTS_WITH:-}" ] || export ART_SGLANG_BACKPORTS="$(backports_with "$BACKPORTS_WITH")"
+# The LoRA path SGLangBackend served before its triton default (issue 39): SGLang's csgmv kernels without the
+# experimental path, and the backports adopted with that default left out.
+csgmv_lora=(--lora-backend csgmv --no-lora-experimental-path)
+csgmv_backports() { echo "ART_SGLANG_BACKPORTS=$(backports_without triton-prefill-grid,logprob-json)"; }
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
 for name in "$@"; do
@@ -326,15 +334,17 @@ for name in "$@"; do
     models-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-shape) ;;
     models-random) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-1.5b-random) ;;
     models-random-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-random) ;;
-    # Issue 39: a LoRA serving change's logprobs against csgmv's, 200 requests at once (decode in the CUDA
+    # Issue 39: a LoRA serving change's logprobs against a baseline's, 200 requests at once (decode in the CUDA
     # graphs): SGLang started twice as the backend launches it, same adapter, greedy decode and teacher-forced
-    # prefill. VARIANT_ENV (KEY=VALUE ...) and VARIANT_ARGS (SGLang flags) make the variant; default: the
-    # csgmv-decode-grid entry. BASELINE_ARGS adds SGLang flags to the baseline; PROMPT_TOKENS (default 64; 256
-    # keeps the prefill chunks under the triton backend's 32-request graph cap).
+    # prefill. VARIANT_ENV (KEY=VALUE ...) and VARIANT_ARGS (SGLang flags) make the variant (default: the
+    # backend's LoRA path and backports); the baseline: r39-backend-csgmv's path (BASELINE_ENV its backports,
+    # BASELINE_LORA its kernels; '' for the variant's). BASELINE_ARGS adds SGLang flags to the baseline;
+    # PROMPT_TOKENS (default 64; 256 keeps the prefill chunks under the triton backend's 32-request graph cap).
     lora-logprob-ab)
       # shellcheck disable=SC2206
       cmd=(python3 scripts/lora_logprob_ab.py --model "$rmodel" "${kernels[@]}" --workdir /tmp/work-lora-logprob-ab
-           --baseline-env ${BASELINE_ENV:-ART_SGLANG_BACKPORTS=$(backports_without csgmv-decode-grid)}
+           --baseline-env ${BASELINE_ENV:-$(csgmv_backports)}
+           ${BASELINE_LORA---baseline-lora-backend csgmv --no-baseline-lora-experimental-path}
            --baseline-args="${BASELINE_ARGS:-}" --variant-env ${VARIANT_ENV:-} --variant-args="${VARIANT_ARGS:-}"
            --prompt-tokens "${PROMPT_TOKENS:-64}" --json "$results/lora-logprob-ab-${rmodel##*/}.json") ;;
     r39-compare) cmd=(python3 scripts/bench_rollouts.py --compare "$results"/r39-*-"${rmodel##*/}".json
@@ -351,13 +361,9 @@ for name in "$@"; do
         backend-merged-no-memo)
           cmd=(env "ART_SGLANG_BACKPORTS=$(backports_without chat-template-memo)" "${r39[@]}" --side backend
                --weights merged --label "no memo" "${kernels[@]}" --runs grpo-128:32 grpo-128:16 grpo-1024:16@bare) ;;
-        # The backend itself on the triton kernels with 0.5.17's experimental path and the prefill-grid fix
-        # (the direct side's r39-lora-exp-opti-prefill-grid), the bench's pool rank equal to the adapter's;
-        # BACKPORTS_WITH adds to the prefill-grid fix here rather than replacing it.
-        backend-exp-opti)
-          cmd=(env "${exp_opti[@]}" "ART_SGLANG_BACKPORTS=$(backports_with "triton-prefill-grid${BACKPORTS_WITH:+,$BACKPORTS_WITH}")"
-               "${r39[@]}" --side backend --label "triton exp-opti" "${kernels[@]}" --sglang-args="--lora-backend triton"
-               --runs grpo-128:32 grpo-128:16@bare grpo-1024:16@bare) ;;
+        # The backend on its previous default LoRA path, against r39-backend-a1's (the default).
+        backend-csgmv) cmd=(env "$(csgmv_backports)" "${r39[@]}" --side backend --label csgmv "${kernels[@]}"
+                            "${csgmv_lora[@]}" --runs $r39_main) ;;
         backend-a2) cmd=("${r39[@]}" --side backend --label A2 "${kernels[@]}" --routes gateway server
                          --clients bare --runs $r39_split) ;;
         vllm-base) cmd=("${r39[@]}" --side direct --engine vllm --no-lora "${vllm_kernels[@]}" --clients bare
@@ -374,8 +380,9 @@ for name in "$@"; do
                            "${kernels[@]}" --sglang-args="--tokenizer-worker-num 4" --clients bare --runs $r39_split) ;;
         mixed-chunk) cmd=("${r39[@]}" --deadline-s 330 --side direct --flags backend --request-form gateway "${kernels[@]}"
                           --sglang-args="--enable-mixed-chunk" --clients bare --runs $r39_split) ;;
-        # Item 3: one LoRA serving flag added last to the backend's launch (SGLang's parser keeps an option's
-        # last value); no run starts after 330 s (the later --deadline-s wins), so 4 fit on 4 GPUs in one call.
+        # Item 3: one LoRA serving flag added last to the backend's launch on its previous default LoRA path, the
+        # one these were measured against (SGLang's parser keeps an option's last value); no run starts after
+        # 330 s (the later --deadline-s wins), so 4 fit on 4 GPUs in one call.
         # SGLang 0.5.17's LoRA kernels cost it 39-46 % of its decode rate (its log, 2026-11-28):
         # the triton backend, alone and with 0.5.17's experimental path behind environment variables (each
         # shrink on a second stream beside the base GEMM, down_proj's shrink split; the second variable keeps
@@ -394,16 +401,17 @@ for name in "$@"; do
             loras-2) change='--max-loras-per-batch 2' ;;
             # exp-opti's decode with a prefill as fast as csgmv's: triton's prefill graphs launched every LoRA
             # kernel for 32 requests of the whole bucket (~97 % empty CTAs: half csgmv's prefill rate). Cut into
-            # 16-row segments by art_sglang's opt-in triton-prefill-grid (beside the default backports), or
+            # 16-row segments by art_sglang's triton-prefill-grid (beside the other backports of the path), or
             # prefill eager (grids from the live batch).
             exp-opti-prefill-grid) change='--lora-backend triton'
-                                   envs=("${exp_opti[@]}" "ART_SGLANG_BACKPORTS=$(backports_with triton-prefill-grid)") ;;
+                                   envs=("${exp_opti[@]}" "ART_SGLANG_BACKPORTS=$(backports_without logprob-json)") ;;
             exp-opti-eager-prefill) change='--lora-backend triton --disable-prefill-cuda-graph'
                                     envs=("${exp_opti[@]}") ;;
             *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
           esac
-          cmd=(env "${envs[@]}" "${r39[@]}" --deadline-s 330 --side direct --flags backend --request-form gateway
-               "${kernels[@]}" --sglang-args="$change" --clients bare --runs $r39_split) ;;
+          cmd=(env "$(csgmv_backports)" "${envs[@]}" "${r39[@]}" --deadline-s 330 --side direct --flags backend
+               --request-form gateway "${kernels[@]}" "${csgmv_lora[@]}" --sglang-args="$change" --clients bare
+               --runs $r39_split) ;;
         *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
       esac
       # shellcheck disable=SC2206

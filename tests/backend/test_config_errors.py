@@ -67,7 +67,8 @@ def test_the_server_adapts_the_trained_modules_unless_told(tmp_path):
     assert backend.sglang_config.lora_target_modules == ["q_proj", "v_proj"]
     assert "--lora-target-modules q_proj v_proj" in " ".join(backend.sglang_config.server_args("m", 1))
     told = SGLangConfig(lora_target_modules=["all"])
-    assert SGLangBackend(engine="reference", sglang_config=told, trainer_config=trainer).sglang_config == told
+    backend = SGLangBackend(engine="reference", sglang_config=told, trainer_config=trainer)
+    assert backend.sglang_config.lora_target_modules == ["all"]
     # The first model's own LoRA (ART's peft_args) decides what the server adapts.
     request = BackendRequest(SGLangConfig(), TrainerConfig(), layout=CPU_SHARED, shared_strategy="restart")
     first = model_settings({"peft_args": {"target_modules": ["o_proj"]}}, request.trainer)
@@ -81,6 +82,30 @@ def test_the_server_adapts_the_trained_modules_unless_told(tmp_path):
     assert f"--lora-target-modules {' '.join(DEFAULT_LORA_TARGETS)}" in " ".join(
         SGLangConfig().server_args("m", 1)
     )
+
+
+def test_the_lora_pool_holds_the_trained_rank_unless_told(tmp_path):
+    """Unset, max_lora_rank is the trainer's lora_rank (the first model's, ART's peft_args r); a second model
+    of a higher rank is refused, naming the setting; a given max_lora_rank stays (a pool for several ranks:
+    without the experimental LoRA path, which serves the pool's rank only)."""
+    assert SGLangBackend(engine="reference").sglang_config.max_lora_rank == 8
+    trainer = TrainerConfig(lora_rank=16)
+    backend = SGLangBackend(engine="reference", trainer_config=trainer)
+    assert "--max-lora-rank 16" in " ".join(backend.sglang_config.server_args("m", 1))
+    told = SGLangConfig(max_lora_rank=64, lora_experimental_path=False)
+    backend = SGLangBackend(engine="reference", sglang_config=told, trainer_config=trainer)
+    assert backend.sglang_config.max_lora_rank == 64
+    several = SGLangConfig(lora_experimental_path=False)
+    request = BackendRequest(several, TrainerConfig(), layout=CPU_SHARED, shared_strategy="restart")
+    first = model_settings({"peft_args": {"r": 32}}, request.trainer)
+    template = str(ModelStore(tmp_path, "p", "m").chat_template_file)
+    plan = make_plan(request, first, detect_gpus(), template_file=template)
+    assert plan.server_config.max_lora_rank == plan.requested_config.max_lora_rank == 32
+    with pytest.raises(
+        ConfigError, match=r"lora_rank=64\) exceeds.*max_lora_rank=32.*first model's lora_rank"
+    ):
+        check_compatible(plan.server_config, TrainerConfig(lora_rank=64))
+    check_compatible(plan.server_config, TrainerConfig(lora_rank=16))
 
 
 def test_bad_strategy_and_engine_names():
@@ -180,22 +205,23 @@ def test_adapter_directories_are_checked_locally_before_loading(tmp_path):
     from art_sglang.errors import AdapterLoadError
     from art_sglang.storage.model_store import check_adapter
 
+    pool = SGLangConfig(max_lora_rank=64)
     missing = tmp_path / "missing"
     with pytest.raises(AdapterLoadError, match=f"{missing} is not a directory"):
-        check_adapter(missing, 64)
+        check_adapter(missing, pool)
     folder = tmp_path / "adapter"
     folder.mkdir()
     with pytest.raises(AdapterLoadError, match=r"has no adapter_config\.json"):
-        check_adapter(folder, 64)
+        check_adapter(folder, pool)
     (folder / "adapter_config.json").write_text('{"r": 128}')
     with pytest.raises(AdapterLoadError, match=r"has no adapter_model\.safetensors or adapter_model\.bin"):
-        check_adapter(folder, 64)
+        check_adapter(folder, pool)
     (folder / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(
         AdapterLoadError, match=r"rank 128, above the server's max_lora_rank=64.*at least 128"
     ):
-        check_adapter(folder, 64)
-    check_adapter(folder, 128)
+        check_adapter(folder, pool)
+    check_adapter(folder, SGLangConfig(max_lora_rank=128))
 
 
 def test_gpu_uuids_reach_the_children_unchanged(tmp_path):

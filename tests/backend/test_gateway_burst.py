@@ -19,11 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from art_sglang.config import KEEP_ALIVE_ENV, SGLangConfig, TrainerConfig
+from art_sglang.config import SGLangConfig, TrainerConfig
 from art_sglang.planning.devices import DeviceLayout, detect_gpus
 from art_sglang.planning.make_plan import make_plan
 from art_sglang.planning.request import BackendRequest
 from art_sglang.serving.adapters import InferenceService
+from art_sglang.sglang_env import KEEP_ALIVE_ENV
 
 KEEP_ALIVE_S = 1  # the server's: short, so the test's pauses are short too
 WAVES = 5
@@ -31,12 +32,17 @@ ROLLOUTS = 100  # concurrent, per wave
 TURNS = 4  # requests per rollout, with an environment's pause between them
 
 
+ADAPTER_RANK = 4  # the trainer's too: the default LoRA path serves adapters of the pool's rank only
+
+
 def _adapter(base: Path, out: Path) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base)
-    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(out)
+    get_peft_model(model, LoraConfig(r=ADAPTER_RANK, target_modules=["q_proj", "v_proj"])).save_pretrained(
+        out
+    )
     return out
 
 
@@ -72,7 +78,9 @@ async def test_bursts_with_hot_loads_between_lose_no_request(
         cuda_ids = tuple(g.cuda_id for g in detect_gpus().gpus)
         layout = DeviceLayout("split", "sglang", (0,), (), "burst test: one GPU", cuda_ids=cuda_ids)
     plan = make_plan(
-        BackendRequest(config, TrainerConfig(), engine=engine, layout=layout), None, detect_gpus()
+        BackendRequest(config, TrainerConfig(lora_rank=ADAPTER_RANK), engine=engine, layout=layout),
+        None,
+        detect_gpus(),
     )
     service = InferenceService(plan, str(tiny_model_path), log_path=tmp_path / "server.log")
     outcomes: Counter[str] = Counter()

@@ -243,6 +243,13 @@ def test_a_flag_added_to_the_backends_is_its_own_variant() -> None:
     )
     assert exact == "lora, backend flags, gateway form"
     assert changed == "lora, backend flags, --lora-backend triton, gateway form"
+    # The previous default LoRA path (r39-backend-csgmv, the r39-lora-* base) is a variant of its own too.
+    csgmv = ["--lora-backend", "csgmv", "--no-lora-experimental-path"]
+    assert rollout_options.variant(rollout_options.parse_arguments(None, [*direct, *csgmv])) == (
+        "lora, backend flags, --lora-backend csgmv no experimental path, gateway form"
+    )
+    backend = rollout_options.parse_arguments(None, ["--side", "backend", "--model", "m", *csgmv])
+    assert rollout_options.variant(backend) == "lora, --lora-backend csgmv no experimental path"
 
 
 def test_server_info_is_kept_without_its_keys() -> None:
@@ -266,7 +273,9 @@ def test_the_launch_record_names_the_backports_sglang_runs(
     monkeypatch.delenv("ART_SGLANG_BACKPORTS")
     defaults = rollout_targets.art_sglang_backports.selection(None)
     assert rollout_targets.launch_record(sglang)["backports"] == defaults
-    assert "triton-prefill-grid" not in defaults
+    assert defaults != ["json-response", "triton-prefill-grid"]  # the two choices differ
+    # The default LoRA path's variables are in the environment the record names.
+    assert rollout_targets.launch_record(sglang)["environment"]["SGLANG_EXPERIMENTAL_LORA_OPTI"] == "1"
     reference = ServerProcess(SGLangConfig(port=30001), "m", engine="reference", log_path=tmp_path / "r.log")
     assert "backports" not in rollout_targets.launch_record(reference)
 

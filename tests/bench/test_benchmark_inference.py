@@ -148,6 +148,8 @@ def test_vllm_command_line() -> None:
         vllm_args(ServerSettings(model="/m", sglang_args=("--schedule-policy", "lpm")), host="h", port=1)
     with pytest.raises(ValueError, match="lora-target-modules"):
         vllm_args(ServerSettings(model="/m", lora_target_modules=("q_proj",)), host="h", port=1)
+    with pytest.raises(ValueError, match="lora-experimental-path are SGLang's"):
+        vllm_args(ServerSettings(model="/m", lora_backend="csgmv"), host="h", port=1)
 
 
 def test_sglang_command_line_carries_the_further_flags() -> None:
@@ -164,6 +166,11 @@ def test_sglang_command_line_carries_the_further_flags() -> None:
     tuned = launch(server_settings(args))
     assert tuned[-4:] == ["--schedule-policy", "lpm", "--tokenizer-worker-num", "4"]
     assert "--schedule-policy" not in launch(ServerSettings(model="/m"))
+    # SGLangConfig's LoRA kernels by default; the previous default (csgmv, no experimental path) on request.
+    assert "--lora-backend triton" in " ".join(launch(server_settings(args)))
+    csgmv = parser.parse_args(["--model", "/m", "--lora-backend", "csgmv", "--no-lora-experimental-path"])
+    config = sglang_config(server_settings(csgmv))
+    assert (config.lora_backend, config.lora_experimental_path) == ("csgmv", False)
     trained = parser.parse_args(["--model", "/m", "--lora-target-modules", "q_proj", "v_proj"])
     every = parser.parse_args(["--model", "/m", "--lora-target-modules", "all"])
     for settings, served in [

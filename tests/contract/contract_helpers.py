@@ -26,8 +26,12 @@ def load_golden() -> list[dict[str, Any]]:
 
 
 def contract_config(engine: str, **overrides: Any) -> SGLangConfig:
-    """The flags the golden file was recorded with (on SGLang: its default attention, PyTorch sampling)."""
+    """The flags the golden file was recorded with (on SGLang: its default attention, PyTorch sampling, its
+    own LoRA backend: the contract's adapters have ranks 8 and 32 in a pool of 16, which the experimental
+    LoRA path does not serve)."""
     values: dict[str, Any] = {
+        "lora_backend": None,
+        "lora_experimental_path": False,
         "max_lora_rank": 16,
         "lora_target_modules": ["all"],
         "max_loras_per_batch": 4,

@@ -45,7 +45,6 @@ def sglang_test_config(**overrides: Any) -> SGLangConfig:
         "sampling_backend": "pytorch",
         "mem_fraction_static": 0.3,
         "enable_cache_report": True,
-        "max_lora_rank": 64,
     }
     settings.update(overrides)
     return SGLangConfig(**settings)

@@ -26,10 +26,11 @@ from typing import Literal
 
 import httpx
 
-from art_sglang.config import KEEP_ALIVE_ENV, SGLANG_ENV_DEFAULTS, SGLangConfig
+from art_sglang.config import SGLangConfig
 from art_sglang.errors import ServerStartError
 from art_sglang.process_tree import EXIT_GRACE_SECONDS, ManagedProcess, display_command, peek_exit_code
 from art_sglang.serving.servers.sglang_site import art_sglang_backports as backports
+from art_sglang.sglang_env import EXPERIMENTAL_LORA_ENV, KEEP_ALIVE_ENV, SGLANG_ENV_DEFAULTS
 
 Engine = Literal["sglang", "reference"]
 
@@ -169,7 +170,9 @@ class ServerProcess(ManagedProcess):
             json.dump(self._keys(), f)
 
     def environment(self) -> dict[str, str]:
-        env = {**os.environ, **SGLANG_ENV_DEFAULTS, **self.config.server_env, **self._extra_env}
+        lora_path = self.config.lora_experimental_path and self.config.weight_sync_method != "merged"
+        lora_env = EXPERIMENTAL_LORA_ENV if lora_path else {}  # merged weights: no LoRA kernels at all
+        env = {**os.environ, **SGLANG_ENV_DEFAULTS, **lora_env, **self.config.server_env, **self._extra_env}
         # Log lines reach the file as they are written, so a failed start shows its last words.
         env.setdefault("PYTHONUNBUFFERED", "1")
         if self.gpu_ids is not None:

@@ -30,11 +30,11 @@ below), `all`, `none`, or a comma list of the names below.
   `init_cuda_graph_batch_info` (0.5.23 renamed it). Decode logprobs identical to csgmv's as released
   (12,800 greedy tokens); SGLang's LoRA decode +15 %, its rate +6 % with 128-token answers and +11 % with
   1,024 (H200, 2026-11-28).
-- `triton-prefill-grid` (fixed in 0.5.23; not default): the triton LoRA backend's prefill CUDA graphs launched
+- `triton-prefill-grid` (fixed in 0.5.23): the triton LoRA backend's prefill CUDA graphs launched
   every LoRA kernel for 32 requests of the whole bucket each (8,192 rows), ~97 % of the CTAs empty, which
   halved its prefill rate against csgmv's (53k vs 99k tokens/s, H200, 2026-11-28); cut into the 16-row
   segments a batch can have instead (`art_sglang_triton_prefill.py`, beside this one), as 0.5.23's
-  `prefill_cuda_graph_sgemm_batch_info` does. Not yet measured.
+  `prefill_cuda_graph_sgemm_batch_info` does. On by default with the triton backend, SGLangConfig's default.
 - `evict-without-gc` (in no release): once the KV pool is full nearly every decode step evicts,
   and `RadixCache.evict` builds a (priority, node) tuple for every evictable leaf on each call (~10k with a
   full 1.5B pool on an H200). CPython's young collections run while the list is built, so the tuples reach
@@ -59,7 +59,7 @@ below), `all`, `none`, or a comma list of the names below.
   ~800 calls taking 13-14 s of each 30-s run as released; no decode stall in 146 log intervals against 39
   stalls of 0.52 s (35 % of decode time); output tokens/s 10,416 against 5,988, and 14,400 at 1,024-token
   answers (8,787 the session before, with the stalls).
-- `logprob-json` (in no release; not default): a non-streamed chat answer with logprobs is built with one
+- `logprob-json` (in no release): a non-streamed chat answer with logprobs is built with one
   validated pydantic entry per output token, and serialising it turns every entry into Python dicts again
   (the response's wrap serializers): ~4.4 ms of CPU per 1,024-token answer (SGLang 0.5.17's own classes, a
   CPU box), for each of a wave's 128 answers in turn on the HTTP process's one event loop, and the objects
@@ -68,7 +68,7 @@ below), `all`, `none`, or a comma list of the names below.
   (`art_sglang_logprob_json.py`): the same bytes as `json-response` sends (scripts/check_logprob_json.py),
   ~1.1 ms. Over real HTTP on CPU a wave's last answer left 0.26-0.94 s after the first instead of 2.6-3.9 s.
   Answers with top logprobs or meta_info, and 0.5.23 (which takes `bytes` from the token id), keep SGLang's
-  path. Not yet measured on a GPU.
+  path. On by default since issue 39's switch to the triton LoRA path, measured with it.
 
 This module imports nothing of art_sglang (the server's venv need not have it) and no SGLang at import time
 (art_sglang reads `selection` when it launches a server).
@@ -188,7 +188,6 @@ BACKPORTS: dict[str, Backport] = {
             ),
             (f"{_TRITON}.prepare_lora_batch", _beside("art_sglang_triton_prefill", "cut_prefill_rows")),
         ],
-        default=False,
     ),
     "evict-without-gc": Backport(
         None, [("sglang.srt.mem_cache.radix_cache.RadixCache.evict", _evict_without_gc)]
@@ -197,7 +196,6 @@ BACKPORTS: dict[str, Backport] = {
     "logprob-json": Backport(
         None,
         [(f"{_CHAT}._build_chat_response", _beside("art_sglang_logprob_json", "build_in_one_pass"))],
-        default=False,
     ),
 }
 
