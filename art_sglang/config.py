@@ -136,16 +136,16 @@ class SGLangConfig(BaseModel):
         "weights (faster decoding than 'all', docs/benchmarks.md).",
     )
     lora_backend: Annotated[str | None, LaunchFlag()] = Field(
-        "triton",
-        description="SGLang --lora-backend, the kernels that apply adapters: 'triton' (with lora_experimental_path "
-        "the fastest decode in 0.5.17), 'csgmv' (also None: SGLang's own default).",
+        None,
+        description="SGLang --lora-backend, the kernels that apply adapters: 'csgmv' (also None: SGLang's own "
+        "default), 'triton' (with lora_experimental_path the fastest decode in 0.5.17).",
     )
     lora_experimental_path: bool = Field(
-        True,
+        False,
         description="SGLang 0.5.17's experimental triton LoRA path (its SGLANG_EXPERIMENTAL_LORA_OPTI): each LoRA "
         "shrink on a second CUDA stream beside the base GEMM. Needs lora_backend='triton' and adapters of rank "
-        "max_lora_rank only (the trainer's lora_rank; another rank computes NaN). Left unset it is on where both "
-        "hold and off elsewhere; set True, a config that breaks either is an error.",
+        "max_lora_rank only (the trainer's lora_rank; another rank computes NaN), refused otherwise. Off by "
+        "default: its greedy decode logprobs differ from csgmv's by 12 times the noise (docs/guide.md).",
     )
     attention_backend: Annotated[str | None, LaunchFlag()] = Field(
         None, description="SGLang --attention-backend; None = its default."

@@ -16,7 +16,7 @@ def test_defaults_render_the_flags_the_backend_relies_on() -> None:
     assert "--max-lora-rank 8" in joined  # unset outside a backend: the default trainer's rank
     assert "--lora-target-modules all" in joined
     assert "--max-loras-per-batch 4" in joined
-    assert "--lora-backend triton" in joined  # with the experimental path (in the environment, not a flag)
+    assert "--lora-backend" not in joined  # SGLang's own LoRA kernels (csgmv in 0.5.17)
     assert "--enable-cache-report" in args
     absent = (
         "--disable-radix-cache",

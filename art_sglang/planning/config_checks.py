@@ -90,10 +90,7 @@ def check_compatible(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
 def check_experimental_lora(sglang: SGLangConfig, trainer: TrainerConfig) -> None:
     """SGLang 0.5.17's experimental LoRA path runs the triton backend's kernels, and computes garbage (NaN) for
     an adapter of a rank below the pool's: its shrink writes the adapter's rank of columns, its expand reads
-    max_lora_rank of them. Left at its default, the path is on only where it can be (`serve_trained`); asked for
-    (or settled on by a plan, for the models that come later), a config it cannot serve is an error."""
-    if "lora_experimental_path" not in sglang.model_fields_set:
-        return
+    max_lora_rank of them."""
     if not sglang.lora_experimental_path or sglang.weight_sync_method == "merged":  # merged: no LoRA served
         return
     if sglang.lora_backend != "triton":

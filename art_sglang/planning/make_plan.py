@@ -219,16 +219,12 @@ def serve_trained(config: SGLangConfig, trainer: TrainerConfig) -> SGLangConfig:
     """Unless `lora_target_modules` was given, the server adapts exactly the modules the trainer trains: a
     LoRA kernel on a module no adapter has weights for (lm_head, embed_tokens under 'all') costs every
     decode step and changes nothing. Likewise its LoRA pool holds the trainer's rank unless `max_lora_rank`
-    was given: a wider pool takes memory, and every LoRA kernel computes over its width. SGLang's experimental
-    LoRA path, unless asked for or refused, runs where it can: the triton kernels and a pool of the trainer's
-    rank (settled here, so a later model of another rank is refused at registration, not at its first load)."""
+    was given: a wider pool takes memory, and every LoRA kernel computes over its width."""
     updates: dict[str, Any] = {}
     if config.lora_target_modules is None:
         updates["lora_target_modules"] = list(trainer.target_modules)
-    rank = trainer.lora_rank if config.max_lora_rank is None else config.max_lora_rank
-    updates["max_lora_rank"] = rank
-    if "lora_experimental_path" not in config.model_fields_set:
-        updates["lora_experimental_path"] = config.lora_backend == "triton" and rank == trainer.lora_rank
+    if config.max_lora_rank is None:
+        updates["max_lora_rank"] = trainer.lora_rank
     return config.model_copy(update=updates)
 
 

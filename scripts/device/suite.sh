@@ -43,29 +43,25 @@
 #     models-random (~1 min, once; models-random-7b ~2 min): builds qwen2.5-1.5b-random (-7b-random), which
 #       RMODEL=/root/models/qwen2.5-7b-random then points these suites at
 #     r39-backend-a1 (~7), r39-vllm (~7.5): bare client on grpo-128:32 grpo-128:16 grpo-1024:16 varying-384:32
-#       multiturn-64:32, ART's client too on the 128-token ones; lone-request TTFT. The backend with its defaults:
-#       the triton LoRA kernels on 0.5.17's experimental path, every default backport
-#     r39-backend-csgmv (~7): r39-backend-a1 on the LoRA path the backend served before that default (label
-#       "csgmv"): --lora-backend csgmv, no experimental path, without the triton-prefill-grid and logprob-json
-#       backports
+#       multiturn-64:32, ART's client too on the 128-token ones; lone-request TTFT (the backend with its defaults)
+#     r39-backend-triton (~7): r39-backend-a1 on the opt-in triton LoRA path (--lora-backend triton, 0.5.17's
+#       experimental path; label "triton, experimental path")
 #     r39-backend-a2 (~5): the backend again, bare, grpo-128:32 and grpo-1024:16, through its gateway and
 #       straight to its own server (the gateway's share of the backend's cost, on the same live server)
 #     r39-direct-exact (~3): SGLang launched exactly as the backend launches it (flags, keys, the gateway's
 #       request form), no gateway, no trainer; r39-drop-<suspect> (~3 each): the same without one suspect
 #       (memory-saver, weights-backup, metrics, keys, token-ids, original-logprob, tool-parser)
 #     r39-lora-<variant> (~4, < 7 each; 4 at once on 4 GPUs: per_gpu.sh; variants triton, triton-loras-1,
-#       exp-opti, exp-cublas, rank-64, no-prefill-graph, loras-2, exp-opti-prefill-grid, exp-opti-eager-prefill):
-#       the same on r39-backend-csgmv's LoRA path (the one they were measured against) with one change: triton
-#       (--lora-backend triton), rank-64 (--max-lora-rank 64, SGLangConfig's default before it took the
+#       exp-opti, exp-cublas, rank-64, no-prefill-graph, loras-2, exp-opti-eager-prefill): the same with one LoRA
+#       serving change: triton (--lora-backend triton; its prefill graphs cut into 16-row segments by the default
+#       triton-prefill-grid backport), rank-64 (--max-lora-rank 64, SGLangConfig's default before it took the
 #       trainer's rank, against the bench's 16), no-prefill-graph (--disable-prefill-cuda-graph), loras-2
-#       (--max-loras-per-batch 2), exp-opti-prefill-grid (exp-opti with the triton-prefill-grid fix: triton's
-#       prefill graphs launched for 16-row segments), exp-opti-eager-prefill (exp-opti with
-#       --disable-prefill-cuda-graph)
+#       (--max-loras-per-batch 2), exp-opti-eager-prefill (exp-opti with --disable-prefill-cuda-graph)
 #     lora-logprob-ab (~4): scripts/lora_logprob_ab.py, a LoRA variant's logprobs against a baseline's (greedy
 #       decode of 200 requests at once and teacher-forced prefill; max/mean |diff|); BASELINE_ENV, VARIANT_ENV
-#       ('K=V ...') and VARIANT_ARGS ('--flag ...') name them (default: the backend's LoRA path and backports
-#       against r39-backend-csgmv's); BASELINE_ARGS changes the baseline's flags, BASELINE_LORA its LoRA kernels
-#       (default '--baseline-lora-backend csgmv --no-baseline-lora-experimental-path'; empty: the variant's),
+#       ('K=V ...') and VARIANT_ARGS ('--flag ...') name them (default: the opt-in triton path against the default
+#       csgmv); BASELINE_ARGS changes the baseline's flags, BASELINE_LORA its LoRA kernels (default: SGLangConfig's;
+#       '--baseline-lora-backend triton --baseline-lora-experimental-path' for the triton path's),
 #       PROMPT_TOKENS the prompts' length (default 64)
 #     r39-vllm-base (~4.5): vLLM serving the base weights, no LoRA (ART's merged mode's stand-in), bare
 #     r39-backend-merged (~6.5): issue 40's merged mode (weight_sync_method='merged': the server without LoRA,
@@ -209,10 +205,8 @@ backports_with() { echo "$(backports_without "$1"),$1"; }
 # BACKPORTS_WITH=NAME[,NAME...]: every server of the call gets the default backports and these opt-in ones
 # (a suite that chooses its own keeps them); the r39/stall JSON names what each server ran (launch.backports).
 [ -z "${BACKPORTS_WITH:-}" ] || export ART_SGLANG_BACKPORTS="$(backports_with "$BACKPORTS_WITH")"
-# The LoRA path SGLangBackend served before its triton default (issue 39): SGLang's csgmv kernels without the
-# experimental path, and the backports adopted with that default left out.
-csgmv_lora=(--lora-backend csgmv --no-lora-experimental-path)
-csgmv_backports() { echo "ART_SGLANG_BACKPORTS=$(backports_without triton-prefill-grid,logprob-json)"; }
+# The opt-in triton LoRA path (issue 39): the triton kernels on SGLang 0.5.17's experimental path.
+triton_lora=(--lora-backend triton --lora-experimental-path)
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
 for name in "$@"; do
@@ -336,16 +330,15 @@ for name in "$@"; do
     models-random-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-random) ;;
     # Issue 39: a LoRA serving change's logprobs against a baseline's, 200 requests at once (decode in the CUDA
     # graphs): SGLang started twice as the backend launches it, same adapter, greedy decode and teacher-forced
-    # prefill. VARIANT_ENV (KEY=VALUE ...) and VARIANT_ARGS (SGLang flags) make the variant (default: the
-    # backend's LoRA path and backports); the baseline: r39-backend-csgmv's path (BASELINE_ENV its backports,
-    # BASELINE_LORA its kernels; '' for the variant's). BASELINE_ARGS adds SGLang flags to the baseline;
+    # prefill. VARIANT_ENV (KEY=VALUE ...) and VARIANT_ARGS (SGLang flags) make the variant (default: the opt-in
+    # triton path); the baseline: the backend's defaults (BASELINE_ENV its environment, BASELINE_LORA its LoRA
+    # kernels as lora_logprob_ab.py's --baseline-lora-* options). BASELINE_ARGS adds SGLang flags to the baseline;
     # PROMPT_TOKENS (default 64; 256 keeps the prefill chunks under the triton backend's 32-request graph cap).
     lora-logprob-ab)
       # shellcheck disable=SC2206
       cmd=(python3 scripts/lora_logprob_ab.py --model "$rmodel" "${kernels[@]}" --workdir /tmp/work-lora-logprob-ab
-           --baseline-env ${BASELINE_ENV:-$(csgmv_backports)}
-           ${BASELINE_LORA---baseline-lora-backend csgmv --no-baseline-lora-experimental-path}
-           --baseline-args="${BASELINE_ARGS:-}" --variant-env ${VARIANT_ENV:-} --variant-args="${VARIANT_ARGS:-}"
+           --baseline-env ${BASELINE_ENV:-} ${BASELINE_LORA:-} --baseline-args="${BASELINE_ARGS:-}"
+           --variant-env ${VARIANT_ENV:-${exp_opti[*]}} --variant-args="${VARIANT_ARGS---lora-backend triton}"
            --prompt-tokens "${PROMPT_TOKENS:-64}" --json "$results/lora-logprob-ab-${rmodel##*/}.json") ;;
     r39-compare) cmd=(python3 scripts/bench_rollouts.py --compare "$results"/r39-*-"${rmodel##*/}".json
                       --json "$results/bench_rollouts39-${rmodel##*/}.json"
@@ -361,9 +354,8 @@ for name in "$@"; do
         backend-merged-no-memo)
           cmd=(env "ART_SGLANG_BACKPORTS=$(backports_without chat-template-memo)" "${r39[@]}" --side backend
                --weights merged --label "no memo" "${kernels[@]}" --runs grpo-128:32 grpo-128:16 grpo-1024:16@bare) ;;
-        # The backend on its previous default LoRA path, against r39-backend-a1's (the default).
-        backend-csgmv) cmd=(env "$(csgmv_backports)" "${r39[@]}" --side backend --label csgmv "${kernels[@]}"
-                            "${csgmv_lora[@]}" --runs $r39_main) ;;
+        # The backend on the opt-in triton LoRA path, against r39-backend-a1's (the default, csgmv).
+        backend-triton) cmd=("${r39[@]}" --side backend "${kernels[@]}" "${triton_lora[@]}" --runs $r39_main) ;;
         backend-a2) cmd=("${r39[@]}" --side backend --label A2 "${kernels[@]}" --routes gateway server
                          --clients bare --runs $r39_split) ;;
         vllm-base) cmd=("${r39[@]}" --side direct --engine vllm --no-lora "${vllm_kernels[@]}" --clients bare
@@ -399,18 +391,14 @@ for name in "$@"; do
             rank-64) change='--max-lora-rank 64' ;;
             no-prefill-graph) change='--disable-prefill-cuda-graph' ;;
             loras-2) change='--max-loras-per-batch 2' ;;
-            # exp-opti's decode with a prefill as fast as csgmv's: triton's prefill graphs launched every LoRA
-            # kernel for 32 requests of the whole bucket (~97 % empty CTAs: half csgmv's prefill rate). Cut into
-            # 16-row segments by art_sglang's triton-prefill-grid (beside the other backports of the path), or
-            # prefill eager (grids from the live batch).
-            exp-opti-prefill-grid) change='--lora-backend triton'
-                                   envs=("${exp_opti[@]}" "ART_SGLANG_BACKPORTS=$(backports_without logprob-json)") ;;
+            # exp-opti's prefill eager (grids from the live batch) rather than through the default
+            # triton-prefill-grid backport's 16-row segments.
             exp-opti-eager-prefill) change='--lora-backend triton --disable-prefill-cuda-graph'
                                     envs=("${exp_opti[@]}") ;;
             *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
           esac
-          cmd=(env "$(csgmv_backports)" "${envs[@]}" "${r39[@]}" --deadline-s 330 --side direct --flags backend
-               --request-form gateway "${kernels[@]}" "${csgmv_lora[@]}" --sglang-args="$change" --clients bare
+          cmd=(env "${envs[@]}" "${r39[@]}" --deadline-s 330 --side direct --flags backend
+               --request-form gateway "${kernels[@]}" --sglang-args="$change" --clients bare
                --runs $r39_split) ;;
         *) echo "unknown suite $name" >&2; failed=$((failed + 1)); continue ;;
       esac

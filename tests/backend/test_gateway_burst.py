@@ -32,7 +32,9 @@ ROLLOUTS = 100  # concurrent, per wave
 TURNS = 4  # requests per rollout, with an environment's pause between them
 
 
-ADAPTER_RANK = 4  # the trainer's too: the default LoRA path serves adapters of the pool's rank only
+ADAPTER_RANK = (
+    4  # the trainer's too, so the test serves on any LoRA path (the triton one's pool takes one rank)
+)
 
 
 def _adapter(base: Path, out: Path) -> Path:

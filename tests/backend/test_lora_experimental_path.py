@@ -52,10 +52,8 @@ async def test_the_variables_reach_the_launched_server(tmp_path: Path, tiny_mode
         assert _experimental(psutil.Process(server.pid).environ()) == EXPERIMENTAL_LORA_ENV
     finally:
         await server.stop()
-    default = ServerProcess(SGLangConfig(), "m", engine="sglang", log_path=tmp_path / "s.log")
-    assert _experimental(default.environment()) == EXPERIMENTAL_LORA_ENV  # the default path
     for config in (
-        SGLangConfig(lora_experimental_path=False),
+        SGLangConfig(),  # off by default
         SGLangConfig(**EXPERIMENTAL, weight_sync_method="merged"),
     ):
         process = ServerProcess(config, "m", engine="sglang", log_path=tmp_path / "s.log")
@@ -86,21 +84,6 @@ def test_the_path_needs_the_triton_backend_and_the_trainers_rank(tmp_path: Path)
     # Merged weights serve no adapter: the path's rules do not apply.
     merged = SGLangConfig(lora_experimental_path=True, max_lora_rank=64, weight_sync_method="merged")
     check_compatible(merged, TrainerConfig(lora_rank=16))
-
-
-def test_left_unset_the_path_runs_only_where_it_can() -> None:
-    def settled(sglang: SGLangConfig) -> SGLangConfig:
-        return SGLangBackend(
-            engine="reference", sglang_config=sglang, trainer_config=TrainerConfig(lora_rank=16)
-        ).sglang_config
-
-    assert settled(SGLangConfig()).lora_experimental_path is True
-    for other in (SGLangConfig(lora_backend="csgmv"), SGLangConfig(max_lora_rank=64)):  # no error: off
-        assert settled(other).lora_experimental_path is False
-    # Settled on, it refuses a later model of another rank at its registration.
-    with pytest.raises(ConfigError, match=r"lora_rank=8\) is not max_lora_rank=16"):
-        check_compatible(settled(SGLangConfig()), TrainerConfig(lora_rank=8))
-    check_compatible(settled(SGLangConfig(max_lora_rank=64)), TrainerConfig(lora_rank=8))
 
 
 async def test_an_adapter_of_another_rank_is_refused_before_any_server_sees_it(tmp_path: Path) -> None:

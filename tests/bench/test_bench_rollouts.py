@@ -243,13 +243,13 @@ def test_a_flag_added_to_the_backends_is_its_own_variant() -> None:
     )
     assert exact == "lora, backend flags, gateway form"
     assert changed == "lora, backend flags, --lora-backend triton, gateway form"
-    # The previous default LoRA path (r39-backend-csgmv, the r39-lora-* base) is a variant of its own too.
-    csgmv = ["--lora-backend", "csgmv", "--no-lora-experimental-path"]
-    assert rollout_options.variant(rollout_options.parse_arguments(None, [*direct, *csgmv])) == (
-        "lora, backend flags, --lora-backend csgmv no experimental path, gateway form"
+    # The opt-in triton path (r39-backend-triton) is a variant of its own too.
+    triton = ["--lora-backend", "triton", "--lora-experimental-path"]
+    assert rollout_options.variant(rollout_options.parse_arguments(None, [*direct, *triton])) == (
+        "lora, backend flags, --lora-backend triton experimental path, gateway form"
     )
-    backend = rollout_options.parse_arguments(None, ["--side", "backend", "--model", "m", *csgmv])
-    assert rollout_options.variant(backend) == "lora, --lora-backend csgmv no experimental path"
+    backend = rollout_options.parse_arguments(None, ["--side", "backend", "--model", "m", *triton])
+    assert rollout_options.variant(backend) == "lora, --lora-backend triton experimental path"
 
 
 def test_server_info_is_kept_without_its_keys() -> None:
@@ -274,8 +274,11 @@ def test_the_launch_record_names_the_backports_sglang_runs(
     defaults = rollout_targets.art_sglang_backports.selection(None)
     assert rollout_targets.launch_record(sglang)["backports"] == defaults
     assert defaults != ["json-response", "triton-prefill-grid"]  # the two choices differ
-    # The default LoRA path's variables are in the environment the record names.
-    assert rollout_targets.launch_record(sglang)["environment"]["SGLANG_EXPERIMENTAL_LORA_OPTI"] == "1"
+    # The opt-in triton path's variables are in the environment the record names, only where it runs.
+    assert "SGLANG_EXPERIMENTAL_LORA_OPTI" not in rollout_targets.launch_record(sglang)["environment"]
+    triton = SGLangConfig(port=30001, lora_backend="triton", lora_experimental_path=True)
+    on = ServerProcess(triton, "m", engine="sglang", log_path=tmp_path / "t.log")
+    assert rollout_targets.launch_record(on)["environment"]["SGLANG_EXPERIMENTAL_LORA_OPTI"] == "1"
     reference = ServerProcess(SGLangConfig(port=30001), "m", engine="reference", log_path=tmp_path / "r.log")
     assert "backports" not in rollout_targets.launch_record(reference)
 

@@ -34,7 +34,8 @@ below), `all`, `none`, or a comma list of the names below.
   every LoRA kernel for 32 requests of the whole bucket each (8,192 rows), ~97 % of the CTAs empty, which
   halved its prefill rate against csgmv's (53k vs 99k tokens/s, H200, 2026-11-28); cut into the 16-row
   segments a batch can have instead (`art_sglang_triton_prefill.py`, beside this one), as 0.5.23's
-  `prefill_cuda_graph_sgemm_batch_info` does. On by default with the triton backend, SGLangConfig's default.
+  `prefill_cuda_graph_sgemm_batch_info` does. On by default; it changes nothing unless the triton backend
+  runs (SGLangConfig(lora_backend='triton')). Prefill logprobs identical with it (63,800 positions).
 - `evict-without-gc` (in no release): once the KV pool is full nearly every decode step evicts,
   and `RadixCache.evict` builds a (priority, node) tuple for every evictable leaf on each call (~10k with a
   full 1.5B pool on an H200). CPython's young collections run while the list is built, so the tuples reach
@@ -68,7 +69,7 @@ below), `all`, `none`, or a comma list of the names below.
   (`art_sglang_logprob_json.py`): the same bytes as `json-response` sends (scripts/check_logprob_json.py),
   ~1.1 ms. Over real HTTP on CPU a wave's last answer left 0.26-0.94 s after the first instead of 2.6-3.9 s.
   Answers with top logprobs or meta_info, and 0.5.23 (which takes `bytes` from the token id), keep SGLang's
-  path. On by default since issue 39's switch to the triton LoRA path, measured with it.
+  path. On by default since 2026-11-28; every answer of the twelfth session's GPU side-by-side went through it.
 
 This module imports nothing of art_sglang (the server's venv need not have it) and no SGLang at import time
 (art_sglang reads `selection` when it launches a server).
