@@ -62,7 +62,8 @@
 #       prefill graphs launched for 16-row segments), exp-opti-eager-prefill (exp-opti with
 #       --disable-prefill-cuda-graph)
 #     lora-logprob-ab (~4): scripts/lora_logprob_ab.py, a LoRA variant's logprobs against a baseline's (greedy
-#       decode of 200 requests at once and teacher-forced prefill; max/mean |diff|); BASELINE_ENV, VARIANT_ENV
+#       decode of 200 requests at once and teacher-forced prefill; max/mean |diff|; each server's decode against
+#       its own teacher-forced prefill of the same ids: decode_vs_prefill); BASELINE_ENV, VARIANT_ENV
 #       ('K=V ...') and VARIANT_ARGS ('--flag ...') name them (default: the backend's LoRA path and backports
 #       against r39-backend-csgmv's); BASELINE_ARGS changes the baseline's flags, BASELINE_LORA its LoRA kernels
 #       (default '--baseline-lora-backend csgmv --no-baseline-lora-experimental-path'; empty: the variant's),
