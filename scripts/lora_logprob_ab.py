@@ -11,7 +11,10 @@ get the same requests, all at once so that decode runs in the CUDA graphs of ~`-
   compared position by position up to where the two answers part (they part only where two tokens' logits
   are within the variant's noise);
 - forced: teacher-forced logprobs of fixed prompt and answer ids (`tests/backend/merged_checks.py`'s
-  `forced_logprobs`, a prefill): every position compared.
+  `forced_logprobs`, a prefill): every position compared;
+- decode_vs_prefill, per server: its greedy answers' decode logprobs against its own teacher-forced prefill
+  of the same prompt + answer ids, every position (same tokens by construction). Tells which server's decode
+  departs from its prefill where the two servers' decodes differ more than their prefills do.
 
 Prints and writes (--json) the largest and mean absolute logprob differences of each, how many decode steps
 and prefill batches of each server ran in a CUDA graph (its log's lines) and the backports each server's
@@ -125,8 +128,13 @@ async def serve_and_ask(
                     *(greedy_answer(http, base_url, p, args.answer_tokens) for p in prompts)
                 )
             teacher = await asyncio.gather(*(forced_logprobs(base_url, ADAPTER, None, ids) for ids in forced))
+            own = await asyncio.gather(*(forced_logprobs(base_url, ADAPTER, None, p + [t for _, t in a])
+                                         for p, a in zip(prompts, answers, strict=True)))  # fmt: skip
     log = (side_args.workdir / f"server-{args.engine}.log").read_text(errors="replace")
+    decoded = [lp for answer in answers for lp, _ in answer]
+    prefilled = [lp for (row, _), p in zip(own, prompts, strict=True) for lp in row[len(p) - 1 :]]
     return {"answers": answers, "forced": [lp for lp, _ in teacher], "server_log": server_log_facts(log),
+            "decode_vs_prefill": differences(decoded, prefilled),
             "launch": document.get("launch"), "versions": document["versions"]}  # fmt: skip
 
 
@@ -170,6 +178,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "baseline": {"args": args.baseline_args, "env": baseline_env, "lora": baseline_lora},
         "variant": {"args": args.variant_args, "env": variant_env},
         **compare(base, variant),
+        "decode_vs_prefill": {"baseline": base["decode_vs_prefill"], "variant": variant["decode_vs_prefill"]},
         "server_log": {"baseline": base["server_log"], "variant": variant["server_log"]},
         "launch": {"baseline": base["launch"], "variant": variant["launch"]},
         "versions": base["versions"], "environment": environment(),
@@ -182,6 +191,8 @@ def table(result: dict[str, Any]) -> str:
 
     rows = [[kind, result[kind]["positions"], small(result[kind]["max_abs"]), small(result[kind]["mean_abs"])]
             for kind in ("decode", "forced")]  # fmt: skip
+    rows += [[f"{side} decode vs its prefill", own["positions"], small(own["max_abs"]), small(own["mean_abs"])]
+             for side, own in result["decode_vs_prefill"].items()]  # fmt: skip
     return markdown_table(["logprobs", "positions", "max |diff|", "mean |diff|"], rows)
 
 
@@ -214,7 +225,7 @@ def main() -> None:
     )  # fmt: skip
     result = asyncio.run(run(args))
     write_results(args, result, table(result))
-    print(json.dumps({key: result[key] for key in ("decode", "forced", "server_log")}))
+    print(json.dumps({key: result[key] for key in ("decode", "forced", "decode_vs_prefill", "server_log")}))
 
 
 if __name__ == "__main__":

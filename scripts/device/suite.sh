@@ -58,7 +58,8 @@
 #       trainer's rank, against the bench's 16), no-prefill-graph (--disable-prefill-cuda-graph), loras-2
 #       (--max-loras-per-batch 2), exp-opti-eager-prefill (exp-opti with --disable-prefill-cuda-graph)
 #     lora-logprob-ab (~4): scripts/lora_logprob_ab.py, a LoRA variant's logprobs against a baseline's (greedy
-#       decode of 200 requests at once and teacher-forced prefill; max/mean |diff|); BASELINE_ENV, VARIANT_ENV
+#       decode of 200 requests at once and teacher-forced prefill; max/mean |diff|; each server's decode against
+#       its own teacher-forced prefill of the same ids: decode_vs_prefill); BASELINE_ENV, VARIANT_ENV
 #       ('K=V ...') and VARIANT_ARGS ('--flag ...') name them (default: the opt-in triton path against the default
 #       csgmv); BASELINE_ARGS changes the baseline's flags, BASELINE_LORA its LoRA kernels (default: SGLangConfig's;
 #       '--baseline-lora-backend triton --baseline-lora-experimental-path' for the triton path's),
