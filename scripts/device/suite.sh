@@ -45,7 +45,7 @@
 #     r39-backend-a1 (~7), r39-vllm (~7.5): bare client on grpo-128:32 grpo-128:16 grpo-1024:16 varying-384:32
 #       multiturn-64:32, ART's client too on the 128-token ones; lone-request TTFT (the backend with its defaults)
 #     r39-backend-triton (~7): r39-backend-a1 on the opt-in triton LoRA path (--lora-backend triton, 0.5.17's
-#       experimental path; label "triton, experimental path")
+#       experimental path); r39-direct-triton (~3): r39-direct-exact on that path
 #     r39-backend-a2 (~5): the backend again, bare, grpo-128:32 and grpo-1024:16, through its gateway and
 #       straight to its own server (the gateway's share of the backend's cost, on the same live server)
 #     r39-direct-exact (~3): SGLang launched exactly as the backend launches it (flags, keys, the gateway's
@@ -363,6 +363,8 @@ for name in "$@"; do
                         --runs grpo-128:32 grpo-128:16 grpo-1024:16) ;;
         direct-exact) cmd=("${r39[@]}" --side direct --flags backend --request-form gateway "${kernels[@]}"
                            --clients bare --runs $r39_split) ;;
+        direct-triton) cmd=("${r39[@]}" --side direct --flags backend --request-form gateway "${kernels[@]}"
+                            "${triton_lora[@]}" --clients bare --runs $r39_split) ;;
         drop-*) cmd=("${r39[@]}" --side direct --flags backend --drop "${name#r39-drop-}" --request-form gateway
                      "${kernels[@]}" --clients bare --runs $r39_split) ;;
         # Where a wave's time goes outside decode (SGLang 0.5.17's one HTTP process encoded each non-streamed
