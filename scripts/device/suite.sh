@@ -337,10 +337,10 @@ for name in "$@"; do
     # PROMPT_TOKENS (default 64; 256 keeps the prefill chunks under the triton backend's 32-request graph cap).
     lora-logprob-ab)
       # shellcheck disable=SC2206
-      cmd=(python3 scripts/lora_logprob_ab.py --model "$rmodel" "${kernels[@]}" --workdir /tmp/work-lora-logprob-ab
+      cmd=(python3 scripts/lora_logprob_ab.py --model "$rmodel" "${kernels[@]}" --workdir "$work"
            --baseline-env ${BASELINE_ENV:-} ${BASELINE_LORA:-} --baseline-args="${BASELINE_ARGS:-}"
            --variant-env ${VARIANT_ENV:-${exp_opti[*]}} --variant-args="${VARIANT_ARGS---lora-backend triton}"
-           --prompt-tokens "${PROMPT_TOKENS:-64}" --json "$results/lora-logprob-ab-${rmodel##*/}.json") ;;
+           --prompt-tokens "${PROMPT_TOKENS:-64}" --json "$results/$run_name.json") ;;
     r39-compare) cmd=(python3 scripts/bench_rollouts.py --compare "$results"/r39-*-"${rmodel##*/}".json
                       --json "$results/bench_rollouts39-${rmodel##*/}.json"
                       --markdown "$results/bench_rollouts39-${rmodel##*/}.md") ;;
