@@ -29,6 +29,8 @@ class Chat:
         self.logged: list[dict] = []
 
     def _validate_request(self, request: dict) -> str | None:
+        if request["messages"] == ["unparsable tool schema"]:
+            raise ValueError("bad schema")
         return None if request["messages"] else "Messages cannot be empty."
 
     def _convert_to_internal_request(self, request: dict, raw_request: Any = None) -> tuple[Any, dict]:
@@ -128,6 +130,8 @@ async def test_a_conversion_error_is_answered_by_sglangs_handler(hooked: type[Ch
 async def test_invalid_requests_and_logged_requests_take_sglangs_path(hooked: type[Chat]) -> None:
     chat = hooked()
     assert await chat.handle_request({"messages": []}, None) == ("error", "Messages cannot be empty.")
+    raising = await chat.handle_request({"messages": ["unparsable tool schema"]}, None)
+    assert raising == ("error", "bad schema")  # answered by SGLang's handler, as released
     assert chat.converted_on == []
     logging = hooked(log_level=2)
     request = {"messages": ["hi"]}

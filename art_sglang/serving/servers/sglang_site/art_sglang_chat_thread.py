@@ -13,7 +13,8 @@ and holds the outcome for that request in a context variable while SGLang's own 
 `take_converted` (AROUND `_convert_to_internal_request`) hands SGLang that outcome (its result, or its error
 raised where SGLang's conversion would have raised it) instead of converting again. Anything else converts
 inline: a request `_validate_request` rejects (SGLang answers its error before converting), and every request
-where the request log's level 2 logs requests before their conversion (the conversion changes them).
+where the request log's level 2 logs requests before their conversion (the conversion changes them),
+and a request whose validation raises.
 One thread, as vLLM's: every conversion in arrival order, and the tokenizer's state (truncation, padding) is
 never changed by two conversions at once. Imports nothing of art_sglang and no SGLang.
 """
@@ -58,7 +59,11 @@ def _logs_before_conversion(chat: Any) -> bool:
 
 async def convert_off_loop(original: Callable[..., Any], chat: Any, request: Any, raw_request: Any) -> Any:
     """AROUND `OpenAIServingChat.handle_request(request, raw_request)`."""
-    if chat._validate_request(request) or _logs_before_conversion(chat):
+    try:
+        inline = bool(chat._validate_request(request)) or _logs_before_conversion(chat)
+    except Exception:  # raised again inside SGLang's handler, which answers it
+        inline = True
+    if inline:
         return await original(chat, request, raw_request)
     converted = await asyncio.get_running_loop().run_in_executor(
         _thread(), _convert, chat, request, raw_request
