@@ -69,14 +69,14 @@ def add_server_args(
     parser.add_argument(
         "--lora-backend",
         default=DEFAULT_LORA_BACKEND,
-        help=f"SGLang only: SGLangConfig.lora_backend (default {DEFAULT_LORA_BACKEND}; csgmv: SGLang's own)",
+        help="SGLang only: SGLangConfig.lora_backend (unset: SGLang's own, csgmv in 0.5.17; or triton)",
     )
     parser.add_argument(
         "--lora-experimental-path",
         action=argparse.BooleanOptionalAction,
         default=DEFAULT_LORA_EXPERIMENTAL_PATH,
-        help="SGLang only: SGLangConfig.lora_experimental_path, 0.5.17's experimental triton LoRA path (off: "
-        "--no-lora-experimental-path, which another --lora-backend needs)",
+        help="SGLang only: SGLangConfig.lora_experimental_path, 0.5.17's experimental triton LoRA path (with "
+        "--lora-backend triton)",
     )
     parser.add_argument("--lora-rank", type=int, default=8, help="rank of the random adapter served")
     parser.add_argument(

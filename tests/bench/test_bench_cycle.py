@@ -3,7 +3,6 @@ layout, one GRPO step per strategy through SGLangBackend.train(), and the JSON a
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -14,13 +13,15 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import bench_cycle  # noqa: E402
+from bench_common import training_bench_parser  # noqa: E402
 
 
 @pytest.mark.parametrize("strategy", bench_cycle.STRATEGIES)
 def test_each_strategy_builds_its_backend(strategy: str, tmp_path: Path) -> None:
-    args = argparse.Namespace(
-        engine="reference", model="/m", mem_fraction_static=0.5, cuda_graph=False, prefill_cuda_graph=False,
-        attention_backend=None, sampling_backend=None, sglang_args=[], lora_rank=16, lora_target_modules=["all"],
+    # The script's own command line, so the test's arguments are never missing one the script reads.
+    args = training_bench_parser(None).parse_args(
+        ["--engine", "reference", "--model", "/m", "--no-cuda-graph", "--no-prefill-cuda-graph",
+         "--lora-target-modules", "all"]
     )  # fmt: skip
     backend = bench_cycle.make_backend(args, strategy, tmp_path / ".art")
     handoff, _, release = strategy.partition("/")
