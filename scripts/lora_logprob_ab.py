@@ -23,7 +23,8 @@ graphs: `--prompt-tokens 256` makes the 8,192-token chunks hold fewer.
   python scripts/lora_logprob_ab.py --model /root/models/qwen2.5-1.5b-random --sampling-backend pytorch \
       --baseline-env ART_SGLANG_BACKPORTS=json-response,gumbel-sampling,chat-template-memo
   python scripts/lora_logprob_ab.py --model /root/models/qwen2.5-1.5b-random --sampling-backend pytorch \
-      --baseline-lora-backend csgmv --no-baseline-lora-experimental-path   # the default against csgmv
+      --lora-backend triton --lora-experimental-path \
+      --baseline-lora-backend csgmv --no-baseline-lora-experimental-path   # the triton path against csgmv
 """
 
 from __future__ import annotations

@@ -59,10 +59,10 @@
 #       (--max-loras-per-batch 2), exp-opti-eager-prefill (exp-opti with --disable-prefill-cuda-graph)
 #     lora-logprob-ab (~4): scripts/lora_logprob_ab.py, a LoRA variant's logprobs against a baseline's (greedy
 #       decode of 200 requests at once and teacher-forced prefill; max/mean |diff|; each server's decode against
-#       its own teacher-forced prefill of the same ids: decode_vs_prefill); BASELINE_ENV, VARIANT_ENV
-#       ('K=V ...') and VARIANT_ARGS ('--flag ...') name them (default: the opt-in triton path against the default
-#       csgmv); BASELINE_ARGS changes the baseline's flags, BASELINE_LORA its LoRA kernels (default: SGLangConfig's;
-#       '--baseline-lora-backend triton --baseline-lora-experimental-path' for the triton path's),
+#       its own teacher-forced prefill of the same ids: decode_vs_prefill); VARIANT_LORA and BASELINE_LORA name
+#       each side's LoRA kernels (default: the opt-in triton path against csgmv; BASELINE_LORA='--baseline-lora-
+#       backend triton --baseline-lora-experimental-path' for the triton path against itself), VARIANT_ENV /
+#       BASELINE_ENV ('K=V ...') and VARIANT_ARGS / BASELINE_ARGS ('--flag ...') change a side further,
 #       PROMPT_TOKENS the prompts' length (default 64)
 #     r39-vllm-base (~4.5): vLLM serving the base weights, no LoRA (ART's merged mode's stand-in), bare
 #     r39-backend-merged (~6.5): issue 40's merged mode (weight_sync_method='merged': the server without LoRA,
@@ -331,15 +331,16 @@ for name in "$@"; do
     models-random-7b) cmd=(python3 tests/gpu/gpu_models.py /root/models qwen2.5-7b-random) ;;
     # Issue 39: a LoRA serving change's logprobs against a baseline's, 200 requests at once (decode in the CUDA
     # graphs): SGLang started twice as the backend launches it, same adapter, greedy decode and teacher-forced
-    # prefill. VARIANT_ENV (KEY=VALUE ...) and VARIANT_ARGS (SGLang flags) make the variant (default: the opt-in
-    # triton path); the baseline: the backend's defaults (BASELINE_ENV its environment, BASELINE_LORA its LoRA
-    # kernels as lora_logprob_ab.py's --baseline-lora-* options). BASELINE_ARGS adds SGLang flags to the baseline;
-    # PROMPT_TOKENS (default 64; 256 keeps the prefill chunks under the triton backend's 32-request graph cap).
+    # prefill. Each side's LoRA kernels are SGLangConfig settings, as a user sets them: VARIANT_LORA (default the
+    # opt-in triton path) and BASELINE_LORA (default csgmv, SGLang's own); VARIANT_ENV / BASELINE_ENV
+    # (KEY=VALUE ...) and VARIANT_ARGS / BASELINE_ARGS (SGLang flags) change one side further. PROMPT_TOKENS
+    # (default 64; 256 keeps the prefill chunks under the triton backend's 32-request graph cap).
     lora-logprob-ab)
       # shellcheck disable=SC2206
       cmd=(python3 scripts/lora_logprob_ab.py --model "$rmodel" "${kernels[@]}" --workdir "$work"
-           --baseline-env ${BASELINE_ENV:-} ${BASELINE_LORA:-} --baseline-args="${BASELINE_ARGS:-}"
-           --variant-env ${VARIANT_ENV:-${exp_opti[*]}} --variant-args="${VARIANT_ARGS---lora-backend triton}"
+           ${VARIANT_LORA-${triton_lora[*]}} --variant-env ${VARIANT_ENV:-} --variant-args="${VARIANT_ARGS:-}"
+           ${BASELINE_LORA---baseline-lora-backend csgmv --no-baseline-lora-experimental-path}
+           --baseline-env ${BASELINE_ENV:-} --baseline-args="${BASELINE_ARGS:-}"
            --prompt-tokens "${PROMPT_TOKENS:-64}" --json "$results/$run_name.json") ;;
     r39-compare) cmd=(python3 scripts/bench_rollouts.py --compare "$results"/r39-*-"${rmodel##*/}".json
                       --json "$results/bench_rollouts39-${rmodel##*/}.json"
