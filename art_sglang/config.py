@@ -137,8 +137,7 @@ class SGLangConfig(BaseModel):
     )
     lora_backend: Annotated[str | None, LaunchFlag()] = Field(
         None,
-        description="SGLang --lora-backend, the kernels that apply adapters: 'csgmv' (also None: SGLang's own "
-        "default), 'triton' (with lora_experimental_path the fastest decode in 0.5.17).",
+        description="SGLang --lora-backend, the kernels that apply adapters: 'csgmv' (None: SGLang's default), 'triton'.",
     )
     lora_experimental_path: bool = Field(
         False,
@@ -289,6 +288,11 @@ class SGLangConfig(BaseModel):
                 "raise it or set adapters_to_keep=1"
             )
         return self
+
+    @property
+    def experimental_lora_served(self) -> bool:
+        """lora_experimental_path asked for where adapters are served (merged weights serve none)."""
+        return self.lora_experimental_path and self.weight_sync_method != "merged"
 
     def resolved_server_python(self) -> str:
         """The interpreter that launches SGLang: the configured one, the isolated venv, or this Python."""

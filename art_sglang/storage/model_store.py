@@ -175,7 +175,7 @@ def check_adapter(path: Path, server: SGLangConfig) -> None:
             f"adapter {path} has LoRA rank {rank}, above the server's max_lora_rank={max_lora_rank}: "
             f"raise SGLangConfig(max_lora_rank=...) to at least {rank}"
         )
-    if server.lora_experimental_path and rank != max_lora_rank:
+    if server.experimental_lora_served and rank != max_lora_rank:
         # Its shrink writes `rank` columns of the pool, its expand reads `max_lora_rank` (39f section 5).
         raise AdapterLoadError(
             f"adapter {path} has LoRA rank {rank}, and the server runs SGLang 0.5.17's experimental LoRA path "

@@ -170,8 +170,7 @@ class ServerProcess(ManagedProcess):
             json.dump(self._keys(), f)
 
     def environment(self) -> dict[str, str]:
-        lora_path = self.config.lora_experimental_path and self.config.weight_sync_method != "merged"
-        lora_env = EXPERIMENTAL_LORA_ENV if lora_path else {}  # merged weights: no LoRA kernels at all
+        lora_env = EXPERIMENTAL_LORA_ENV if self.config.experimental_lora_served else {}
         env = {**os.environ, **SGLANG_ENV_DEFAULTS, **lora_env, **self.config.server_env, **self._extra_env}
         # Log lines reach the file as they are written, so a failed start shows its last words.
         env.setdefault("PYTHONUNBUFFERED", "1")
