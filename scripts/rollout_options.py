@@ -4,11 +4,14 @@ a parsed command line measures, in words."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from bench_common import DEFAULT_LORA_BACKEND, DEFAULT_LORA_EXPERIMENTAL_PATH, add_server_args
 from rollout_targets import CLIENTS, DROPS, ROUTES
 from rollout_workloads import DEFAULT_RUNS, KINDS, run_spec
+
+from art_sglang.serving.servers.sglang_site import art_sglang_backports as backports
 
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
@@ -117,6 +120,15 @@ def parse_arguments(description: str | None, argv: list[str]) -> argparse.Namesp
     return args
 
 
+def backport_changes(raw: str | None) -> list[str]:
+    """The backports the `ART_SGLANG_BACKPORTS` value `raw` adds to (+) or takes from (-) the defaults."""
+    chosen, default = set(backports.selection(raw)), set(backports.selection(None))
+    changes = [f"+{name}" for name in sorted(chosen - default)] + [
+        f"-{name}" for name in sorted(default - chosen)
+    ]
+    return [f"backports {' '.join(changes)}"] if changes else []
+
+
 def variant(args: argparse.Namespace) -> str:
     """The server and request form of this side, in words."""
     kernels: list[str] = []  # SGLang's LoRA kernels where they are not SGLangConfig's
@@ -124,8 +136,10 @@ def variant(args: argparse.Namespace) -> str:
     if args.engine != "vllm" and lora_kernels != (DEFAULT_LORA_BACKEND, DEFAULT_LORA_EXPERIMENTAL_PATH):
         path = "experimental path" if args.lora_experimental_path else "no experimental path"
         kernels.append(f"--lora-backend {args.lora_backend} {path}")
+    # ART_SGLANG_BACKPORTS other than the defaults (suite.sh's BACKPORTS_WITH): a server of its own.
+    changes = backport_changes(os.environ.get(backports.SELECT_ENV)) if args.engine == "sglang" else []
     if args.side == "backend":
-        return ", ".join([args.weights, *kernels]) + ("" if args.watchdog else ", no watchdog")
+        return ", ".join([args.weights, *kernels, *changes]) + ("" if args.watchdog else ", no watchdog")
     words = ["lora" if args.lora else "base"]
     if args.flags == "backend":
         words.append("backend flags" + "".join(f" -{name}" for name in args.drop))
@@ -136,4 +150,4 @@ def variant(args: argparse.Namespace) -> str:
         words.append("gateway form")
     if args.beside_trainer:
         words.append("beside an idle trainer")
-    return ", ".join(words)
+    return ", ".join([*words, *changes])

@@ -252,6 +252,23 @@ def test_a_flag_added_to_the_backends_is_its_own_variant() -> None:
     assert rollout_options.variant(backend) == "lora, --lora-backend triton experimental path"
 
 
+def test_backports_other_than_the_defaults_are_a_variant_of_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """suite.sh's BACKPORTS_WITH=chat-convert-thread TAG=ct runs the same suite with one opt-in backport: its
+    results must not pool with the default server's."""
+    backend = ["--side", "backend", "--model", "m"]
+    monkeypatch.setenv("ART_SGLANG_BACKPORTS", "default")
+    assert rollout_options.variant(rollout_options.parse_arguments(None, backend)) == "lora"
+    defaults = rollout_options.backports.without("logprob-json")
+    monkeypatch.setenv("ART_SGLANG_BACKPORTS", f"{defaults},chat-convert-thread")
+    assert rollout_options.variant(rollout_options.parse_arguments(None, backend)) == (
+        "lora, backports +chat-convert-thread -logprob-json"
+    )
+    vllm = ["--side", "direct", "--engine", "vllm", "--model", "m"]
+    assert rollout_options.variant(rollout_options.parse_arguments(None, vllm)) == "lora"  # not SGLang's
+
+
 def test_server_info_is_kept_without_its_keys() -> None:
     info = {"api_key": "k1", "admin_api_key": None, "cuda_graph_max_bs": 256,
             "internal_states": [{"api_key": "k2", "memory_usage": {"kvcache": 9.5}}]}  # fmt: skip
