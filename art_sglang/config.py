@@ -5,14 +5,19 @@ machine) or `ClusterConfig` (replicas on the nodes of a Ray cluster)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .server_defaults import (
+    SERVER_PYTHON_ENV,
+    SERVER_TIMEOUT_ENV,
+    SERVER_VENV_DIR,
+    default_server_timeout,
+    find_server_python,
+)
 from .tool_choice import DEFAULT_PARSER
 
 WeightSyncMethod = Literal["lora", "disk", "restart", "merged"]
@@ -23,9 +28,6 @@ CudaMpsMode = Literal["auto", "on", "off"]
 SleepRelease = Literal["auto", "kv_cache", "all"]
 RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "random"]
 
-SERVER_PYTHON_ENV = "ART_SGLANG_SERVER_PYTHON"
-SERVER_TIMEOUT_ENV = "ART_SERVER_TIMEOUT"
-SERVER_VENV_DIR = ".venv-sglang-server"
 
 # A training step counts as hung once the trainer sends nothing (no progress event, no result) for
 # HANG_FACTOR times its longest step so far, at least HANG_FLOOR_S (TrainerConfig.step_timeout: the ceiling).
@@ -35,31 +37,6 @@ HANG_FLOOR_S = 10.0
 # The linear layers SGLang can serve LoRA on for Llama/Qwen-style models.
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DEFAULT_LORA_RANK = 8
-
-
-def _default_server_timeout() -> float:
-    raw = os.environ.get(SERVER_TIMEOUT_ENV)
-    if raw is None:
-        # A cold SGLang start measured 181-197 s on an H100 (CUDA-graph capture); 600 s leaves room.
-        return 600.0
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{SERVER_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-
-
-def find_server_python(start: Path | None = None) -> str | None:
-    """The isolated server venv's python: `$ART_SGLANG_SERVER_PYTHON`, else `.venv-sglang-server/bin/python`
-    in the working directory or one of its parents, else None."""
-    explicit = os.environ.get(SERVER_PYTHON_ENV)
-    if explicit:
-        return explicit
-    here = (start or Path.cwd()).resolve()
-    for folder in (here, *here.parents):
-        candidate = folder / SERVER_VENV_DIR / "bin" / "python"
-        if candidate.exists():
-            return str(candidate)
-    return None
 
 
 @dataclass(frozen=True)
@@ -103,7 +80,7 @@ class SGLangConfig(BaseModel):
         None, description="Flush the prefix cache after each sync; None: 'merged' only."
     )
     server_timeout: float = Field(
-        default_factory=_default_server_timeout,
+        default_factory=default_server_timeout,
         gt=0,
         validation_alias=AliasChoices("server_timeout", "startup_timeout"),
         description=f"Seconds to wait for the server to become healthy (env {SERVER_TIMEOUT_ENV}).",
@@ -136,15 +113,16 @@ class SGLangConfig(BaseModel):
         "weights (faster decoding than 'all', docs/benchmarks.md).",
     )
     lora_backend: Annotated[str | None, LaunchFlag()] = Field(
-        None,
-        description="SGLang --lora-backend, the kernels that apply adapters: 'csgmv' (None: SGLang's default), 'triton'.",
+        "triton",
+        description="SGLang --lora-backend, the kernels that apply adapters: 'triton' (with the experimental path "
+        "the fastest decode in 0.5.17, docs/benchmarks.md), 'csgmv' (also None: SGLang's own default).",
     )
-    lora_experimental_path: bool = Field(
-        False,
+    lora_experimental_path: bool | None = Field(
+        None,
         description="SGLang 0.5.17's experimental triton LoRA path (its SGLANG_EXPERIMENTAL_LORA_OPTI): each LoRA "
-        "shrink on a second CUDA stream beside the base GEMM. Needs lora_backend='triton' and adapters of rank "
-        "max_lora_rank only (the trainer's lora_rank; another rank computes NaN), refused otherwise. Off by "
-        "default: its greedy decode logprobs differ from csgmv's by 12 times the noise (docs/guide.md).",
+        "shrink on a second CUDA stream beside the base GEMM. It computes NaN for an adapter whose rank is not "
+        "max_lora_rank. None: on where it can run (lora_backend='triton' and a pool of the trainer's lora_rank: "
+        "max_lora_rank unset or equal); True: required (refused otherwise); False: off.",
     )
     attention_backend: Annotated[str | None, LaunchFlag()] = Field(
         None, description="SGLang --attention-backend; None = its default."
@@ -291,8 +269,13 @@ class SGLangConfig(BaseModel):
 
     @property
     def experimental_lora_served(self) -> bool:
-        """lora_experimental_path asked for where adapters are served (merged weights serve none)."""
-        return self.lora_experimental_path and self.weight_sync_method != "merged"
+        """The experimental LoRA path runs: asked for (or left to None on triton) where adapters are served."""
+        path = (
+            self.lora_backend == "triton"
+            if self.lora_experimental_path is None
+            else self.lora_experimental_path
+        )
+        return path and self.weight_sync_method != "merged"
 
     def resolved_server_python(self) -> str:
         """The interpreter that launches SGLang: the configured one, the isolated venv, or this Python."""

@@ -28,6 +28,13 @@ DEFAULT_LORA_BACKEND = SGLangConfig.model_fields["lora_backend"].default
 DEFAULT_LORA_EXPERIMENTAL_PATH = SGLangConfig.model_fields["lora_experimental_path"].default
 
 
+def lora_kernels(backend: str | None, experimental_path: bool | None) -> tuple[str | None, bool]:
+    """SGLang's LoRA kernels as a server of these settings runs them: the backend, and whether on the
+    experimental path (None: where it runs, SGLangConfig's rule)."""
+    config = SGLangConfig(lora_backend=backend, lora_experimental_path=experimental_path)
+    return backend, config.experimental_lora_served
+
+
 def add_server_args(
     parser: argparse.ArgumentParser, engines: tuple[str, ...] = ("sglang", "reference")
 ) -> None:
@@ -69,14 +76,14 @@ def add_server_args(
     parser.add_argument(
         "--lora-backend",
         default=DEFAULT_LORA_BACKEND,
-        help="SGLang only: SGLangConfig.lora_backend (unset: SGLang's own, csgmv in 0.5.17; or triton)",
+        help=f"SGLang only: SGLangConfig.lora_backend (default {DEFAULT_LORA_BACKEND}; or csgmv, SGLang's own)",
     )
     parser.add_argument(
         "--lora-experimental-path",
         action=argparse.BooleanOptionalAction,
         default=DEFAULT_LORA_EXPERIMENTAL_PATH,
-        help="SGLang only: SGLangConfig.lora_experimental_path, 0.5.17's experimental triton LoRA path (with "
-        "--lora-backend triton)",
+        help="SGLang only: SGLangConfig.lora_experimental_path, 0.5.17's experimental triton LoRA path (unset: "
+        "on with --lora-backend triton)",
     )
     parser.add_argument("--lora-rank", type=int, default=8, help="rank of the random adapter served")
     parser.add_argument(
@@ -148,7 +155,7 @@ class ServerSettings:
     sglang_args: tuple[str, ...] = ()  # SGLang only: further launch flags as given
     lora_target_modules: tuple[str, ...] = tuple(DEFAULT_LORA_TARGETS)  # SGLang only
     lora_backend: str | None = DEFAULT_LORA_BACKEND  # SGLang only
-    lora_experimental_path: bool = DEFAULT_LORA_EXPERIMENTAL_PATH  # SGLang only
+    lora_experimental_path: bool | None = DEFAULT_LORA_EXPERIMENTAL_PATH  # SGLang only
     lora: bool = True  # vLLM only: False serves the base weights without --enable-lora
 
 

@@ -7,7 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
-from bench_common import DEFAULT_LORA_BACKEND, DEFAULT_LORA_EXPERIMENTAL_PATH, add_server_args
+from bench_common import DEFAULT_LORA_BACKEND, DEFAULT_LORA_EXPERIMENTAL_PATH, add_server_args, lora_kernels
 from rollout_targets import CLIENTS, DROPS, ROUTES
 from rollout_workloads import DEFAULT_RUNS, KINDS, run_spec
 
@@ -132,9 +132,9 @@ def backport_changes(raw: str | None) -> list[str]:
 def variant(args: argparse.Namespace) -> str:
     """The server and request form of this side, in words."""
     kernels: list[str] = []  # SGLang's LoRA kernels where they are not SGLangConfig's
-    lora_kernels = (args.lora_backend, args.lora_experimental_path)
-    if args.engine != "vllm" and lora_kernels != (DEFAULT_LORA_BACKEND, DEFAULT_LORA_EXPERIMENTAL_PATH):
-        path = "experimental path" if args.lora_experimental_path else "no experimental path"
+    served = lora_kernels(args.lora_backend, args.lora_experimental_path)
+    if args.engine != "vllm" and served != lora_kernels(DEFAULT_LORA_BACKEND, DEFAULT_LORA_EXPERIMENTAL_PATH):
+        path = "experimental path" if served[1] else "no experimental path"
         kernels.append(f"--lora-backend {args.lora_backend} {path}")
     # ART_SGLANG_BACKPORTS other than the defaults (suite.sh's BACKPORTS_WITH): a server of its own.
     changes = backport_changes(os.environ.get(backports.SELECT_ENV)) if args.engine == "sglang" else []

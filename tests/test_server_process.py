@@ -330,9 +330,9 @@ async def test_a_backport_of_no_name_fails_before_the_launch(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     ("raw", "chosen"),
-    [(None, ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid", "triton-prefill-grid",
-             "evict-without-gc", "evict-ahead", "logprob-json"]),
-     ("default", ["json-response", "gumbel-sampling", "chat-template-memo", "csgmv-decode-grid",
+    [(None, ["json-response", "gumbel-sampling", "chat-template-memo", "chat-convert-thread", "csgmv-decode-grid",
+             "triton-prefill-grid", "evict-without-gc", "evict-ahead", "logprob-json"]),
+     ("default", ["json-response", "gumbel-sampling", "chat-template-memo", "chat-convert-thread", "csgmv-decode-grid",
                   "triton-prefill-grid", "evict-without-gc", "evict-ahead", "logprob-json"]),
      ("all", ["json-response", "gumbel-sampling", "chat-template-memo", "chat-convert-thread", "csgmv-decode-grid",
               "triton-prefill-grid", "evict-without-gc", "evict-ahead", "logprob-json"]),

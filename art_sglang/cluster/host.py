@@ -17,9 +17,10 @@ from typing import Any
 
 import ray
 
-from ..config import SGLangConfig, find_server_python
+from ..config import SGLangConfig
 from ..errors import ServerStartError
 from ..process_tree import LOG_TAIL_LINES
+from ..server_defaults import find_server_python
 from ..serving.servers.process import Engine, ServerProcess
 from .files import AdapterBytes, remove_adapter, write_adapter
 

@@ -219,12 +219,16 @@ def serve_trained(config: SGLangConfig, trainer: TrainerConfig) -> SGLangConfig:
     """Unless `lora_target_modules` was given, the server adapts exactly the modules the trainer trains: a
     LoRA kernel on a module no adapter has weights for (lm_head, embed_tokens under 'all') costs every
     decode step and changes nothing. Likewise its LoRA pool holds the trainer's rank unless `max_lora_rank`
-    was given: a wider pool takes memory, and every LoRA kernel computes over its width."""
+    was given: a wider pool takes memory, and every LoRA kernel computes over its width. An unset
+    `lora_experimental_path` is settled here: on where the triton pool holds exactly the trainer's rank."""
     updates: dict[str, Any] = {}
     if config.lora_target_modules is None:
         updates["lora_target_modules"] = list(trainer.target_modules)
     if config.max_lora_rank is None:
         updates["max_lora_rank"] = trainer.lora_rank
+    if config.lora_experimental_path is None:  # where it can run: a pool of exactly the trainer's rank
+        pool = updates.get("max_lora_rank", config.max_lora_rank)
+        updates["lora_experimental_path"] = config.lora_backend == "triton" and pool == trainer.lora_rank
     return config.model_copy(update=updates)
 
 

@@ -53,7 +53,7 @@ async def test_the_variables_reach_the_launched_server(tmp_path: Path, tiny_mode
     finally:
         await server.stop()
     for config in (
-        SGLangConfig(),  # off by default
+        SGLangConfig(lora_backend="csgmv"),  # the path is the triton backend's only
         SGLangConfig(**EXPERIMENTAL, weight_sync_method="merged"),
     ):
         process = ServerProcess(config, "m", engine="sglang", log_path=tmp_path / "s.log")
@@ -84,6 +84,28 @@ def test_the_path_needs_the_triton_backend_and_the_trainers_rank(tmp_path: Path)
     # Merged weights serve no adapter: the path's rules do not apply.
     merged = SGLangConfig(lora_experimental_path=True, max_lora_rank=64, weight_sync_method="merged")
     check_compatible(merged, TrainerConfig(lora_rank=16))
+
+
+def test_left_unset_the_path_runs_where_it_can() -> None:
+    """The default (None) is settled by the plan: on with the triton backend and a pool of the trainer's rank,
+    off (and no error) with a wider pool or other kernels; once on, a later model of another rank is refused
+    as an explicit True is."""
+    trainer = TrainerConfig(lora_rank=16)
+    settled = {}
+    for name, config in [
+        ("default", SGLangConfig()),
+        ("wider pool", SGLangConfig(max_lora_rank=64)),
+        ("csgmv", SGLangConfig(lora_backend="csgmv")),
+        ("sglang's own", SGLangConfig(lora_backend=None)),
+    ]:
+        backend = SGLangBackend(engine="reference", sglang_config=config, trainer_config=trainer)
+        settled[name] = backend.sglang_config.lora_experimental_path
+        assert backend.sglang_config.experimental_lora_served is settled[name]
+    assert settled == {"default": True, "wider pool": False, "csgmv": False, "sglang's own": False}
+    default = SGLangBackend(engine="reference", trainer_config=trainer).sglang_config
+    assert default.max_lora_rank == 16
+    with pytest.raises(ConfigError, match=r"lora_rank=8\) is not max_lora_rank=16"):
+        check_compatible(default, TrainerConfig(lora_rank=8))
 
 
 async def test_an_adapter_of_another_rank_is_refused_before_any_server_sees_it(tmp_path: Path) -> None:

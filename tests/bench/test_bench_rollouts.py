@@ -243,27 +243,34 @@ def test_a_flag_added_to_the_backends_is_its_own_variant() -> None:
     )
     assert exact == "lora, backend flags, gateway form"
     assert changed == "lora, backend flags, --lora-backend triton, gateway form"
-    # The opt-in triton path (r39-backend-triton) is a variant of its own too.
+    # The triton path asked for by name is the default (r39-backend-triton pools with r39-backend-a1); the
+    # kernels SGLang chose before it, csgmv, and triton off the path are variants of their own.
     triton = ["--lora-backend", "triton", "--lora-experimental-path"]
-    assert rollout_options.variant(rollout_options.parse_arguments(None, [*direct, *triton])) == (
-        "lora, backend flags, --lora-backend triton experimental path, gateway form"
-    )
-    backend = rollout_options.parse_arguments(None, ["--side", "backend", "--model", "m", *triton])
-    assert rollout_options.variant(backend) == "lora, --lora-backend triton experimental path"
+    assert rollout_options.variant(rollout_options.parse_arguments(None, [*direct, *triton])) == exact
+    backend = ["--side", "backend", "--model", "m"]
+    assert rollout_options.variant(rollout_options.parse_arguments(None, [*backend, *triton])) == "lora"
+    for kernels, words in [
+        (["--lora-backend", "csgmv"], "csgmv no experimental path"),
+        (["--lora-backend", "triton", "--no-lora-experimental-path"], "triton no experimental path"),
+    ]:
+        assert rollout_options.variant(rollout_options.parse_arguments(None, [*backend, *kernels])) == (
+            f"lora, --lora-backend {words}"
+        )
 
 
 def test_backports_other_than_the_defaults_are_a_variant_of_their_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """suite.sh's BACKPORTS_WITH=chat-convert-thread TAG=ct runs the same suite with one opt-in backport: its
+    """suite.sh's BACKPORTS_WITH / r39-drop-* run the same suite with other backports than the defaults: their
     results must not pool with the default server's."""
     backend = ["--side", "backend", "--model", "m"]
     monkeypatch.setenv("ART_SGLANG_BACKPORTS", "default")
     assert rollout_options.variant(rollout_options.parse_arguments(None, backend)) == "lora"
-    defaults = rollout_options.backports.without("logprob-json")
-    monkeypatch.setenv("ART_SGLANG_BACKPORTS", f"{defaults},chat-convert-thread")
+    monkeypatch.setenv(
+        "ART_SGLANG_BACKPORTS", rollout_options.backports.without("logprob-json,chat-convert-thread")
+    )
     assert rollout_options.variant(rollout_options.parse_arguments(None, backend)) == (
-        "lora, backports +chat-convert-thread -logprob-json"
+        "lora, backports -chat-convert-thread -logprob-json"
     )
     vllm = ["--side", "direct", "--engine", "vllm", "--model", "m"]
     assert rollout_options.variant(rollout_options.parse_arguments(None, vllm)) == "lora"  # not SGLang's
@@ -291,11 +298,11 @@ def test_the_launch_record_names_the_backports_sglang_runs(
     defaults = rollout_targets.art_sglang_backports.selection(None)
     assert rollout_targets.launch_record(sglang)["backports"] == defaults
     assert defaults != ["json-response", "triton-prefill-grid"]  # the two choices differ
-    # The opt-in triton path's variables are in the environment the record names, only where it runs.
-    assert "SGLANG_EXPERIMENTAL_LORA_OPTI" not in rollout_targets.launch_record(sglang)["environment"]
-    triton = SGLangConfig(port=30001, lora_backend="triton", lora_experimental_path=True)
-    on = ServerProcess(triton, "m", engine="sglang", log_path=tmp_path / "t.log")
-    assert rollout_targets.launch_record(on)["environment"]["SGLANG_EXPERIMENTAL_LORA_OPTI"] == "1"
+    # The triton path's variables are in the environment the record names, only where it runs.
+    assert rollout_targets.launch_record(sglang)["environment"]["SGLANG_EXPERIMENTAL_LORA_OPTI"] == "1"
+    csgmv = SGLangConfig(port=30001, lora_backend="csgmv")
+    off = ServerProcess(csgmv, "m", engine="sglang", log_path=tmp_path / "t.log")
+    assert "SGLANG_EXPERIMENTAL_LORA_OPTI" not in rollout_targets.launch_record(off)["environment"]
     reference = ServerProcess(SGLangConfig(port=30001), "m", engine="reference", log_path=tmp_path / "r.log")
     assert "backports" not in rollout_targets.launch_record(reference)
 

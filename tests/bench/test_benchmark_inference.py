@@ -166,11 +166,12 @@ def test_sglang_command_line_carries_the_further_flags() -> None:
     tuned = launch(server_settings(args))
     assert tuned[-4:] == ["--schedule-policy", "lpm", "--tokenizer-worker-num", "4"]
     assert "--schedule-policy" not in launch(ServerSettings(model="/m"))
-    # SGLangConfig's LoRA kernels by default (SGLang's own: no --lora-backend); the triton path on request.
-    assert "--lora-backend" not in " ".join(launch(server_settings(args)))
-    triton = parser.parse_args(["--model", "/m", "--lora-backend", "triton", "--lora-experimental-path"])
-    config = sglang_config(server_settings(triton))
-    assert (config.lora_backend, config.lora_experimental_path) == ("triton", True)
+    # SGLangConfig's LoRA kernels by default (the triton path); SGLang's own on request.
+    assert "--lora-backend triton" in " ".join(launch(server_settings(args)))
+    assert sglang_config(server_settings(args)).experimental_lora_served
+    csgmv = parser.parse_args(["--model", "/m", "--lora-backend", "csgmv"])
+    config = sglang_config(server_settings(csgmv))
+    assert (config.lora_backend, config.experimental_lora_served) == ("csgmv", False)
     trained = parser.parse_args(["--model", "/m", "--lora-target-modules", "q_proj", "v_proj"])
     every = parser.parse_args(["--model", "/m", "--lora-target-modules", "all"])
     for settings, served in [

@@ -24,12 +24,14 @@ below), `all`, `none`, or a comma list of the names below.
   (`art_sglang_chat_memo.py`; the same ids as SGLang's path on CPU for varied requests): merged mode's
   32 groups x 8 x 128-token waves +24 % output tokens/s with a bare client, +17 % with ART's (H200,
   2026-11-28).
-- `chat-convert-thread` (fixed in 0.5.23; not default): the HTTP process converted each chat request (template,
+- `chat-convert-thread` (fixed in 0.5.23): the HTTP process converted each chat request (template,
   tokenizing the whole prompt) inline on its event loop, ~3-4 ms for a ~1,300-token multi-turn conversation
   (CPU), the process sending no answer and reading no request meanwhile: a multi-turn wave's next turns
   reached the scheduler one by one (multiturn-64:32, H200: 256 turn-2 requests over 1.85 s, 1-4 per prefill,
   2026-11-28). Converted on one worker thread instead (`art_sglang_chat_thread.py`), as 0.5.23 and vLLM 0.24
-  do: the Rust tokenizer releases the GIL while it encodes. Not yet measured on a GPU.
+  do: the Rust tokenizer releases the GIL while it encodes. On by default since 2026-11-28 (H200x4, one
+  session, docs/benchmarks.md): multi-turn at 1.5B 8,510 output tok/s with it, 7,593 without it beside
+  vLLM+LoRA's 8,079; at 7B 7,160 beside vLLM+LoRA's 7,018 (0.88x without it a session earlier).
 - `csgmv-decode-grid` (in no release): csgmv's decode CUDA graph launched every LoRA kernel with one segment
   slot per request of the largest graph batch (256), ~94 % of them empty at bs 256 with one adapter; sized
   by the most segments a batch can have instead (`art_sglang_lora_grid.py`). Targets 0.5.17's
@@ -183,7 +185,6 @@ BACKPORTS: dict[str, Backport] = {
             (f"{_CHAT}.handle_request", _beside("art_sglang_chat_thread", "convert_off_loop")),
             (f"{_CHAT}._convert_to_internal_request", _beside("art_sglang_chat_thread", "take_converted")),
         ],
-        default=False,
     ),
     "csgmv-decode-grid": Backport(
         None,
