@@ -39,8 +39,12 @@ def source_name(entry: dict[str, Any]) -> str:
     label = f" {entry['label']}" if entry.get("label") else ""
     if entry["side"] == "backend":
         name = "backend" if entry.get("route", "gateway") == "gateway" else "backend's server, no gateway"
-        if entry.get("variant") == "merged":  # weight_sync_method="merged": no LoRA kernels
+        variant = entry.get("variant", "lora")
+        if variant.startswith("merged"):  # weight_sync_method="merged": no LoRA kernels
             name += ", merged"
+        # Kernels or backports other than the defaults of their day (rollout_options.variant): a column of
+        # their own, never pooled with the default backend's.
+        name += variant.removeprefix("merged").removeprefix("lora")
         if entry.get("merging") == "off":
             name += ", sharing off"
         return name + label
@@ -151,7 +155,14 @@ def headline(document: dict[str, Any]) -> str:
     against = [(c, to) for c in CLIENT_NAMES for to in ("vLLM+LoRA", "vLLM base")
                if f"{merged} · {c}" in columns and f"{to} · {c}" in columns]  # fmt: skip
     headers += [f"{merged} / {to}, {CLIENT_NAMES[c]}" for c, to in against]
-    backends = {c.split(" · ")[0] for c in order if c.startswith("backend ") and c.endswith(" · bare")}
+    # Other backend configurations (a label, or kernels/backports of their own), not merged mode's.
+    backends = {
+        name
+        for c in order
+        if c.endswith(" · bare")
+        and (name := c.split(" · ")[0]).startswith(("backend ", "backend, "))
+        and not name.startswith(merged)
+    }
     labelled = sorted(backends - {"backend"})
     headers += [f"{name} / vLLM+LoRA, bare" for name in labelled]
     rows = []

@@ -450,11 +450,20 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
         for r in entry["runs"]:
             r["output_tokens_per_s"] *= 3
     (tmp_path / "other.json").write_text(json.dumps(other))
+    # ... and in a configuration that only its variant tells apart (other backports), twice as fast.
+    backports = copy.deepcopy(result)
+    backports["variant"] = "lora, backports +chat-convert-thread"
+    for entry in backports["results"]:
+        entry["variant"] = backports["variant"]
+        for r in entry["runs"]:
+            r["output_tokens_per_s"] *= 2
+    (tmp_path / "backports.json").write_text(json.dumps(backports))
     compared = tmp_path / "both.json"
     bench_rollouts.main(["--compare", str(out), str(direct), str(tmp_path / "vllm.json"), str(tmp_path / "other.json"),
-                         "--json", str(compared), "--markdown", str(tmp_path / "both.md")])  # fmt: skip
+                         str(tmp_path / "backports.json"), "--json", str(compared), "--markdown",
+                         str(tmp_path / "both.md")])  # fmt: skip
     document = json.loads(compared.read_text())
-    assert document["one_machine"] is None and len(document["sources"]) == 4  # no GPU: no UUID to compare
+    assert document["one_machine"] is None and len(document["sources"]) == 5  # no GPU: no UUID to compare
     ratios = {(r["backend"], r["to"], r["client"]): r for r in document["ratios"] if r["run"] == "grpo-2:2"}
     mine_rate = next(
         e["median"]["output_tokens_per_s"]
@@ -470,7 +479,11 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
         "SGLang direct+LoRA, backend flags -metrics, gateway form",
         "bare",
     ) in {(b, t.replace("reference direct", "SGLang direct"), c) for b, t, c in ratios}
-    assert set(document["lone_requests"]) == {"backend reference lora A1", "backend reference lora triton"}
+    assert set(document["lone_requests"]) == {
+        "backend reference lora A1",
+        "backend reference lora triton",
+        "backend reference lora, backports +chat-convert-thread A1",
+    }
     lines = (tmp_path / "both.md").read_text().splitlines()
     start = next(n for n, line in enumerate(lines) if line.startswith("| workload |"))
     assert "backend / vLLM+LoRA, bare" in lines[start] and "vLLM+LoRA · bare" in lines[start]
@@ -485,11 +498,14 @@ def test_end_to_end_through_the_backend_on_cpu(tmp_path: Path, tiny_model_path: 
     assert (
         f"{mine_rate:,.0f} " in row["backend · bare"]
         and f"{3 * mine_rate:,.0f} " in row["backend triton · bare"]
+        and f"{2 * mine_rate:,.0f} " in row["backend, backports +chat-convert-thread · bare"]
     )
-    default, labelled = (
-        float(row[f"{name} / vLLM+LoRA, bare"].split("**")[1]) for name in ("backend", "backend triton")
+    default, labelled, other_backports = (
+        float(row[f"{name} / vLLM+LoRA, bare"].split("**")[1])
+        for name in ("backend", "backend triton", "backend, backports +chat-convert-thread")
     )
     assert labelled == pytest.approx(3 * default, abs=0.05)  # each shown to 2 decimals
+    assert other_backports == pytest.approx(2 * default, abs=0.05)
 
 
 def test_a_direct_server_beside_an_idle_trainer_on_cpu(tmp_path: Path, tiny_model_path: Path) -> None:
