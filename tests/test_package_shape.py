@@ -20,6 +20,7 @@ HELPERS = (
     "types",
     "process_tree",
     "sglang_env",
+    "server_defaults",
     "chat_format",
     "token_bounds",
     "cpu_threads",
