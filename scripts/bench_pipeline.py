@@ -16,7 +16,9 @@ policy that sampled its groups, what `max_steps_off_policy` bounds, and Pipeline
 `train/steps_off_policy` (`art_steps_off_policy`: counted from the step the batch produces, so an
 on-policy batch is 1 and the bound's largest is K + 1), with the groups it discarded as stale.
 
-Layouts: `co_resident` (server and trainer on GPU 0, no handoff), `split` (server on GPU 0, trainer on
+`--weights merged` serves merged weights the trainer pushes (`weight_sync_method="merged"`) instead of
+adapters (issue 40: pipelined merged against pipelined LoRA). Layouts: `co_resident` (server and trainer on
+GPU 0, no handoff), `split` (server on GPU 0, trainer on
 GPU 1), `replicas` (two servers on GPUs 0-1 behind SGLang's router, a two-rank trainer on GPUs 2-3),
 `four_gpu` (the description's example: the server on GPU 0, a three-rank trainer on GPUs 1-3), `cpu` (the
 reference engine, for a smoke run).
@@ -64,7 +66,9 @@ LAYOUTS = ("co_resident", "split", "replicas", "four_gpu", "cpu")
 
 def make_backend(args: argparse.Namespace, path: Path) -> SGLangBackend:
     k = args.max_steps_off_policy
-    config = server_config(args, max_steps_off_policy=k, max_loras_per_batch=max(4, k + 1))
+    config = server_config(
+        args, max_steps_off_policy=k, max_loras_per_batch=max(4, k + 1), weight_sync_method=args.weights
+    )
     common: dict[str, Any] = {
         "path": str(path),
         "sglang_config": config,
@@ -151,16 +155,11 @@ def pipeline_history(history: Path) -> dict[str, Any]:
     }
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    env = environment()
-    path = args.workdir / f"pipeline-{args.layout}" / ".art"
-    shutil.rmtree(path, ignore_errors=True)  # both loops start from step 0
+async def run_on_backend(args: argparse.Namespace, path: Path, models: dict[str, Any]) -> dict[str, Any]:
+    """`models`' loops, one after another, on one backend at `path` (one server start): their results,
+    the registration's seconds and what the backend settled."""
+    shutil.rmtree(path, ignore_errors=True)  # every loop starts from step 0
     backend = make_backend(args, path)
-    # PipelineTrainer keeps its state with ART's own model class; the synchronous loop takes either.
-    models = {
-        loop: module.TrainableModel(name=f"bench-{loop}", project="bench-pipeline", base_model=args.model)
-        for loop, module in (("sync", art_sglang), ("pipelined", openpipe_art()))
-    }
     loops: dict[str, Any] = {}
     async with backend:
         registered = time.perf_counter()
@@ -169,10 +168,33 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         register_s = time.perf_counter() - registered
         for loop, model in models.items():
             loops[loop] = await run_loop(backend, model, loop, args)
-        history = path / "bench-pipeline" / "models" / "bench-pipelined" / "history.jsonl"
-        loops["pipelined"].update(pipeline_history(history))
-        layout, config = backend.layout.describe(), backend.sglang_config.model_dump()
-        cuda_mps = backend.uses_cuda_mps
+        if "pipelined" in loops:
+            history = path / "bench-pipeline" / "models" / "bench-pipelined" / "history.jsonl"
+            loops["pipelined"].update(pipeline_history(history))
+        return {
+            "loops": loops,
+            "register_s": register_s,
+            "layout": backend.layout.describe(),
+            "config": backend.sglang_config.model_dump(),
+            "cuda_mps": backend.uses_cuda_mps,
+        }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    env = environment()
+    # PipelineTrainer keeps its state with ART's own model class; the synchronous loop takes either.
+    models = {
+        loop: module.TrainableModel(name=f"bench-{loop}", project="bench-pipeline", base_model=args.model)
+        for loop, module in (("sync", art_sglang), ("pipelined", openpipe_art()))
+    }
+    root = args.workdir / f"pipeline-{args.layout}-{args.weights}"
+    if args.weights == "lora":  # both models on one backend
+        runs = [await run_on_backend(args, root / ".art", models)]
+    else:  # merged weights are one model's: a backend (and server start) per loop
+        runs = [await run_on_backend(args, root / loop / ".art", {loop: m}) for loop, m in models.items()]
+    loops = {loop: result for one in runs for loop, result in one["loops"].items()}
+    register_s = sum(one["register_s"] for one in runs)
+    layout, config, cuda_mps = runs[0]["layout"], runs[0]["config"], runs[0]["cuda_mps"]
     step_ratio = ratio(loops, "median_step_s")
     result: dict[str, Any] = {
         "device": device_name(env),
@@ -181,6 +203,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "engine": "reference" if args.layout == "cpu" else "sglang",
         "model": args.model,
         "layout": args.layout,
+        "weights": args.weights,
         "layout_detail": layout,
         "cuda_mps": cuda_mps,
         "workload": {
@@ -230,7 +253,8 @@ def table(result: dict[str, Any]) -> str:
     w = result["workload"]
     head = (
         f"{result['engine']} on {result['device']} ({result['layout']}"
-        f"{', CUDA MPS' if result.get('cuda_mps') else ''}), {result['date']}; model "
+        f"{', CUDA MPS' if result.get('cuda_mps') else ''}, {result.get('weights', 'lora')} weights), "
+        f"{result['date']}; model "
         f"{result['model']}; {workload_phrase(w)}, max_steps_off_policy={w['max_steps_off_policy']}, "
         f"seed {w['seed']}; "
         f"pipelined / synchronous trajectories trained per minute after the first step: "
@@ -251,6 +275,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="training steps per loop")
     parser.add_argument("--max-steps-off-policy", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--weights", choices=("lora", "merged"), default="lora",
+        help="SGLangConfig.weight_sync_method: adapters served with LoRA kernels, or merged weights pushed",
+    )  # fmt: skip
     parser.add_argument(
         "--cuda-mps", choices=("auto", "on", "off"), default="auto",
         help="co_resident layout: server and trainer as clients of a CUDA MPS daemon (SGLangBackend's cuda_mps)",

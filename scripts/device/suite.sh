@@ -96,7 +96,8 @@
 #   bench-pipeline-1gpu (~4 min, after stage.sh art): ART's PipelineTrainer vs the synchronous loop, same
 #     workload and seed, server and trainer co-resident on GPU 0 (CUDA MPS where the driver has it);
 #     bench-pipeline-1gpu-no-mps the same with cuda_mps="off"; bench-pipeline-split: server on GPU 0,
-#     trainer on GPU 1 (2 GPUs)
+#     trainer on GPU 1 (2 GPUs); bench-pipeline-1gpu-merged, bench-pipeline-split-merged: the same serving
+#     merged weights (issue 40)
 #   bench-replicas (~5 min, 2 GPUs, stage.sh router first): rollout tokens/s of 1 replica vs 2 through the
 #     backend's gateway and through SGLang's router (cache-aware, round-robin), with their prefix-cache hit rates
 #   flags-default flags-all-modules flags-chunk-128 flags-no-overlap (~3.5 min each at 1.5B): the
@@ -447,6 +448,13 @@ for name in "$@"; do
     bench-pipeline-1gpu-no-mps) cmd=("${pipeline[@]}" --layout co_resident --cuda-mps off
                                       --json "$results/bench_pipeline-1gpu-no-mps.json"
                                       --markdown "$results/bench_pipeline-1gpu-no-mps.md") ;;
+    # Issue 40: the same two layouts serving merged weights (compare with bench-pipeline-1gpu / -split).
+    bench-pipeline-1gpu-merged) cmd=("${pipeline[@]}" --layout co_resident --weights merged
+                                      --json "$results/bench_pipeline-1gpu-merged.json"
+                                      --markdown "$results/bench_pipeline-1gpu-merged.md") ;;
+    bench-pipeline-split-merged) cmd=("${pipeline[@]}" --layout split --weights merged
+                                       --json "$results/bench_pipeline-split-merged.json"
+                                       --markdown "$results/bench_pipeline-split-merged.md") ;;
     bench-pipeline-split) cmd=("${pipeline[@]}" --layout split --json "$results/bench_pipeline-split.json"
                                 --markdown "$results/bench_pipeline-split.md") ;;
     bench-pipeline-replicas) cmd=("${pipeline[@]}" --layout replicas --json "$results/bench_pipeline-replicas.json"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import bench_pipeline
 from bench_pipeline import loop_rates, pipeline_history, ratio
 
 
@@ -52,3 +53,33 @@ def test_pipeline_history_reads_arts_staleness_and_discards(tmp_path: Path) -> N
     history = tmp_path / "history.jsonl"
     history.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert pipeline_history(history) == {"art_steps_off_policy": [1.0, 3.0], "discarded_stale_groups": 5}
+
+
+def test_merged_weights_run_each_loop_on_its_own_backend(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Merged weights are one model's per backend: `--weights merged` runs the synchronous and the pipelined
+    loop each on its own backend (its own folder), and both train the same work (issue 40's comparison)."""
+    pytest.importorskip("art")
+    out = tmp_path / "out.json"
+    argv = ["bench_pipeline.py", "--model", str(tiny_model_path), "--layout", "cpu", "--weights", "merged",
+            "--steps", "2", "--groups", "2", "--group-size", "2", "--max-tokens", "8",
+            "--max-steps-off-policy", "1", "--workdir", str(tmp_path / "work"), "--json", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_pipeline.main()
+    result = json.loads(out.read_text())
+    assert result["weights"] == "merged" and result["sglang_config"]["weight_sync_method"] == "merged"
+    loops = result["loops"]
+    assert loops["sync"]["trajectories"] == loops["pipelined"]["trajectories"] == [4, 4]
+    assert result["speedup"] is not None
+    runs = tmp_path / "work" / "pipeline-cpu-merged"
+    for loop in ("sync", "pipelined"):
+        assert (runs / loop / ".art" / "bench-pipeline" / "models" / f"bench-{loop}").is_dir()
+        assert not (
+            runs
+            / loop
+            / ".art"
+            / "bench-pipeline"
+            / "models"
+            / f"bench-{'sync' if loop == 'pipelined' else 'pipelined'}"
+        ).exists()
