@@ -121,8 +121,8 @@ class SGLangConfig(BaseModel):
         None,
         description="SGLang 0.5.17's experimental triton LoRA path (its SGLANG_EXPERIMENTAL_LORA_OPTI): each LoRA "
         "shrink on a second CUDA stream beside the base GEMM. It computes NaN for an adapter whose rank is not "
-        "max_lora_rank. None: on where it can run (lora_backend='triton' and a pool of the trainer's lora_rank: "
-        "max_lora_rank unset or equal); True: required (refused otherwise); False: off.",
+        "max_lora_rank. None: a backend settles it, on where it can run (lora_backend='triton' and a pool of the "
+        "trainer's lora_rank: max_lora_rank unset or equal), off elsewhere; True: required (refused otherwise).",
     )
     attention_backend: Annotated[str | None, LaunchFlag()] = Field(
         None, description="SGLang --attention-backend; None = its default."
@@ -269,13 +269,8 @@ class SGLangConfig(BaseModel):
 
     @property
     def experimental_lora_served(self) -> bool:
-        """The experimental LoRA path runs: asked for (or left to None on triton) where adapters are served."""
-        path = (
-            self.lora_backend == "triton"
-            if self.lora_experimental_path is None
-            else self.lora_experimental_path
-        )
-        return path and self.weight_sync_method != "merged"
+        """The experimental LoRA path runs: asked for (a backend's plan settles None) where adapters are served."""
+        return bool(self.lora_experimental_path) and self.weight_sync_method != "merged"
 
     def resolved_server_python(self) -> str:
         """The interpreter that launches SGLang: the configured one, the isolated venv, or this Python."""

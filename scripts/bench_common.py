@@ -21,18 +21,12 @@ import httpx
 from openai import AsyncOpenAI
 
 from art_sglang.config import DEFAULT_LORA_TARGETS, SGLangConfig
+from art_sglang.planning.make_plan import experimental_path_runs
 
 COMMIT_ENV = "ART_SGLANG_COMMIT"
 # SGLang's LoRA kernels as SGLangConfig chooses them by default (the benches' default too).
 DEFAULT_LORA_BACKEND = SGLangConfig.model_fields["lora_backend"].default
 DEFAULT_LORA_EXPERIMENTAL_PATH = SGLangConfig.model_fields["lora_experimental_path"].default
-
-
-def lora_kernels(backend: str | None, experimental_path: bool | None) -> tuple[str | None, bool]:
-    """SGLang's LoRA kernels as a server of these settings runs them: the backend, and whether on the
-    experimental path (None: where it runs, SGLangConfig's rule)."""
-    config = SGLangConfig(lora_backend=backend, lora_experimental_path=experimental_path)
-    return backend, config.experimental_lora_served
 
 
 def add_server_args(
@@ -155,7 +149,8 @@ class ServerSettings:
     sglang_args: tuple[str, ...] = ()  # SGLang only: further launch flags as given
     lora_target_modules: tuple[str, ...] = tuple(DEFAULT_LORA_TARGETS)  # SGLang only
     lora_backend: str | None = DEFAULT_LORA_BACKEND  # SGLang only
-    lora_experimental_path: bool | None = DEFAULT_LORA_EXPERIMENTAL_PATH  # SGLang only
+    lora_experimental_path: bool | None = DEFAULT_LORA_EXPERIMENTAL_PATH  # SGLang only; None: where it runs
+    lora_rank: int = 8  # the served adapters' rank
     lora: bool = True  # vLLM only: False serves the base weights without --enable-lora
 
 
@@ -173,6 +168,7 @@ def server_settings(args: argparse.Namespace, **changes: Any) -> ServerSettings:
         lora_target_modules=tuple(args.lora_target_modules),
         lora_backend=args.lora_backend,
         lora_experimental_path=args.lora_experimental_path,
+        lora_rank=args.lora_rank,
         **changes,
     )
 
@@ -196,7 +192,12 @@ def sglang_config(settings: ServerSettings, **overrides: Any) -> SGLangConfig:
         fields["extra_args"] = list(settings.sglang_args)
     if settings.mem_fraction is not None:  # unset, a shared-mode backend sizes it from the GPU's memory
         fields["mem_fraction_static"] = settings.mem_fraction
-    return SGLangConfig(**{**fields, **overrides})
+    fields.update(overrides)
+    if fields["lora_experimental_path"] is None:  # settled as a backend's plan settles it
+        fields["lora_experimental_path"] = experimental_path_runs(
+            fields["lora_backend"], fields["max_lora_rank"], settings.lora_rank
+        )
+    return SGLangConfig(**fields)
 
 
 def server_config(args: argparse.Namespace, **overrides: Any) -> SGLangConfig:

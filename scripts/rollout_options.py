@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from pathlib import Path
 
-from bench_common import DEFAULT_LORA_BACKEND, DEFAULT_LORA_EXPERIMENTAL_PATH, add_server_args, lora_kernels
+from bench_common import (
+    DEFAULT_LORA_BACKEND,
+    DEFAULT_LORA_EXPERIMENTAL_PATH,
+    add_server_args,
+    server_settings,
+    sglang_config,
+)
 from rollout_targets import CLIENTS, DROPS, ROUTES
 from rollout_workloads import DEFAULT_RUNS, KINDS, run_spec
 
@@ -132,10 +139,22 @@ def backport_changes(raw: str | None) -> list[str]:
 def variant(args: argparse.Namespace) -> str:
     """The server and request form of this side, in words."""
     kernels: list[str] = []  # SGLang's LoRA kernels where they are not SGLangConfig's
-    served = lora_kernels(args.lora_backend, args.lora_experimental_path)
-    if args.engine != "vllm" and served != lora_kernels(DEFAULT_LORA_BACKEND, DEFAULT_LORA_EXPERIMENTAL_PATH):
-        path = "experimental path" if served[1] else "no experimental path"
-        kernels.append(f"--lora-backend {args.lora_backend} {path}")
+    if args.engine != "vllm":
+        settings = server_settings(args)
+        served = sglang_config(settings)
+        usual = sglang_config(
+            replace(
+                settings,
+                lora_backend=DEFAULT_LORA_BACKEND,
+                lora_experimental_path=DEFAULT_LORA_EXPERIMENTAL_PATH,
+            )
+        )
+        if (served.lora_backend, served.experimental_lora_served) != (
+            usual.lora_backend,
+            usual.experimental_lora_served,
+        ):
+            path = "experimental path" if served.experimental_lora_served else "no experimental path"
+            kernels.append(f"--lora-backend {args.lora_backend} {path}")
     # ART_SGLANG_BACKPORTS other than the defaults (suite.sh's BACKPORTS_WITH): a server of its own.
     changes = backport_changes(os.environ.get(backports.SELECT_ENV)) if args.engine == "sglang" else []
     if args.side == "backend":

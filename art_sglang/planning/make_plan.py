@@ -226,10 +226,18 @@ def serve_trained(config: SGLangConfig, trainer: TrainerConfig) -> SGLangConfig:
         updates["lora_target_modules"] = list(trainer.target_modules)
     if config.max_lora_rank is None:
         updates["max_lora_rank"] = trainer.lora_rank
-    if config.lora_experimental_path is None:  # where it can run: a pool of exactly the trainer's rank
-        pool = updates.get("max_lora_rank", config.max_lora_rank)
-        updates["lora_experimental_path"] = config.lora_backend == "triton" and pool == trainer.lora_rank
+    if config.lora_experimental_path is None:
+        updates["lora_experimental_path"] = experimental_path_runs(
+            config.lora_backend, config.max_lora_rank, trainer.lora_rank
+        )
     return config.model_copy(update=updates)
+
+
+def experimental_path_runs(lora_backend: str | None, max_lora_rank: int | None, lora_rank: int) -> bool:
+    """Where SGLang 0.5.17's experimental LoRA path can serve adapters of `lora_rank`: the triton kernels, and
+    a pool of exactly that rank (`max_lora_rank` unset: the trainer's), since it computes NaN for a narrower
+    adapter."""
+    return lora_backend == "triton" and max_lora_rank in (None, lora_rank)
 
 
 def with_memory_saver(config: SGLangConfig) -> SGLangConfig:

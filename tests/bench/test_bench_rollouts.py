@@ -298,11 +298,12 @@ def test_the_launch_record_names_the_backports_sglang_runs(
     defaults = rollout_targets.art_sglang_backports.selection(None)
     assert rollout_targets.launch_record(sglang)["backports"] == defaults
     assert defaults != ["json-response", "triton-prefill-grid"]  # the two choices differ
-    # The triton path's variables are in the environment the record names, only where it runs.
-    assert rollout_targets.launch_record(sglang)["environment"]["SGLANG_EXPERIMENTAL_LORA_OPTI"] == "1"
-    csgmv = SGLangConfig(port=30001, lora_backend="csgmv")
-    off = ServerProcess(csgmv, "m", engine="sglang", log_path=tmp_path / "t.log")
-    assert "SGLANG_EXPERIMENTAL_LORA_OPTI" not in rollout_targets.launch_record(off)["environment"]
+    # The triton path's variables are in the environment the record names, only where it runs (a plan, or
+    # bench_common's sglang_config, settles an unset lora_experimental_path; unsettled it does not run).
+    assert "SGLANG_EXPERIMENTAL_LORA_OPTI" not in rollout_targets.launch_record(sglang)["environment"]
+    settled = SGLangConfig(port=30001, lora_experimental_path=True)
+    on = ServerProcess(settled, "m", engine="sglang", log_path=tmp_path / "t.log")
+    assert rollout_targets.launch_record(on)["environment"]["SGLANG_EXPERIMENTAL_LORA_OPTI"] == "1"
     reference = ServerProcess(SGLangConfig(port=30001), "m", engine="reference", log_path=tmp_path / "r.log")
     assert "backports" not in rollout_targets.launch_record(reference)
 

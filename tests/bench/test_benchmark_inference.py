@@ -172,6 +172,14 @@ def test_sglang_command_line_carries_the_further_flags() -> None:
     csgmv = parser.parse_args(["--model", "/m", "--lora-backend", "csgmv"])
     config = sglang_config(server_settings(csgmv))
     assert (config.lora_backend, config.experimental_lora_served) == ("csgmv", False)
+    # An adapter narrower than the pool (rank 4 in the benches' pool of at least 8): the path would compute
+    # NaN, so it is settled off, as a backend's plan settles it.
+    narrow = sglang_config(server_settings(parser.parse_args(["--model", "/m", "--lora-rank", "4"])))
+    assert (narrow.max_lora_rank, narrow.lora_backend, narrow.experimental_lora_served) == (
+        8,
+        "triton",
+        False,
+    )
     trained = parser.parse_args(["--model", "/m", "--lora-target-modules", "q_proj", "v_proj"])
     every = parser.parse_args(["--model", "/m", "--lora-target-modules", "all"])
     for settings, served in [
