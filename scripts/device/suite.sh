@@ -44,8 +44,9 @@
 #       RMODEL=/root/models/qwen2.5-7b-random then points these suites at
 #     r39-backend-a1 (~7), r39-vllm (~7.5): bare client on grpo-128:32 grpo-128:16 grpo-1024:16 varying-384:32
 #       multiturn-64:32, ART's client too on the 128-token ones; lone-request TTFT (the backend with its defaults)
-#     r39-backend-triton (~7): r39-backend-a1 on the opt-in triton LoRA path (--lora-backend triton, 0.5.17's
-#       experimental path); r39-direct-triton (~3): r39-direct-exact on that path
+#     r39-backend-triton (~7): r39-backend-a1 with the triton LoRA path asked for by name (--lora-backend
+#       triton, 0.5.17's experimental path: the default since 2026-11-28, so the same server as a1's);
+#       r39-direct-triton (~3): r39-direct-exact on that path
 #     r39-backend-a2 (~5): the backend again, bare, grpo-128:32 and grpo-1024:16, through its gateway and
 #       straight to its own server (the gateway's share of the backend's cost, on the same live server)
 #     r39-direct-exact (~3): SGLang launched exactly as the backend launches it (flags, keys, the gateway's
@@ -60,7 +61,7 @@
 #     lora-logprob-ab (~4): scripts/lora_logprob_ab.py, a LoRA variant's logprobs against a baseline's (greedy
 #       decode of 200 requests at once and teacher-forced prefill; max/mean |diff|; each server's decode against
 #       its own teacher-forced prefill of the same ids: decode_vs_prefill); VARIANT_LORA and BASELINE_LORA name
-#       each side's LoRA kernels (default: the opt-in triton path against csgmv; BASELINE_LORA='--baseline-lora-
+#       each side's LoRA kernels (default: the triton path against csgmv; BASELINE_LORA='--baseline-lora-
 #       backend triton --baseline-lora-experimental-path' for the triton path against itself), VARIANT_ENV /
 #       BASELINE_ENV ('K=V ...') and VARIANT_ARGS / BASELINE_ARGS ('--flag ...') change a side further,
 #       PROMPT_TOKENS the prompts' length (default 64)
@@ -207,7 +208,8 @@ backports_with() { echo "$(backports_without "$1"),$1"; }
 # BACKPORTS_WITH=NAME[,NAME...]: every server of the call gets the default backports and these opt-in ones
 # (a suite that chooses its own keeps them); the r39/stall JSON names what each server ran (launch.backports).
 [ -z "${BACKPORTS_WITH:-}" ] || export ART_SGLANG_BACKPORTS="$(backports_with "$BACKPORTS_WITH")"
-# The opt-in triton LoRA path (issue 39): the triton kernels on SGLang 0.5.17's experimental path.
+# The triton LoRA path by name (issue 39; SGLangConfig's default since 2026-11-28): the triton kernels on SGLang
+# 0.5.17's experimental path.
 triton_lora=(--lora-backend triton --lora-experimental-path)
 pytest=(python3 -m pytest -p no:cacheprovider -v -rA --tb=short --timeout 590)
 failed=0
@@ -333,7 +335,7 @@ for name in "$@"; do
     # Issue 39: a LoRA serving change's logprobs against a baseline's, 200 requests at once (decode in the CUDA
     # graphs): SGLang started twice as the backend launches it, same adapter, greedy decode and teacher-forced
     # prefill. Each side's LoRA kernels are SGLangConfig settings, as a user sets them: VARIANT_LORA (default the
-    # opt-in triton path) and BASELINE_LORA (default csgmv, SGLang's own); VARIANT_ENV / BASELINE_ENV
+    # triton path, the default's) and BASELINE_LORA (default csgmv, SGLang's own); VARIANT_ENV / BASELINE_ENV
     # (KEY=VALUE ...) and VARIANT_ARGS / BASELINE_ARGS (SGLang flags) change one side further. PROMPT_TOKENS
     # (default 64; 256 keeps the prefill chunks under the triton backend's 32-request graph cap).
     lora-logprob-ab)
@@ -357,7 +359,7 @@ for name in "$@"; do
         backend-merged-no-memo)
           cmd=(env "ART_SGLANG_BACKPORTS=$(backports_without chat-template-memo)" "${r39[@]}" --side backend
                --weights merged --label "no memo" "${kernels[@]}" --runs grpo-128:32 grpo-128:16 grpo-1024:16@bare) ;;
-        # The backend on the opt-in triton LoRA path, against r39-backend-a1's (the default, csgmv).
+        # The backend with the triton LoRA path asked for by name (the default since 2026-11-28, as a1's).
         backend-triton) cmd=("${r39[@]}" --side backend "${kernels[@]}" "${triton_lora[@]}" --runs $r39_main) ;;
         backend-a2) cmd=("${r39[@]}" --side backend --label A2 "${kernels[@]}" --routes gateway server
                          --clients bare --runs $r39_split) ;;
