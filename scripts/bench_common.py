@@ -77,7 +77,7 @@ def add_server_args(
         action=argparse.BooleanOptionalAction,
         default=DEFAULT_LORA_EXPERIMENTAL_PATH,
         help="SGLang only: SGLangConfig.lora_experimental_path, 0.5.17's experimental triton LoRA path (unset: "
-        "on with --lora-backend triton)",
+        "on with --lora-backend triton where the pool is --lora-rank wide, as a backend settles it)",
     )
     parser.add_argument("--lora-rank", type=int, default=8, help="rank of the random adapter served")
     parser.add_argument(

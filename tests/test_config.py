@@ -17,7 +17,7 @@ def test_defaults_render_the_flags_the_backend_relies_on() -> None:
     assert "--max-lora-rank 8" in joined  # unset outside a backend: the default trainer's rank
     assert "--lora-target-modules all" in joined
     assert "--max-loras-per-batch 4" in joined
-    assert "--lora-backend triton" in joined  # with 0.5.17's experimental path (its environment, not a flag)
+    assert "--lora-backend triton" in joined  # the experimental path is the environment's, settled by a plan
     assert "--enable-cache-report" in args
     absent = (
         "--disable-radix-cache",

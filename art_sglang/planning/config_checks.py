@@ -91,7 +91,7 @@ def check_experimental_lora(sglang: SGLangConfig, trainer: TrainerConfig) -> Non
     """SGLang 0.5.17's experimental LoRA path runs the triton backend's kernels, and computes garbage (NaN) for
     an adapter of a rank below the pool's: its shrink writes the adapter's rank of columns, its expand reads
     max_lora_rank of them."""
-    if not (sglang.lora_experimental_path and sglang.experimental_lora_served):  # None: settled where it runs
+    if not sglang.experimental_lora_served:  # off, unset (a plan settles it where it runs) or merged weights
         return
     if sglang.lora_backend != "triton":
         raise ConfigError(

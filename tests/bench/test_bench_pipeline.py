@@ -73,13 +73,6 @@ def test_merged_weights_run_each_loop_on_its_own_backend(
     assert loops["sync"]["trajectories"] == loops["pipelined"]["trajectories"] == [4, 4]
     assert result["speedup"] is not None
     runs = tmp_path / "work" / "pipeline-cpu-merged"
-    for loop in ("sync", "pipelined"):
-        assert (runs / loop / ".art" / "bench-pipeline" / "models" / f"bench-{loop}").is_dir()
-        assert not (
-            runs
-            / loop
-            / ".art"
-            / "bench-pipeline"
-            / "models"
-            / f"bench-{'sync' if loop == 'pipelined' else 'pipelined'}"
-        ).exists()
+    for loop, other in (("sync", "pipelined"), ("pipelined", "sync")):
+        models = runs / loop / ".art" / "bench-pipeline" / "models"
+        assert (models / f"bench-{loop}").is_dir() and not (models / f"bench-{other}").exists()
