@@ -196,7 +196,7 @@ class SGLangBackend:
             settings.trainer,
             gpu_ids=list(plan.training_gpu_ids),
             log_path=store.trainer_log,
-            env=self._mps.client_env if self._mps is not None else None,
+            env={**plan.trainer_env, **(self._mps.client_env if self._mps is not None else {})},
         )
         try:
             step = await self._steps.start(trainer)

@@ -23,3 +23,8 @@ SGLANG_ENV_DEFAULTS = {
 # on; the second allocates the second stream's outputs from the main stream, which keeps it right under CUDA
 # graphs.
 EXPERIMENTAL_LORA_ENV = {"SGLANG_EXPERIMENTAL_LORA_OPTI": "1", "SGLANG_OPT_LORA_OVERLAP_MAIN_ALLOC": "1"}
+# SGLang 0.5.17 runs NCCL without cuMem in its own process (`_set_envs_and_config` sets NCCL_CUMEM_ENABLE from
+# --enable-symm-mem, which the backend never passes). A process that broadcasts weights to its ranks must run
+# NCCL the same way: with cuMem on one side and legacy IPC on the other, NCCL's P2P setup fails on the server
+# ("Cuda failure 'invalid argument'", H200, 2026-11-28) while the sender waits on it for ever.
+SGLANG_NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0"}

@@ -5,6 +5,7 @@ source changed, with the old group left by the servers that still run."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from art_sglang.serving.servers.replica import Server
@@ -76,3 +77,16 @@ async def test_ranks_follow_each_servers_tensor_parallel_size_and_the_group_is_m
         ("init", "a", 1, 4, "art_weights_3", "nccl"),
         ("init", "b", 3, 4, "art_weights_3", "nccl"),
     ]
+
+
+def test_a_process_joining_a_group_over_nccl_runs_nccl_as_sglang(monkeypatch: Any) -> None:
+    """SGLang runs NCCL with cuMem off; a sender with it on fails NCCL's P2P setup with the server (H200,
+    2026-11-28), so a process not yet running NCCL takes SGLang's settings before it joins."""
+    from art_sglang import weight_group
+
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")
+    weight_group.run_nccl_as_sglang()
+    assert os.environ["NCCL_CUMEM_ENABLE"] == "0"
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE")
+    weight_group.run_nccl_as_sglang()
+    assert os.environ["NCCL_CUMEM_ENABLE"] == "0"

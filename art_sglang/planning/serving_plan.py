@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from ..config import ClusterConfig, SGLangConfig, WeightSyncMethod
+from ..sglang_env import SGLANG_NCCL_ENV
 from .devices import DeviceLayout
 
 # Who holds the one GPU while the trainer works (shared_mode.GpuHandoff); "none" where they never compete.
@@ -93,6 +94,12 @@ class ServingPlan(BaseModel):
         if self.layout.mode != "split" and len(self.replicas) == 1:
             return None
         return "nccl" if self.layout.training_gpus else "gloo"
+
+    @property
+    def trainer_env(self) -> dict[str, str]:
+        """What the trainer's environment must hold from its start: NCCL run as SGLang runs it, where the
+        trainer broadcasts weights to the servers (a trainer of several ranks uses NCCL before it joins)."""
+        return dict(SGLANG_NCCL_ENV) if self.weight_update_group == "nccl" else {}
 
 
 def frozen_config(config: SGLangConfig) -> FrozenSGLangConfig:

@@ -41,6 +41,10 @@ _LAUNCHER_VARIABLES = {
     "TORCHELASTIC_MAX_RESTARTS",
 }  # fmt: skip
 
+# After the servers failed a bucket pushed over a weight-update group, how long the worker may take to end the
+# push: its broadcast may wait on servers that never receive (NCCL's connection setup has no timeout), so a
+# worker still in it then is stopped (the next step restarts it from its newest checkpoint).
+FAILED_PUSH_SETTLE_S = 30.0
 # The requests that are steps: bounded by the silence HANG_FACTOR and HANG_FLOOR_S derive from the longest
 # one so far (step_timeout stays the ceiling, and the only bound before one was measured).
 _STEP_COMMANDS = ("train", "sft")
@@ -214,7 +218,13 @@ class TrainerProcess(ManagedProcess):
         self.update_group = group_name
 
     async def push_merged(
-        self, on_bucket: BucketCallback, *, max_bytes: int, load_format: str | None, group_name: str | None
+        self,
+        on_bucket: BucketCallback,
+        *,
+        max_bytes: int,
+        load_format: str | None,
+        group_name: str | None,
+        settle_s: float = FAILED_PUSH_SETTLE_S,
     ) -> tuple[int, int]:
         """Hand the servers the trainer's merged weights (merged_weights.py), bucket by bucket:
         `on_bucket(bucket, last, step)` loads one of `step`'s weights on the servers and returns True to go
@@ -222,11 +232,12 @@ class TrainerProcess(ManagedProcess):
         tensors) or, with `group_name` (joined by `join_update_group`), `{"names", "dtypes", "shapes"}`
         while the worker broadcasts it over the group. Returns (the step those weights are, buckets sent):
         fewer than all when `on_bucket` returned False. An exception in `on_bucket` stops the push and is
-        raised; after a failed push over a group the worker has left it."""
+        raised; after a failed push over a group the worker has left it, or it was stopped when it did not end
+        the push within `settle_s` seconds."""
         try:
             data = await self._request(
-                "push_merged", on_bucket=on_bucket, max_bytes=max_bytes, load_format=load_format,
-                group_name=group_name,
+                "push_merged", on_bucket=on_bucket, settle_s=settle_s if group_name is not None else None,
+                max_bytes=max_bytes, load_format=load_format, group_name=group_name,
             )  # fmt: skip
         except BaseException:
             if group_name is not None:
@@ -264,6 +275,7 @@ class TrainerProcess(ManagedProcess):
         *,
         on_progress: ProgressCallback | None = None,
         on_bucket: BucketCallback | None = None,
+        settle_s: float | None = None,
         **fields: Any,
     ) -> dict:
         async with self._lock:
@@ -303,7 +315,12 @@ class TrainerProcess(ManagedProcess):
                     continue  # the tail of a request whose caller was cancelled
                 event = message.get("event")
                 if event == PROGRESS and on_bucket is not None:
-                    await self._answer_bucket(popen, rid, on_bucket, message.get("data") or {})
+                    try:
+                        await self._answer_bucket(popen, rid, on_bucket, message.get("data") or {})
+                    except Exception:
+                        if settle_s is not None:
+                            await self._settle(lines, rid, cmd, settle_s)
+                        raise
                 elif event == PROGRESS and on_progress is not None:
                     on_progress(message.get("data") or {})
                 elif event == RESULT:
@@ -332,6 +349,25 @@ class TrainerProcess(ManagedProcess):
         finally:
             with contextlib.suppress(OSError, ValueError):
                 await asyncio.to_thread(_write, popen.stdin, {"id": rid, "cmd": "ack", "ok": ok})
+
+    async def _settle(self, lines: _Lines, rid: int, cmd: str, limit: float) -> None:
+        """Wait up to `limit` seconds for the worker to end request `rid` (refused by the parent); stop it if
+        it does not."""
+        deadline = time.monotonic() + limit
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = await asyncio.wait_for(lines.next(), left)
+            except asyncio.TimeoutError:
+                break
+            if line is None:
+                return  # it died; the next request says so
+            message = json.loads(line)
+            if message.get("id") == rid and message.get("event") in (RESULT, ERROR):
+                return
+        logger.warning(
+            "the trainer worker did not end %r within %g s of a failed bucket: stopping it", cmd, limit
+        )
+        await self._kill()
 
     def _silence_limit(self, cmd: str) -> float | None:
         """How long a step may go without a word from the worker, from its measured steps; None: no bound

@@ -287,6 +287,8 @@ def test_merged_weights_refuse_a_4bit_base_and_a_second_model():
     for layout, group in pushes.items():
         plan = make_plan(BackendRequest(merged, TrainerConfig(), layout=layout), None, detect_gpus())
         assert (plan.weight_sync, plan.weight_update_group) == ("merged", group), layout
+        # A trainer that broadcasts to SGLang runs NCCL as SGLang does (cuMem off), from its start.
+        assert plan.trainer_env == ({"NCCL_CUMEM_ENABLE": "0"} if group == "nccl" else {}), layout
     for layout in (
         DeviceLayout("shared", "sglang", (0, 1), (0, 1), "test"),
         DeviceLayout("shared", "sglang", (0, 1), (0, 1), "test", replica_gpus=((0,), (1,))),

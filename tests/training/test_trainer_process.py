@@ -10,8 +10,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,9 @@ import torch
 from safetensors.torch import load_file
 from training_helpers import Scorer, make_choice, trajectory
 
+from art_sglang import named_tensors, weight_group
 from art_sglang.config import SGLangConfig, TrainerConfig
-from art_sglang.errors import TrainerError, TrainingInputError
+from art_sglang.errors import ServerRequestError, TrainerError, TrainingInputError
 from art_sglang.serving.servers.client import ServerClient
 from art_sglang.serving.servers.process import ServerProcess
 from art_sglang.storage.checkpoints import list_checkpoints
@@ -146,6 +149,59 @@ async def test_dead_worker_is_a_trainer_error(tiny_model_path: Path, tmp_path: P
     assert not proc.is_alive()
     with pytest.raises(TrainerError, match="not running"):
         await proc.train(groups(tokenizer, 1), OPTIONS)
+
+
+async def test_a_worker_left_in_the_broadcast_of_a_failed_push_is_stopped(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """A push over a weight-update group whose server fails a bucket: a worker whose broadcast went through
+    ends the push and goes on; one whose broadcast nobody receives (a server that failed before it joined:
+    NCCL then waits for ever) is stopped `settle_s` after the failure, not left holding the trainer."""
+    proc = trainer(tiny_model_path, tmp_path)
+
+    async def join(name: str) -> Any:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        _, group = await asyncio.gather(
+            proc.join_update_group("127.0.0.1", port, 2, name, "gloo", 300.0),
+            asyncio.to_thread(
+                weight_group.join, "127.0.0.1", port, 1, 2, name, backend="gloo", timeout_s=300.0
+            ),
+        )
+        return group
+
+    async def fail_after_receiving(bucket: dict[str, Any], last: bool, step: int) -> bool:
+        empty = [
+            (n, torch.empty(s, dtype=getattr(torch, d))) for n, d, s in zip(*bucket.values(), strict=True)
+        ]
+        await asyncio.to_thread(
+            weight_group.broadcast, group, named_tensors.flatten(empty)["flattened_tensor"]
+        )
+        raise ServerRequestError("the server failed the bucket after receiving it")
+
+    async def fail_at_once(bucket: dict[str, Any], last: bool, step: int) -> bool:
+        raise ServerRequestError("the server failed the bucket before receiving it")
+
+    try:
+        await proc.start()
+        group = await join("received")
+        with pytest.raises(ServerRequestError, match="after receiving"):
+            await proc.push_merged(
+                fail_after_receiving, max_bytes=1 << 16, load_format=None, group_name="received"
+            )
+        weight_group.leave(group)
+        assert proc.is_alive() and proc.update_group is None
+        group = await join("never-received")
+        started = time.monotonic()
+        with pytest.raises(ServerRequestError, match="before receiving"):
+            await proc.push_merged(
+                fail_at_once, max_bytes=1 << 16, load_format=None, group_name="never-received", settle_s=3.0
+            )
+        assert 3.0 <= time.monotonic() - started < 60.0
+        assert not proc.is_alive()
+    finally:
+        await proc.stop()
 
 
 def test_handle_works_across_event_loops(tiny_model_path: Path, tmp_path: Path, tokenizer: Any) -> None:
