@@ -15,6 +15,7 @@ from art_sglang.serving.servers.weight_push import GroupAddress, UpdateGroup
 class FakeClient:
     def __init__(self, calls: list[tuple[Any, ...]], name: str) -> None:
         self.calls, self.name, self.closed = calls, name, False
+        self.base_url = "http://127.0.0.1:30000"
 
     async def init_weights_update_group(self, address: str, port: int, offset: int, world: int, group: str,
                                         backend: str) -> None:  # fmt: skip

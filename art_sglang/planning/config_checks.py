@@ -225,17 +225,13 @@ def check_cuda_mps(mode: str, *, co_resident_sglang: bool, found: bool) -> None:
 
 
 def check_cluster_sync(config: SGLangConfig) -> None:
-    """Replicas on a cluster's nodes get each step as a shipped LoRA adapter."""
-    if config.weight_sync_method == "merged":
-        raise ConfigError(
-            "weight_sync_method='merged' with cluster=: merged weights are pushed over a weight-update group "
-            "that the servers join at this machine's address, which is built for replicas on this machine "
-            "only (not for Ray-cluster nodes); use weight_sync_method='lora', or replicas on this machine"
-        )
-    if config.weight_sync_method != "lora":
+    """Replicas on a cluster's nodes get each step as a shipped LoRA adapter, or as merged weights over a
+    weight-update group that meets at this machine's address."""
+    if config.weight_sync_method not in ("lora", "merged"):
         raise ConfigError(
             f"weight_sync_method={config.weight_sync_method!r} with cluster=: replicas on other nodes "
-            "get each step as a shipped LoRA adapter; use weight_sync_method='lora'"
+            "get each step as a shipped LoRA adapter or as merged weights over the network; use "
+            "weight_sync_method='lora' or 'merged'"
         )
 
 

@@ -90,8 +90,8 @@ class ServingPlan(BaseModel):
     def weight_update_group(self) -> Literal["nccl", "gloo"] | None:
         """How merged weights reach the servers (weight_sync="merged"): over a weight-update group of this
         backend ("gloo" where the trainer has no GPU), or None: as tensors (CUDA IPC handles; shared memory
-        on CPU) to the one server that shares the trainer's device."""
-        if self.layout.mode != "split" and len(self.replicas) == 1:
+        on CPU) to the one server that shares the trainer's device (never a Ray node's)."""
+        if self.cluster is None and self.layout.mode != "split" and len(self.replicas) == 1:
             return None
         return "nccl" if self.layout.training_gpus else "gloo"
 

@@ -298,8 +298,9 @@ def test_merged_weights_refuse_a_4bit_base_and_a_second_model():
     two_on_one = DeviceLayout("split", "sglang", (0,), (1,), "test", replica_gpus=((0,), (0,)))
     with pytest.raises(ConfigError, match=r"replicas sharing a GPU.*NCCL group"):
         make_plan(BackendRequest(merged, TrainerConfig(), layout=two_on_one), None, detect_gpus())
-    with pytest.raises(ConfigError, match=r"'merged' with cluster=.*not for Ray-cluster nodes"):
-        check_cluster_sync(merged)
+    check_cluster_sync(merged)  # Ray nodes meet the trainer's weight-update group over the network
+    with pytest.raises(ConfigError, match=r"'disk' with cluster=.*use weight_sync_method='lora' or 'merged'"):
+        check_cluster_sync(SGLangConfig(weight_sync_method="disk"))
 
 
 def test_replicas_sharing_a_gpu_split_its_memory_and_each_gets_its_gpus(tmp_path):

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from ...errors import ServerRequestError, TrainerError
 from ...process_tree import gather_all
@@ -74,11 +76,11 @@ class UpdateGroup:
     ranks after it, in order). Made at the first push, made again when the servers pushed to are others
     (one restarted: a fresh process has no group) or the source restarted, and after a failed push (a
     broadcast that failed leaves the group in no known state). Each group gets a new name, so a server
-    that kept an old one never meets it again."""
+    that kept an old one never meets it again. The group meets at this machine's address on the route to
+    the first server (127.0.0.1 for servers of this machine; its network address for a Ray node's)."""
 
-    def __init__(self, backend: str, address: str = "127.0.0.1") -> None:
+    def __init__(self, backend: str) -> None:
         self._backend = backend
-        self._address = address
         self._numbers = itertools.count(1)
         self._name: str | None = None
         self._members: list[Server] = []
@@ -92,15 +94,16 @@ class UpdateGroup:
         name = f"art_weights_{next(self._numbers)}"
         # Each server's first rank (the source is rank 0), and last the group's size.
         offsets = list(itertools.accumulate((server.ranks for server in servers), initial=1))
-        port = claim_port(self._address, None)
+        here = address_towards(urlsplit(clients[0].base_url).hostname or "127.0.0.1")
+        port = claim_port(here, None)
         self._name, self._members = name, list(servers)
-        address = GroupAddress(self._address, port, offsets[-1], name, self._backend)
+        address = GroupAddress(here, port, offsets[-1], name, self._backend)
         try:
             await gather_all(
                 source.join_group(address),
                 *(
                     client.init_weights_update_group(
-                        self._address, port, offset, address.world_size, name, self._backend
+                        here, port, offset, address.world_size, name, self._backend
                     )
                     for client, offset in zip(clients, offsets[:-1], strict=True)
                 ),
@@ -126,6 +129,13 @@ class UpdateGroup:
 
     def _clients(self) -> list[Any]:
         return [server.client for server in self._members]
+
+
+def address_towards(host: str) -> str:
+    """This machine's IPv4 address on the route to `host` (connecting a UDP socket sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((host, 9))
+        return str(sock.getsockname()[0])
 
 
 class WeightPusher:
