@@ -227,6 +227,18 @@ def simulated_ray_cluster(node: dict[str, Any], **head: Any) -> Iterator[Any]:
         cluster.shutdown()
 
 
+def cpu_replicas_on(cluster: Any, slot: str, root: Path) -> art.ClusterConfig:
+    """Two CPU replicas on `cluster`'s worker nodes (each offers one `slot`), adapters under `root`."""
+    return art.ClusterConfig(
+        address=cluster.address,
+        inference_replicas=2,
+        gpus_per_replica=0,
+        replica_resources={slot: 1},
+        adapter_dir=str(root / "node-local"),
+        placement_timeout=300,
+    )
+
+
 class StandIn:
     """An HTTP server on a free loopback port answering `routes` (aiohttp route definitions): a stand-in
     for a replica or the router where a test needs to see or steer what they answer."""

@@ -24,6 +24,7 @@ from backend_helpers import (
     bearer,
     chat_lines,
     check_requests_follow_loads,
+    cpu_replicas_on,
     sample_groups,
     served_by_each,
     simulated_ray_cluster,
@@ -71,14 +72,7 @@ def ray_cluster():
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def run(ray_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path):
     root = tmp_path_factory.mktemp("ray-cluster")
-    config = ClusterConfig(
-        address=ray_cluster.address,
-        inference_replicas=2,
-        gpus_per_replica=0,
-        replica_resources={SLOT: 1},
-        adapter_dir=str(root / "node-local"),
-        placement_timeout=300,
-    )
+    config = cpu_replicas_on(ray_cluster, SLOT, root)
     backend = SGLangBackend(path=str(root / ".art"), engine="reference", cluster=config)
     model = art.TrainableModel(name="agent", project="cluster", base_model=str(tiny_model_path))
     try:

@@ -11,13 +11,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from backend_helpers import simulated_ray_cluster
+from backend_helpers import cpu_replicas_on, simulated_ray_cluster
 from merged_checks import forced_logprobs
 from test_merged_group import _replica_logprobs
 from test_merged_sync import BUCKET_BYTES, _train_step
 
 import art_sglang as art
-from art_sglang import ClusterConfig, SGLangBackend, SGLangConfig
+from art_sglang import SGLangBackend, SGLangConfig
 from art_sglang.orchestration.merge import merge
 from art_sglang.serving.servers.client import ServerClient
 from art_sglang.serving.servers.weight_push import address_towards
@@ -43,14 +43,7 @@ async def test_replicas_on_cluster_nodes_serve_each_steps_merged_weights(
     monkeypatch.setattr(ServerClient, "init_weights_update_group", recorded)
     path = tmp_path / ".art"
     with simulated_ray_cluster(NODE, object_store_memory=80 * 2**20) as cluster:
-        config = ClusterConfig(
-            address=cluster.address,
-            inference_replicas=2,
-            gpus_per_replica=0,
-            replica_resources={SLOT: 1},
-            adapter_dir=str(tmp_path / "node-local"),
-            placement_timeout=300,
-        )
+        config = cpu_replicas_on(cluster, SLOT, tmp_path)
         merged = SGLangConfig(weight_sync_method="merged", merged_bucket_bytes=BUCKET_BYTES)
         backend = SGLangBackend(path=str(path), engine="reference", cluster=config, sglang_config=merged)
         model = art.TrainableModel(name="fused", project="merged", base_model=str(tiny_model_path))
