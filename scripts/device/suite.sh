@@ -98,7 +98,8 @@
 #     workload and seed, server and trainer co-resident on GPU 0 (CUDA MPS where the driver has it);
 #     bench-pipeline-1gpu-no-mps the same with cuda_mps="off"; bench-pipeline-split: server on GPU 0,
 #     trainer on GPU 1 (2 GPUs); bench-pipeline-1gpu-merged, bench-pipeline-split-merged: the same serving
-#     merged weights (issue 40)
+#     merged weights (issue 40); PIPELINE_TOKENS=N answers of up to N tokens (default 384), TAG=x a repeat's
+#     or a variant's own JSON (bench_pipeline-<suite>-x.json) and work folder
 #   bench-replicas (~5 min, 2 GPUs, stage.sh router first): rollout tokens/s of 1 replica vs 2 through the
 #     backend's gateway and through SGLang's router (cache-aware, round-robin), with their prefix-cache hit rates
 #   flags-default flags-all-modules flags-chunk-128 flags-no-overlap (~3.5 min each at 1.5B): the
@@ -173,8 +174,9 @@ inference=(python3 scripts/benchmark_inference.py --model "$big")
 # 8 steps: the first of each loop (the trainer compiling) is left out of the steady-state rate.
 # TORCH_LOGS=recompiles: the trainer logs (kept below, from /tmp/work-<suite>) say whether a slow step in the
 # middle of a run (22 s against 4, bench-pipeline-replicas 2026-11-28) compiled a new shape.
+# PIPELINE_TOKENS=N asks for answers of up to N tokens instead (rollouts then weigh more against training).
 pipeline=(env TORCH_LOGS=recompiles python3 scripts/bench_pipeline.py --model "$big" "${kernels[@]}" --steps 8
-          --max-tokens 384)
+          --max-tokens "${PIPELINE_TOKENS:-384}")
 # 470 s: the last run to start (10-35 s at 7B) and the server's stop end before the call's 10 minutes.
 probe=(python3 scripts/probe_rollout_costs.py --model "$big" --lora-rank 16 --seconds 10 --repeats 3 --workdir /tmp/work-probe)
 # Issue 26's runs as they were measured: ART's client only, prefill sharing off too for varying and multiturn.
@@ -218,6 +220,8 @@ for name in "$@"; do
   # An r39/stall suite's folder and JSON: the model in the name (the same suite on two models at once, RMODEL
   # per GPU), and TAG where the same suite runs twice at once (per_gpu.sh lists with TAG=b, other RUNS).
   run_name="$name${TAG:+-$TAG}-${rmodel##*/}"
+  # A bench-pipeline suite's JSON and markdown (TAG keeps a repeat or a PIPELINE_TOKENS run apart).
+  pipe_out="$results/${name/bench-pipeline/bench_pipeline}${TAG:+-$TAG}"
   work="/tmp/work-$run_name"
   case $name in
     contract) cmd=("${pytest[@]}" tests/contract --engine sglang --model-path "$tiny") ;;
@@ -445,24 +449,24 @@ for name in "$@"; do
                             --name bench_trainer_ddp --work /tmp/bench-trainer-ddp --out "$results") ;;
     bench-multiturn) cmd=(python3 scripts/bench_multiturn.py --model "$big" "${kernels[@]}"
                           --json "$results/bench_multiturn.json" --markdown "$results/bench_multiturn.md") ;;
-    bench-pipeline-1gpu) cmd=("${pipeline[@]}" --layout co_resident --json "$results/bench_pipeline-1gpu.json"
-                               --markdown "$results/bench_pipeline-1gpu.md") ;;
+    bench-pipeline-1gpu) cmd=("${pipeline[@]}" --layout co_resident --json "$pipe_out.json"
+                               --markdown "$pipe_out.md") ;;
     bench-pipeline-1gpu-no-mps) cmd=("${pipeline[@]}" --layout co_resident --cuda-mps off
-                                      --json "$results/bench_pipeline-1gpu-no-mps.json"
-                                      --markdown "$results/bench_pipeline-1gpu-no-mps.md") ;;
+                                      --json "$pipe_out.json"
+                                      --markdown "$pipe_out.md") ;;
     # Issue 40: the same two layouts serving merged weights (compare with bench-pipeline-1gpu / -split).
     bench-pipeline-1gpu-merged) cmd=("${pipeline[@]}" --layout co_resident --weights merged
-                                      --json "$results/bench_pipeline-1gpu-merged.json"
-                                      --markdown "$results/bench_pipeline-1gpu-merged.md") ;;
+                                      --json "$pipe_out.json"
+                                      --markdown "$pipe_out.md") ;;
     bench-pipeline-split-merged) cmd=("${pipeline[@]}" --layout split --weights merged
-                                       --json "$results/bench_pipeline-split-merged.json"
-                                       --markdown "$results/bench_pipeline-split-merged.md") ;;
-    bench-pipeline-split) cmd=("${pipeline[@]}" --layout split --json "$results/bench_pipeline-split.json"
-                                --markdown "$results/bench_pipeline-split.md") ;;
-    bench-pipeline-replicas) cmd=("${pipeline[@]}" --layout replicas --json "$results/bench_pipeline-replicas.json"
-                                   --markdown "$results/bench_pipeline-replicas.md") ;;
-    bench-pipeline-four-gpu) cmd=("${pipeline[@]}" --layout four_gpu --json "$results/bench_pipeline-four-gpu.json"
-                                   --markdown "$results/bench_pipeline-four-gpu.md") ;;
+                                       --json "$pipe_out.json"
+                                       --markdown "$pipe_out.md") ;;
+    bench-pipeline-split) cmd=("${pipeline[@]}" --layout split --json "$pipe_out.json"
+                                --markdown "$pipe_out.md") ;;
+    bench-pipeline-replicas) cmd=("${pipeline[@]}" --layout replicas --json "$pipe_out.json"
+                                   --markdown "$pipe_out.md") ;;
+    bench-pipeline-four-gpu) cmd=("${pipeline[@]}" --layout four_gpu --json "$pipe_out.json"
+                                   --markdown "$pipe_out.md") ;;
     four-gpu) cmd=("${pytest[@]}" -m gpu tests/gpu/test_four_gpus.py) ;;
     four-gpu-7b) cmd=(env ART_SGLANG_GPU_FOUR_MODEL=/root/models/qwen2.5-7b-shape "${pytest[@]}" -m gpu
                       tests/gpu/test_four_gpus.py) ;;
@@ -508,7 +512,7 @@ for name in "$@"; do
   # the servers' logs can be collected by suite.
   if [[ " ${cmd[*]} " == *" pytest "* ]]; then rm -rf "/tmp/pt-$name"; cmd+=(--basetemp "/tmp/pt-$name"); fi
   # ... and each pipeline bench its own work folder, so its trainer and server logs are collected too.
-  if [[ $name == bench-pipeline-* ]]; then cmd+=(--workdir "/tmp/work-$name"); fi
+  if [[ $name == bench-pipeline-* ]]; then cmd+=(--workdir "/tmp/work-$name${TAG:+-$TAG}"); fi
   echo "=== $name: ${cmd[*]}" | tee "$OUT/$name.log"
   pmon=
   if [[ $name == stall-* ]] && command -v nvidia-smi > /dev/null; then  # which processes use the GPU, each second
