@@ -354,6 +354,7 @@ class ReferenceEngine:
             adapter=adapter,
             started=started,
             finished=time.time(),
+            weight_version=self.weights.version,
         )
 
     @staticmethod

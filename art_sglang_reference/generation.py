@@ -76,6 +76,9 @@ class GenerationResult:
     adapter: LoadedAdapter | None
     started: float
     finished: float
+    # The weights' version as the request finished (read under the model lock: an update waiting for it has
+    # not run yet), as SGLang reports it.
+    weight_version: str
 
 
 class TextCodec(Protocol):

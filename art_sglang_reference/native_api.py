@@ -346,7 +346,7 @@ def _generate_output(
         "id": rid,
         "finish_reason": result.finish.as_sglang(),
         "prompt_tokens": len(result.prompt_ids),
-        "weight_version": engine.weight_version,
+        "weight_version": result.weight_version,
         "num_retractions": 0,
     }
     if body.return_logprob:

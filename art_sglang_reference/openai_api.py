@@ -217,7 +217,7 @@ def _response(
             "model": body.model,
             "choices": choices,
             "usage": usage(results, body.n, engine.args.enable_cache_report),
-            "metadata": {"weight_version": engine.weight_version},
+            "metadata": {"weight_version": results[-1].weight_version},
         }
     )
 
